@@ -1,0 +1,192 @@
+"""Vision side of the Qwen3.5 VLM: transformers' vision tower, image-token scatter, M-RoPE positions.
+
+The vision tower is transformers' `Qwen3_5VisionModel`, used as is (it is small next to the decoder,
+has no PP/TP concerns of its own, and its numerics are what checkpoints were trained with). What this
+file adds is what the tower lacks for a meta-device build: `init_vision_buffers` recomputes the
+rotary `inv_freq` buffers, which are non-persistent (absent from checkpoints) and hold garbage after
+`to_empty`.
+
+`mrope_position_ids` reproduces transformers' `Qwen3_5Model.get_rope_index` (text + images) as a
+standalone function of `input_ids`, so the data pipeline can compute positions before the model
+runs (pipeline stages after the first never see `input_ids`), and per packed document.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5VisionModel,
+    Qwen3_5VisionRotaryEmbedding,
+)
+
+HF_VISION_PREFIX = "model.visual."
+NATIVE_VISION_PREFIX = "visual."
+
+
+def tiny_vision_config(out_hidden_size: int) -> dict:
+    """A two-block vision tower for CPU tests; `out_hidden_size` must be the text hidden size."""
+    return {
+        "model_type": "qwen3_5_vision",
+        "depth": 2,
+        "hidden_size": 32,
+        "hidden_act": "gelu_pytorch_tanh",
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": out_hidden_size,
+        "num_position_embeddings": 64,  # an 8x8 learned grid, resampled to each image
+    }
+
+
+class VisionTower(Qwen3_5VisionModel):
+    """transformers' Qwen3.5 vision tower, plus the buffer re-init hook the loader calls after `to_empty`."""
+
+    @classmethod
+    def from_vision_config(cls, vision: dict) -> "VisionTower":
+        """Build from a vision config dict; honours the default device (`with torch.device("meta")`)."""
+        return cls(Qwen3_5VisionConfig.from_dict(vision))
+
+    def init_buffers(self) -> None:
+        init_vision_buffers(self)
+
+
+def init_vision_buffers(tower: Qwen3_5VisionModel) -> None:
+    """Recompute the rotary `inv_freq` buffers on the tower's device (needed after `to_empty`)."""
+    for module in tower.modules():
+        if isinstance(module, Qwen3_5VisionRotaryEmbedding):
+            device = module.inv_freq.device
+            inv_freq, _ = module.compute_axial_rope_parameters(module.config, device=device)
+            module.inv_freq = inv_freq
+            module.original_inv_freq = inv_freq.clone()
+
+
+def image_features(tower: Qwen3_5VisionModel, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """Merged vision features `[n_image_tokens, out_hidden_size]`, images concatenated in order."""
+    pixel_values = pixel_values.to(tower.patch_embed.proj.weight.dtype)
+    return tower(pixel_values, grid_thw=image_grid_thw).pooler_output
+
+
+def scatter_image_features(
+    inputs_embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int
+) -> torch.Tensor:
+    """Put image features, in order, at the image placeholder tokens of `inputs_embeds [B, T, H]`."""
+    image_mask = input_ids == image_token_id
+    n_tokens = int(image_mask.sum())
+    if n_tokens != features.shape[0]:
+        raise ValueError(
+            f"input_ids hold {n_tokens} image tokens (image_token_id={image_token_id}) but pixel_values/"
+            f"image_grid_thw give {features.shape[0]} image features; they must be equal"
+        )
+    features = features.to(inputs_embeds.dtype)
+    return inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), features)
+
+
+def document_mrope_position_ids(
+    input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, image_token_id: int, spatial_merge_size: int
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions `[3, L]` for one document (1-D `input_ids`), starting at 0.
+
+    Consumes the rows of `image_grid_thw` in order, one per image in the document; returns the
+    positions and how many rows it used. Text tokens get the same position on all three axes and
+    continue after each image from `start + max(h, w) / merge` (transformers' rule).
+    """
+    device = input_ids.device
+    is_image = (input_ids == image_token_id).tolist()
+    length = len(is_image)
+    chunks: list[torch.Tensor] = []
+    pos = 0  # next position id
+    i = 0  # next token
+    n_images = 0
+    while i < length:
+        j = i
+        while j < length and not is_image[j]:
+            j += 1
+        if j > i:
+            chunks.append(torch.arange(pos, pos + j - i, device=device).expand(3, -1))
+            pos += j - i
+        if j == length:
+            break
+        if image_grid_thw is None or n_images >= len(image_grid_thw):
+            n_grids = 0 if image_grid_thw is None else len(image_grid_thw)
+            raise ValueError(f"input_ids hold more images than image_grid_thw has rows ({n_grids})")
+        t, h, w = (int(x) for x in image_grid_thw[n_images])
+        t_bhw = torch.arange(t, device=device)
+        h_bhw = torch.arange(h // spatial_merge_size, device=device)
+        w_bhw = torch.arange(w // spatial_merge_size, device=device)
+        grid = torch.stack(torch.meshgrid(t_bhw, h_bhw, w_bhw, indexing="ij")).reshape(3, -1) + pos
+        n_tokens = grid.shape[1]
+        if j + n_tokens > length or not all(is_image[j : j + n_tokens]):
+            raise ValueError(
+                f"image {n_images} has grid {[t, h, w]} -> {n_tokens} tokens, but input_ids hold "
+                f"{sum(is_image[j:j + n_tokens])} consecutive image tokens at position {j}"
+            )
+        chunks.append(grid)
+        pos += max(h, w) // spatial_merge_size
+        i = j + n_tokens
+        n_images += 1
+    if not chunks:
+        return torch.zeros(3, 0, dtype=torch.long, device=device), 0
+    return torch.cat(chunks, dim=1), n_images
+
+
+def mrope_position_ids(
+    input_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    cfg,
+    attention_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """M-RoPE position ids `[3, B, T]` for `input_ids [B, T]`, as transformers' `get_rope_index`.
+
+    `image_grid_thw [n_images, 3]` lists the batch's images in reading order. With `attention_mask`,
+    masked-out tokens get position 0 and are skipped (left or right padding). With `cu_seqlens`
+    (offsets into the flattened `B*T` tokens), positions restart at 0 for each packed document.
+    """
+    if attention_mask is not None and cu_seqlens is not None:
+        raise ValueError("mrope_position_ids takes attention_mask (padding) or cu_seqlens (packing), not both")
+    image_token_id = cfg.image_token_id
+    merge = cfg.vision["spatial_merge_size"] if cfg.vision else 1
+    batch, seqlen = input_ids.shape
+
+    if cu_seqlens is not None:
+        documents = list(torch.split(input_ids.reshape(-1), torch.diff(cu_seqlens).tolist()))
+    elif attention_mask is not None:
+        documents = [row[mask.bool()] for row, mask in zip(input_ids, attention_mask)]
+    else:
+        documents = list(input_ids)
+
+    pieces, used = [], 0
+    for doc in documents:
+        grids = None if image_grid_thw is None else image_grid_thw[used:]
+        positions, n_images = document_mrope_position_ids(doc, grids, image_token_id, merge)
+        pieces.append(positions)
+        used += n_images
+    n_grids = 0 if image_grid_thw is None else len(image_grid_thw)
+    if used != n_grids:
+        raise ValueError(f"image_grid_thw has {n_grids} rows but input_ids hold {used} images")
+
+    if attention_mask is None:
+        return torch.cat(pieces, dim=1).reshape(3, batch, seqlen)
+    position_ids = torch.zeros(3, batch, seqlen, dtype=torch.long, device=input_ids.device)
+    for b, positions in enumerate(pieces):
+        position_ids[:, b, attention_mask[b].bool()] = positions
+    return position_ids
+
+
+def vision_key_to_native(hf_key: str) -> str | None:
+    """`model.visual.X` -> `visual.X`; None for keys outside the vision tower."""
+    if hf_key.startswith(HF_VISION_PREFIX):
+        return NATIVE_VISION_PREFIX + hf_key[len(HF_VISION_PREFIX) :]
+    return None
+
+
+def vision_key_to_hf(native_key: str) -> str | None:
+    """`visual.X` -> `model.visual.X`; None for keys outside the vision tower."""
+    if native_key.startswith(NATIVE_VISION_PREFIX):
+        return HF_VISION_PREFIX + native_key[len(NATIVE_VISION_PREFIX) :]
+    return None
