@@ -1,0 +1,193 @@
+"""`qwenft` command line: compose a recipe with Hydra, apply overrides, and run a subcommand."""
+
+import difflib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from qwenft.conf.schema import Config, validate
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "logger", "launcher")
+RECIPES_ENV = "QWENFT_RECIPES_DIR"
+
+USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]
+
+commands:
+  train     train a recipe (torchrun ... qwenft train, or launcher.nproc_per_node=N to start N workers)
+  show      print the resolved config of a recipe after overrides
+  recipes   list recipes, one line each
+
+overrides (Hydra syntax): a.b=v sets a key, group=option picks a config group option, ~a.b resets a key.
+config groups: {{groups}}
+recipes: {{recipes}}
+extra recipe dir: ${RECIPES_ENV}=DIR (YAML files in DIR become recipes; they shadow built-in ones)
+docs: docs/cli.md, docs/recipes.md
+"""
+
+
+class ConfigError(ValueError):
+    """A user mistake in the recipe or the overrides; printed as one line."""
+
+
+def recipe_dirs() -> list[Path]:
+    dirs = [CONF_DIR / "recipe"]
+    extra = os.environ.get(RECIPES_ENV)
+    if extra:
+        if not Path(extra).is_dir():
+            raise ConfigError(f"{RECIPES_ENV}={extra!r} is not a directory")
+        dirs.insert(0, Path(extra).resolve())
+    return dirs
+
+
+def list_recipes() -> dict[str, str]:
+    """Recipe name -> its description line, user dir first so it shadows built-in names."""
+    found = {}
+    for d in recipe_dirs():
+        for path in sorted(d.glob("*.yaml")):
+            match = re.search(r"^description:\s*(.+)$", path.read_text(), re.M)
+            found.setdefault(path.stem, match.group(1).strip() if match else "")
+    return found
+
+
+def group_options() -> dict[str, list[str]]:
+    return {g: sorted(p.stem for p in (CONF_DIR / g).glob("*.yaml")) for g in GROUPS}
+
+
+def _schema_keys(cls, prefix="") -> list[str]:
+    keys = []
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            keys += _schema_keys(type(default), f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    valid = _schema_keys(Config)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; `qwenft show` lists the valid keys"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _user_search_path(extra: Path) -> str:
+    # Hydra finds groups as sub-folders of a search-path entry; give the user's flat dir a `recipe/` name.
+    root = Path(tempfile.mkdtemp(prefix="qwenft-recipes-"))
+    (root / "recipe").symlink_to(extra)
+    return f"hydra.searchpath=[file://{root}]"
+
+
+def compose(overrides: list[str]) -> Config:
+    """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    recipes = list_recipes()
+    for o in overrides:
+        if o.startswith("recipe=") and o.split("=", 1)[1] not in recipes:
+            name = o.split("=", 1)[1]
+            raise ConfigError(f"recipe={name!r} not found; available: {', '.join(recipes)}")
+        if "=" not in o and not o.startswith("~"):
+            raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to reset it)")
+    hydra_overrides = list(overrides)
+    extra = os.environ.get(RECIPES_ENV)
+    if extra:
+        hydra_overrides.insert(0, _user_search_path(Path(extra).resolve()))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            raw = hydra_compose("config", overrides=hydra_overrides)
+    except HydraException as e:
+        override = re.search(r"Could not override '([^']+)'\.\nTo append", str(e))
+        if override:
+            raise _unknown_key_error(override.group(1)) from None
+        option = re.search(r"Could not find '(\w+)/([^']+)'", str(e))
+        if option and option.group(1) in GROUPS:
+            group, name = option.groups()
+            valid = ", ".join(group_options()[group])
+            raise ConfigError(f"{group}={name!r} is not a {group} option; choose one of {valid}") from None
+        raise ConfigError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    # The recipe chosen is the `recipe` group's choice; record it as a plain key.
+    raw_recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "tiny")
+    OmegaConf.set_struct(raw, False)
+    raw.recipe = raw_recipe
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
+            raise _unknown_key_error(key or str(e)) from None
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
+    missing = OmegaConf.missing_keys(merged)
+    if missing:
+        raise ConfigError(f"required key(s) not set: {', '.join(sorted(missing))} (set them as key=value)")
+    cfg = OmegaConf.to_object(merged)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _help() -> str:
+    return USAGE.format(groups="; ".join(f"{g}={{{','.join(o)}}}" for g, o in group_options().items()),
+                        recipes=", ".join(list_recipes()))
+
+
+def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
+    """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
+    from qwenft.train.runner import default_run_dir
+
+    run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
+    args = [a for a in overrides if not a.startswith("run_dir=")] + [f"run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train", *args]
+    return subprocess.call(cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_help())
+        return 0
+    command, args = argv[0], argv[1:]
+    if "-h" in args or "--help" in args:
+        print(_help())
+        return 0
+    try:
+        if command == "recipes":
+            for name, description in list_recipes().items():
+                print(f"{name:28s} {description}")
+            return 0
+        if command not in ("train", "show"):
+            raise ConfigError(f"unknown command {command!r}; commands: train, show, recipes")
+        cfg = compose(args)
+        if command == "show":
+            print(to_yaml(cfg), end="")
+            return 0
+        if cfg.launcher.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+            return _launch_local_workers(cfg, args)
+        from qwenft.train.runner import run
+
+        run(cfg)
+        return 0
+    except ConfigError as e:
+        print(f"qwenft: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # user mistakes found while building (mesh, data, checkpoint paths)
+        print(f"qwenft: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Typed schema of a qwenft run: every key a recipe or an override may set.
+
+Plain dataclasses, so components can take them without importing Hydra or OmegaConf. The CLI merges the
+composed YAML into `Config`, which rejects unknown keys and wrong types before anything is built.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class MeshConfig:
+    tp: int = 1  # tensor parallel degree
+    pp: int = 1  # pipeline parallel degree
+    dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp)
+    backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
+
+
+@dataclass
+class KernelsConfig:
+    gdn: str = "auto"  # auto | fla | torch  (auto = fla on CUDA when importable)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # named size from qwenft.models.qwen3_5.configs; ignored when path is set
+    path: Optional[str] = None  # HF checkpoint dir: config.json, weights and tokenizer come from it
+    dtype: str = "auto"  # auto = bf16 params on CUDA, fp32 on CPU | float32 | bfloat16
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str = "tiny"  # JSONL / Parquet / datasets dir; "tiny" = the chat set shipped in the package
+    tokenizer: Optional[str] = None  # tokenizer dir; default: model.path, else "tiny" (trained at first use)
+    seq_len: int = 256
+    packing: str = "pack"  # pack | pad
+    train_on: str = "assistant"  # assistant | all
+    truncation: str = "truncate_right"  # truncate_right | drop
+    on_bad_row: str = "skip"  # skip | error
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    fused: str = "auto"  # auto = fused AdamW on CUDA | true | false
+    max_grad_norm: float = 1.0  # global-norm clipping; 0 = off
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 0
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
+
+
+@dataclass
+class TrainConfig:
+    max_steps: Optional[int] = 100  # optimizer steps; null = run `epochs` epochs
+    epochs: Optional[float] = None
+    global_batch_size: int = 8  # sequences per optimizer step, over all data parallel ranks
+    micro_batch_size: int = 1  # sequences per forward on one rank
+    log_every: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class PipelineConfig:
+    reduce_grad_per_microbatch: bool = False  # reduce-scatter FSDP grads every microbatch (see docs)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: bool = False
+    wandb_project: str = "qwenft"
+    wandb_mode: Optional[str] = None  # online | offline | disabled; default: WANDB_MODE or online
+
+
+@dataclass
+class LauncherConfig:
+    nproc_per_node: int = 1  # plain `qwenft train` starts this many local workers itself
+
+
+@dataclass
+class Config:
+    recipe: str = "tiny"
+    description: str = ""
+    run_dir: Optional[str] = None  # default outputs/<recipe>/<timestamp>
+    seed: int = 0
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+CHOICES = {
+    "mesh.backend": ("auto", "nccl", "gloo"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "model.kernels.gdn": ("auto", "fla", "torch"),
+    "data.packing": ("pack", "pad"),
+    "data.train_on": ("assistant", "all"),
+    "data.truncation": ("truncate_right", "drop"),
+    "data.on_bad_row": ("skip", "error"),
+    "optim.fused": ("auto", "true", "false"),
+    "lr_scheduler.decay": ("cosine", "linear", "constant"),
+}
+
+
+def validate(cfg: Config) -> None:
+    """Value checks the type system can't express; one line each, naming key, value and what is valid."""
+    for key, valid in CHOICES.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if str(value) not in valid:
+            raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
+    positive = {
+        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "data.seq_len": cfg.data.seq_len,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size, "train.log_every": cfg.train.log_every,
+        "launcher.nproc_per_node": cfg.launcher.nproc_per_node,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{key}={value} must be >= 1")
+    if cfg.mesh.dp == 0 or cfg.mesh.dp < -1:
+        raise ValueError(f"mesh.dp={cfg.mesh.dp} must be >= 1, or -1 to infer it from the world size")
+    if cfg.train.max_steps is None and cfg.train.epochs is None:
+        raise ValueError("train.max_steps and train.epochs are both null; set one of them")
+    if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
+        raise ValueError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null with train.epochs)")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise ValueError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
+    if len(cfg.optim.betas) != 2:
+        raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")

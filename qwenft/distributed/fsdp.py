@@ -1,0 +1,37 @@
+"""FSDP2 over the data-parallel mesh: one `fully_shard` per decoder layer, then the root."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> None:
+    """Shard every decoder layer and the root; gradients are reduced in fp32 and summed, not averaged.
+
+    The loss is already divided by the label tokens of the whole global batch (qwenft.train.loss), so the
+    default 1/dp averaging of FSDP would count data parallel ranks twice.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+
+
+def set_microbatch_grad_sync(model: nn.Module, is_last: bool, reduce_grad_per_microbatch: bool) -> None:
+    """Gradient-accumulation policy for the microbatches of one optimizer step.
+
+    reduce_grad_per_microbatch=False: keep unsharded gradients (and parameters) across microbatches and
+    reduce-scatter once, after the last one: fewest collectives, but a full-size gradient accumulator.
+    True: reduce-scatter after every microbatch so gradients stay sharded: 1/dp of the memory, more
+    collectives.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    sync = reduce_grad_per_microbatch or is_last
+    model.set_requires_gradient_sync(sync)
+    model.set_reshard_after_backward(sync)

@@ -1,0 +1,64 @@
+"""Process group and the (pp, dp, tp) DeviceMesh.
+
+tp is the innermost dimension (neighbouring ranks, so the most frequent collectives stay on NVLink within
+a node), pp the outermost.
+"""
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def resolve_layout(tp: int, pp: int, dp: int, world_size: int) -> Layout:
+    """Check the requested degrees against the world size before anything is built."""
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"mesh.tp={tp} x mesh.pp={pp} = {tp * pp} does not divide the world size {world_size}")
+    if dp == -1:
+        dp = world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ValueError(
+            f"mesh.tp={tp} x mesh.pp={pp} x mesh.dp={dp} = {tp * pp * dp} but the world size is {world_size}; "
+            f"set mesh.dp=-1 to infer it")
+    return Layout(pp=pp, dp=dp, tp=tp)
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_process_group(backend: str = "auto") -> None:
+    """Join (or, for a lone process, create) the default process group."""
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:  # a single process started without torchrun
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+
+
+def build_mesh(layout: Layout) -> DeviceMesh:
+    return init_device_mesh(device_type(), (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
