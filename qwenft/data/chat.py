@@ -1,0 +1,178 @@
+"""Chat rows -> token ids + training labels, through the tokenizer's own chat template.
+
+Which tokens are the assistant's is found without `{% generation %}` tags (Qwen's templates have none):
+the conversation is rendered to text once, and each assistant turn's span is located in that text:
+it starts where `render(messages[:i], add_generation_prompt=True)` stops agreeing with the full text
+(so a template-inserted `<think>\n\n</think>\n\n` in front of the reply is learned, as the model must
+generate it; the generation prompt itself is not), or where the reply's content starts when the two
+disagree before the previous reply ended; it ends after
+the `eos_token` (`<|im_end|>`) that closes the reply. The text is then tokenized once with offsets, and
+a token is a target when it starts inside a span. Working on characters, not on token-id diffs of
+prefixes, keeps it right when BPE merges across a turn boundary or the template renders earlier
+turns differently once later turns exist (Qwen3 drops reasoning from old assistant turns).
+
+Labels come out pre-shifted: `labels[t]` is the target for the logits at position `t`, i.e. the id of
+token `t + 1` when that token is a target, else -100; a document's last position is always -100.
+"""
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+TRAIN_ON = ("assistant", "all")
+TRUNCATION = ("drop", "truncate_right")
+ON_BAD_ROW = ("skip", "error")
+
+
+@dataclass(frozen=True)
+class UnreadableRow:
+    """A source row that could not even be parsed (bad JSON, bad UTF-8); it is a bad row like any other."""
+    problem: str
+
+
+class BadRow(ValueError):
+    """A row the pipeline cannot train on; `reason` is a short stable key used for the skip counts."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Document:
+    input_ids: list[int]
+    labels: list[int]  # pre-shifted, see the module docstring
+
+
+def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{key}={value!r} is not valid; expected one of {', '.join(valid)}")
+
+
+def normalize_messages(row) -> list[dict]:
+    """The row's messages as `[{"role", "content": str}]`, or BadRow saying what is wrong with it."""
+    if isinstance(row, UnreadableRow):
+        raise BadRow("unreadable", row.problem)
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+        raise BadRow("no_messages", "row has no non-empty 'messages' list")
+    messages = []
+    for i, message in enumerate(row["messages"]):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise BadRow("bad_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        content = _content_text(message.get("content"), i)
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRow("undecodable", f"message {i} content is not valid text ({e.reason})") from None
+        if not content.strip():
+            raise BadRow("empty_content", f"message {i} ({role}) has empty content")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no_assistant", "conversation has no assistant turn to learn from")
+    return messages
+
+
+def _content_text(content, i: int) -> str:
+    """A string, or a list of `{"type": "text", "text": ...}` parts joined with no separator."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRow("bad_content", f"message {i} content is {type(content).__name__}; expected a string "
+                                    "or a list of text parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image", "image_url", "video"):
+            raise BadRow("image_content", f"message {i} has a {kind} part; image/video rows are not "
+                                          "supported by the text SFT pipeline")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadRow("bad_content", f"message {i} has a content part {str(part)[:60]!r}; expected "
+                                        "{'type': 'text', 'text': str}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja's raise_exception() in the template, e.g. "No user query found"
+        raise BadRow("template", f"the chat template rejected the conversation: {e}") from None
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character spans of its assistant replies."""
+    text = _render(tokenizer, messages, add_generation_prompt=False)
+    eos = tokenizer.eos_token or ""
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
+        content = message["content"]
+        at = text.find(content, max(cursor, shared))
+        if at < 0:  # templates may strip the reply
+            content = content.strip()
+            at = text.find(content, max(cursor, shared))
+        if at < 0:
+            raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
+        start = shared if i and cursor <= shared <= at else at
+        end = at + len(content)
+        if eos and text.startswith(eos, end):
+            end += len(eos)
+        spans.append((start, end))
+        cursor = end
+    return text, spans
+
+
+def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it is a training target."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if train_on == "all":
+        return ids, [True] * len(ids)
+    is_target = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
+    return ids, is_target
+
+
+def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
+    return [nxt if target else IGNORE_INDEX for nxt, target in zip(ids[1:], is_target[1:])] + [IGNORE_INDEX]
+
+
+def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
+                  truncation: str = "truncate_right", on_bad_row: str = "skip") -> tuple[list[Document], Counter]:
+    """Documents for every usable row, and how many rows were skipped per reason.
+
+    Skip reasons: the `BadRow.reason` keys (`unreadable`, `no_messages`, `bad_role`, `bad_content`,
+    `image_content`, `undecodable`, `empty_content`, `no_assistant`, `template`), `too_long` (dropped by
+    `truncation=drop`) and `no_target_left` (truncation cut away every assistant token). With
+    `on_bad_row=error` the first bad row raises a one-line ValueError naming its index; overlong rows
+    follow `truncation`, not `on_bad_row`.
+    """
+    check_choice("data.train_on", train_on, TRAIN_ON)
+    check_choice("data.truncation", truncation, TRUNCATION)
+    check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
+    docs, skipped = [], Counter()
+    for index, row in enumerate(rows):
+        try:
+            ids, is_target = tokenize_messages(tokenizer, normalize_messages(row), train_on)
+        except BadRow as e:
+            if on_bad_row == "error":
+                raise ValueError(f"data row {index}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+            skipped[e.reason] += 1
+            continue
+        if len(ids) > seq_len:
+            if truncation == "drop":
+                skipped["too_long"] += 1
+                continue
+            ids, is_target = ids[:seq_len], is_target[:seq_len]
+        labels = shift_labels(ids, is_target)
+        if all(label == IGNORE_INDEX for label in labels):
+            skipped["no_target_left"] += 1
+            continue
+        docs.append(Document(ids, labels))
+    return docs, skipped
