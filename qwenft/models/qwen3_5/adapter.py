@@ -1,0 +1,95 @@
+"""HF Qwen3.5 state dict <-> native state dict.
+
+Every native tensor is one contiguous row range of one HF tensor, expressed as `Source(hf_key, row_start,
+row_end)`, so a loader can read just the rows a rank owns with safetensors' `get_slice`. The only non-renames:
+HF `linear_attn.in_proj_qkv.weight` and `linear_attn.conv1d.weight` are [all Q | all K | all V] rows and
+split into q_proj/k_proj/v_proj and conv_q/conv_k/conv_v. (A contiguous column split of the fused tensor for
+TP would be wrong: split into q/k/v first.)
+
+Key prefixes: `model.` (Qwen3_5ForCausalLM) or `model.language_model.` (the VLM layout of the released
+checkpoints); `lm_head.weight` sits at the top. Native `visual.*` maps to HF `model.visual.*` unchanged.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .configs import TextConfig
+
+CAUSAL_LM_PREFIX = "model."
+VLM_PREFIX = "model.language_model."
+VISUAL_PREFIX = "model.visual."
+# In released checkpoints but not part of this model (multi-token-prediction head).
+IGNORED_HF_PREFIXES = ("mtp.",)
+
+_GDN_RENAMES = {"z_proj": "in_proj_z", "a_proj": "in_proj_a", "b_proj": "in_proj_b"}
+
+
+class Source(NamedTuple):
+    hf_key: str
+    row_start: int | None = None  # None = all rows
+    row_end: int | None = None
+
+
+def detect_prefix(hf_keys) -> str:
+    """`model.language_model.` if the checkpoint uses the VLM layout, else `model.`."""
+    return VLM_PREFIX if any(k.startswith(VLM_PREFIX) for k in hf_keys) else CAUSAL_LM_PREFIX
+
+
+def hf_source(native_key: str, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, tied: bool = False) -> Source:
+    """Where a native tensor comes from in an HF checkpoint."""
+    if native_key.startswith("visual."):
+        return Source(VISUAL_PREFIX + native_key[len("visual."):])
+    if native_key == "lm_head.weight":
+        return Source(prefix + "embed_tokens.weight") if tied else Source("lm_head.weight")
+    parts = native_key.split(".")
+    if parts[0] == "layers" and parts[2] == "linear_attn":
+        name = ".".join(parts[3:])
+        base = prefix + ".".join(parts[:3]) + "."
+        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        split = {"q": (0, key_dim), "k": (key_dim, 2 * key_dim), "v": (2 * key_dim, 2 * key_dim + value_dim)}
+        if name in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+            return Source(base + "in_proj_qkv.weight", *split[name[0]])
+        if name in ("conv_q", "conv_k", "conv_v"):
+            return Source(base + "conv1d.weight", *split[name[-1]])
+        module, _, rest = name.partition(".")
+        if module in _GDN_RENAMES:
+            return Source(base + _GDN_RENAMES[module] + "." + rest)
+    return Source(prefix + native_key)
+
+
+def native_to_hf_keys(native_keys, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, tied: bool = False):
+    """{native_key: Source} for the given native keys (tied lm_head is omitted: HF does not store it)."""
+    return {k: hf_source(k, cfg, prefix, tied) for k in native_keys if not (tied and k == "lm_head.weight")}
+
+
+def from_hf_state_dict(hf_sd: dict, native_keys, cfg: TextConfig, prefix: str | None = None,
+                       tied: bool = False) -> dict:
+    """Native state dict for `native_keys` from a full HF state dict."""
+    prefix = detect_prefix(hf_sd) if prefix is None else prefix
+    out = {}
+    for k in native_keys:
+        src = hf_source(k, cfg, prefix, tied)
+        t = hf_sd[src.hf_key]
+        out[k] = t if src.row_start is None else t[src.row_start:src.row_end]
+    return out
+
+
+def to_hf_state_dict(native_sd: dict, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, tied: bool = False) -> dict:
+    """HF state dict from a full native one: fused tensors are re-assembled from their row ranges."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for k, t in native_sd.items():
+        if tied and k == "lm_head.weight":
+            continue
+        src = hf_source(k, cfg, prefix, tied)
+        pieces.setdefault(src.hf_key, []).append((src.row_start or 0, t))
+    out = {}
+    for hf_key, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        out[hf_key] = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)
+    return out
+
+
+def expected_hf_keys(native_keys, cfg: TextConfig, prefix: str, tied: bool) -> set[str]:
+    return {src.hf_key for src in native_to_hf_keys(native_keys, cfg, prefix, tied).values()}

@@ -1,0 +1,121 @@
+"""Gated full attention, Qwen3.5's RMSNorm and (M-)RoPE.
+
+Packed batches (cu_seqlens) attend block-diagonally; the mask is built in `attend`, the one seam where a
+varlen flash kernel can replace SDPA on GPU.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configs import TextConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: `norm(x) * (1 + weight)` in fp32; weight initialised to 0."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial, interleaved M-RoPE. `inv_freq` is a non-persistent buffer: call `reset()` after meta init."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.rotary_dim = cfg.rotary_dim
+        self.theta = cfg.rope_theta
+        self.mrope_section = list(cfg.mrope_section)
+        self.register_buffer("inv_freq", self._inv_freq(None), persistent=False)
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device=device) / self.rotary_dim
+        return 1.0 / (self.theta**exponent)
+
+    def reset(self):
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] or [3, B, T] (temporal, height, width) -> cos, sin [B, T, rotary_dim]."""
+        if position_ids.ndim == 2:
+            position_ids = position_ids.expand(3, -1, -1)
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [3, B, T, rotary_dim/2]
+        # Interleaved sections as transformers does: frequency i comes from T, except H at i = 1, 4, 7, ...
+        # (first mrope_section[1] of them) and W at i = 2, 5, 8, ... (first mrope_section[2]).
+        mixed = freqs[0].clone()
+        for axis, offset in ((1, 1), (2, 2)):
+            idx = slice(offset, self.mrope_section[axis] * 3, 3)
+            mixed[..., idx] = freqs[axis, ..., idx]
+        emb = torch.cat((mixed, mixed), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_bhtd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of each head; the rest pass through (partial rotary)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    x_rot, x_pass = x_bhtd[..., :r], x_bhtd[..., r:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def document_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """[B, T] index of the packed document each token belongs to (cu_seqlens indexes the flattened B*T)."""
+    flat = torch.arange(batch * seqlen, device=cu_seqlens.device)
+    return (torch.searchsorted(cu_seqlens.to(torch.long), flat, right=True) - 1).view(batch, seqlen)
+
+
+def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention (GQA) -> [B, H, T, D]; block-diagonal causal when documents are packed."""
+    if cu_seqlens is None:
+        return F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True, scale=scale, enable_gqa=True)
+    B, _, T, _ = q_bhtd.shape
+    doc = document_ids(cu_seqlens, B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q_bhtd.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal  # [B, T, T]
+    return F.scaled_dot_product_attention(
+        q_bhtd, k_bhtd, v_bhtd, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate.
+
+    q_proj emits [query | gate] per head ([H, 2*head_dim] rows, HF layout), so sharding q_proj by head keeps
+    each head's query and gate rows together. Head counts come from weight shapes, so TP-local shards work.
+    """
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q_bthd, gate_bthd = self.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)
+        q = self.q_norm(q_bthd).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v, hd**-0.5, cu_seqlens).transpose(1, 2).reshape(B, T, -1)
+        out = out * torch.sigmoid(gate_bthd.reshape(B, T, -1))
+        return self.o_proj(out)

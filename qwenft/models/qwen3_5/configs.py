@@ -1,0 +1,200 @@
+"""Qwen3.5 configs: `TextConfig` (the decoder), `ModelConfig` (+ vision), named sizes, HF config I/O.
+
+Field names follow transformers' `Qwen3_5TextConfig` so a config.json reads over one-to-one.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass
+class TextConfig:
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 262144
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # None = every 4th layer is full attention (transformers' default, `full_attention_interval` 4)
+    layer_types: list[str] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [
+                FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        bad = sorted(set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if bad:
+            raise ValueError(f"layer_types has {bad}; valid: {FULL_ATTENTION!r}, {LINEAR_ATTENTION!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads {self.linear_num_key_heads}"
+            )
+        if sum(self.mrope_section) * 2 != self.rotary_dim:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} sums to {sum(self.mrope_section)}, expected rotary_dim/2 = "
+                f"{self.rotary_dim // 2} (head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor})"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+@dataclass
+class ModelConfig:
+    text: TextConfig = field(default_factory=TextConfig)
+    vision: dict | None = None  # transformers' Qwen3_5VisionConfig as a dict; None = text-only model
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    tie_word_embeddings: bool = False
+
+
+def _text(**kw) -> TextConfig:
+    return TextConfig(**kw)
+
+
+# Facts: 27B from DESIGN.md (measured); 0.8B from the Qwen3.5-0.8B config.json (two independent copies agree).
+# 2B / 4B / 9B: no config.json facts could be verified offline, so they are not offered (see docs/models.md).
+def _named() -> dict[str, ModelConfig]:
+    tiny = ModelConfig(
+        text=_text(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, mrope_section=[1, 1, 0],
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+            max_position_embeddings=4096,
+        ),
+        tie_word_embeddings=False,
+    )
+    size_0_8b = ModelConfig(
+        text=_text(
+            hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        ),
+        tie_word_embeddings=True,
+    )
+    size_27b = ModelConfig(
+        text=_text(
+            hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+            num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        ),
+        vision=None,
+        tie_word_embeddings=False,
+    )
+    return {"tiny": tiny, "0.8b": size_0_8b, "27b": size_27b}
+
+
+UNVERIFIED_SIZES = ("2b", "4b", "9b")
+
+
+def named_config(name: str) -> ModelConfig:
+    """A fresh config for a named size (mutable; callers may override e.g. `text.vocab_size`)."""
+    named = _named()
+    if name in named:
+        return named[name]
+    if name in UNVERIFIED_SIZES:
+        raise ValueError(
+            f"model size {name!r} has no verified config facts in qwenft; point model.path at the checkpoint "
+            f"directory (its config.json is read) instead"
+        )
+    raise ValueError(f"unknown model size {name!r}; valid: {sorted(named)} (or a checkpoint dir via model.path)")
+
+
+def _text_from_hf(d: dict) -> TextConfig:
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported; valid: 'default'")
+    names = {f.name for f in dataclasses.fields(TextConfig)}
+    kw = {k: v for k, v in d.items() if k in names}
+    kw["rope_theta"] = rope.get("rope_theta", d.get("rope_theta", TextConfig.rope_theta))
+    kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    kw["mrope_section"] = list(rope.get("mrope_section", [11, 11, 10]))
+    if d.get("layer_types") is None and "num_hidden_layers" in d:
+        every = d.get("full_attention_interval", 4)
+        kw["layer_types"] = [
+            FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(d["num_hidden_layers"])
+        ]
+    return TextConfig(**kw)
+
+
+def config_from_hf_dir(path) -> ModelConfig:
+    """Read `config.json` of a transformers Qwen3.5 checkpoint (model_type `qwen3_5` or `qwen3_5_text`)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
+    d = json.loads(cfg_file.read_text())
+    model_type = d.get("model_type")
+    if model_type == "qwen3_5_text":
+        return ModelConfig(text=_text_from_hf(d), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+    if model_type == "qwen3_5":
+        tok = {k: d[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+               if k in d}
+        tie = d.get("tie_word_embeddings", d.get("text_config", {}).get("tie_word_embeddings", False))
+        return ModelConfig(text=_text_from_hf(d.get("text_config") or {}), vision=d.get("vision_config"),
+                           tie_word_embeddings=bool(tie), **tok)
+    raise ValueError(
+        f"config.json in {str(path)!r} has model_type {model_type!r}; valid: 'qwen3_5', 'qwen3_5_text'"
+    )
+
+
+def _hf_text_kwargs(t: TextConfig, tie: bool) -> dict:
+    kw = {f.name: getattr(t, f.name) for f in dataclasses.fields(TextConfig)}
+    for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
+        kw.pop(k)
+    kw["layer_types"] = list(t.layer_types)
+    kw["rope_parameters"] = {
+        "rope_type": "default", "rope_theta": t.rope_theta, "partial_rotary_factor": t.partial_rotary_factor,
+        "mrope_section": list(t.mrope_section), "mrope_interleaved": True,
+    }
+    kw["tie_word_embeddings"] = tie
+    return kw
+
+
+def to_hf_config(cfg: ModelConfig):
+    """A transformers config: `Qwen3_5TextConfig` (text-only) or `Qwen3_5Config` (when `cfg.vision` is set)."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+
+    text = _hf_text_kwargs(cfg.text, cfg.tie_word_embeddings)
+    if cfg.vision is None:
+        hf = Qwen3_5TextConfig(**text)
+        hf.architectures = ["Qwen3_5ForCausalLM"]
+        return hf
+    hf = Qwen3_5Config(
+        text_config=text, vision_config=dict(cfg.vision), image_token_id=cfg.image_token_id,
+        video_token_id=cfg.video_token_id, vision_start_token_id=cfg.vision_start_token_id,
+        vision_end_token_id=cfg.vision_end_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+    hf.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return hf

@@ -1,0 +1,211 @@
+"""GatedDeltaNet (Qwen3.5's linear attention) with head-shardable projections and explicit kernels.
+
+Kernels (`kernels` argument, config `model.kernels.gdn`):
+  torch  fp32 chunked delta rule written here; the reference. Packed input (cu_seqlens) restarts the conv
+         and the recurrent state at every document boundary.
+  fla    flash-linear-attention's Triton kernels (CUDA only), same semantics via their `cu_seqlens`.
+  auto   fla when CUDA is available and `fla` imports, else torch; decided per call, never at import time
+         (importing Triton kernels on a CPU box breaks every forward: "0 active drivers").
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configs import TextConfig
+
+KERNELS = ("auto", "fla", "torch")
+# Parameters kept in fp32 whatever the model dtype: the decay exp(-exp(A_log) * softplus(a + dt_bias)) is
+# sensitive to rounding. The loader and `Qwen3_5Model.to_dtype` honour this set; a plain `model.to(bf16)`
+# would not.
+FP32_PARAM_NAMES = ("A_log", "dt_bias")
+
+
+def resolve_kernel(kernels: str) -> str:
+    if kernels not in KERNELS:
+        raise ValueError(f"model.kernels.gdn={kernels!r}; valid: {list(KERNELS)}")
+    if kernels != "auto":
+        return kernels
+    if not torch.cuda.is_available():
+        return "torch"
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "fla"
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm then SiLU gate: `weight * norm(x) * silu(z)` (weight initialised to 1, not 1+w)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return (out * F.silu(z.float())).to(dtype)
+
+
+def positions_in_document(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] offset of each flattened token inside its packed document."""
+    flat = torch.arange(total, device=cu_seqlens.device)
+    starts = cu_seqlens.to(torch.long)
+    doc = torch.searchsorted(starts, flat, right=True) - 1
+    return flat - starts[doc]
+
+
+def causal_conv(x_btc: torch.Tensor, weight_c1k: torch.Tensor, pos_in_doc: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv + SiLU. With `pos_in_doc` ([T], packed B=1) a tap never reaches into the
+    previous document: tap s (s tokens back) is dropped where the token is fewer than s into its document."""
+    T, K = x_btc.shape[1], weight_c1k.shape[-1]
+    x_bct = x_btc.transpose(1, 2).to(weight_c1k.dtype)
+    if pos_in_doc is None:
+        out = F.conv1d(x_bct, weight_c1k, padding=K - 1, groups=x_bct.shape[1])[..., :T]
+    else:
+        w_ck = weight_c1k[:, 0]
+        out = x_bct * w_ck[:, K - 1 : K]
+        for s in range(1, K):
+            shifted = F.pad(x_bct, (s, 0))[..., :T] * (pos_in_doc >= s).to(x_bct.dtype)
+            out = out + shifted * w_ck[:, K - 1 - s : K - s]
+    return F.silu(out).transpose(1, 2).to(x_btc.dtype)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunked_delta_rule(q, k, v, g, beta, chunk_size: int = 64) -> torch.Tensor:
+    """Gated delta rule over one sequence batch, fp32, state starting at zero.
+
+    q, k [B, T, H, Dk] (already one per value head), v [B, T, H, Dv], g (log decay) and beta [B, T, H].
+    Recurrence per token: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, with q, k l2-normalised
+    and q scaled by Dk^-1/2. Within a chunk, u = (I + A)^-1 (beta v - beta exp(G) K S0) with
+    A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i) turns the token loop into triangular solves.
+    """
+    dtype = v.dtype
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # [B, H, T, ...]
+    q = _l2norm(q) * Dk**-0.5
+    k = _l2norm(k)
+    C = chunk_size
+    pad = (C - T % C) % C
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // C
+    q, k, v = (t.reshape(B, H, n, C, -1) for t in (q, k, v))
+    g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
+
+    G = g.cumsum(-1)  # log decay from chunk start to each position
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay_ij = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # i >= j
+    strict = decay_ij.masked_fill(lower.logical_not().logical_or(torch.eye(C, dtype=torch.bool, device=q.device)), 0)
+    A = beta[..., None] * (k @ k.transpose(-1, -2)) * strict
+    eye = torch.eye(C, device=q.device)
+    solve = lambda rhs: torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # noqa: E731
+    u_local = solve(beta[..., None] * v)  # part of u independent of the chunk's initial state
+    w = solve(beta[..., None] * G.exp()[..., None] * k)  # u = u_local - w @ S0
+    attn_qk = (q @ k.transpose(-1, -2)) * decay_ij
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+
+    S = q.new_zeros(B, H, Dk, Dv)
+    outs = []
+    for c in range(n):
+        u = u_local[:, :, c] - w[:, :, c] @ S
+        outs.append(q_decayed[:, :, c] @ S + attn_qk[:, :, c] @ u)
+        S = S * G[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ u
+    out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T]
+    return out.transpose(1, 2).to(dtype)
+
+
+def _torch_delta_rule(q, k, v, g, beta, cu_seqlens):
+    if cu_seqlens is None:
+        return chunked_delta_rule(q, k, v, g, beta)
+    bounds = cu_seqlens.tolist()
+    segs = [
+        chunked_delta_rule(*(t[:, s:e] for t in (q, k, v, g, beta))) for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+    ]
+    return torch.cat(segs, dim=1)
+
+
+def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, _ = chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out
+
+
+def _fla_conv(x_btc, weight_c1k, cu_seqlens):
+    from fla.modules.convolution import causal_conv1d
+
+    out, _ = causal_conv1d(
+        x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu",
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
+    )
+    return out
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 linear attention with separate q/k/v/z/a/b projections and per-part conv weights.
+
+    HF fuses q|k|v into `in_proj_qkv` and `conv1d`; keeping them apart lets TP shard every tensor by head
+    (adapter.py splits/fuses). conv_q/conv_k/conv_v are [channels, 1, kernel] like HF's conv1d weight.
+    Head counts are read from weight shapes so TP-local shards run unchanged.
+    """
+
+    def __init__(self, cfg: TextConfig, kernels: str = "torch"):
+        super().__init__()
+        if kernels not in KERNELS:
+            raise ValueError(f"model.kernels.gdn={kernels!r}; valid: {list(KERNELS)}")
+        self.kernels = kernels
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        nv, h, K = cfg.linear_num_value_heads, cfg.hidden_size, cfg.linear_conv_kernel_dim
+        self.q_proj = nn.Linear(h, key_dim, bias=False)
+        self.k_proj = nn.Linear(h, key_dim, bias=False)
+        self.v_proj = nn.Linear(h, value_dim, bias=False)
+        self.z_proj = nn.Linear(h, value_dim, bias=False)
+        self.a_proj = nn.Linear(h, nv, bias=False)
+        self.b_proj = nn.Linear(h, nv, bias=False)
+        self.conv_q = nn.Parameter(torch.empty(key_dim, 1, K))
+        self.conv_k = nn.Parameter(torch.empty(key_dim, 1, K))
+        self.conv_v = nn.Parameter(torch.empty(value_dim, 1, K))
+        self.A_log = nn.Parameter(torch.empty(nv, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.ones(nv, dtype=torch.float32))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        kernel = resolve_kernel(self.kernels)
+        if cu_seqlens is not None:  # documents index the flattened B*T stream: run it as one row
+            x = x.reshape(1, B * T, -1)
+        if kernel == "fla":
+            conv = lambda t, w: _fla_conv(t, w, cu_seqlens)  # noqa: E731
+        else:
+            pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, x.shape[1])
+            conv = lambda t, w: causal_conv(t, w, pos)  # noqa: E731
+        b, t = x.shape[:2]
+        q = conv(self.q_proj(x), self.conv_q).view(b, t, -1, self.head_k_dim)
+        k = conv(self.k_proj(x), self.conv_k).view(b, t, -1, self.head_k_dim)
+        v = conv(self.v_proj(x), self.conv_v).view(b, t, -1, self.head_v_dim)
+        z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
+        beta = self.b_proj(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule
+        out = delta_rule(q, k, v, g, beta, cu_seqlens)
+        out = self.norm(out, z).reshape(b, t, -1)
+        return self.out_proj(out).reshape(B, T, -1)

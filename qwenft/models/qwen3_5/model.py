@@ -1,0 +1,126 @@
+"""Native Qwen3.5 decoder: pipeline-split-safe, head-shardable, meta-init-safe.
+
+Layers live in `layers: nn.ModuleDict` keyed by the original layer index, so a pipeline stage that owns a
+subset still knows each layer's kind. Builds on the meta device with no compute; after `to_empty`, call
+`init_buffers()` (the rotary `inv_freq` is a non-persistent buffer and is garbage after `to_empty`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import GatedAttention, RMSNorm, RotaryEmbedding
+from .configs import FULL_ATTENTION, ModelConfig, TextConfig
+from .gdn import FP32_PARAM_NAMES, GatedDeltaNet, positions_in_document
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, kernels: str):
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_id]
+        if self.layer_type == FULL_ATTENTION:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, kernels)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, rope, cu_seqlens=None):
+        x = self.input_layernorm(h)
+        if self.layer_type == FULL_ATTENTION:
+            x = self.self_attn(x, rope, cu_seqlens)
+        else:
+            x = self.linear_attn(x, cu_seqlens)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5Model(nn.Module):
+    """The text decoder (one pipeline stage of it when `layer_ids`/`embed`/`head` say so).
+
+    Vision hook: when `cfg.vision` is set and `embed` is true, `self.visual = vision.build_vision(cfg)` (owned
+    by the VLM code); its forward(input_ids, inputs_embeds, pixel_values, image_grid_thw) returns the merged
+    embeddings. Its parameters `visual.*` map one-to-one to HF `model.visual.*`.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_ids=None, embed: bool = True, head: bool = True,
+                 kernels: str = "torch"):
+        super().__init__()
+        t = cfg.text
+        self.cfg = cfg
+        ids = range(t.num_hidden_layers) if layer_ids is None else list(layer_ids)
+        bad = [i for i in ids if not 0 <= i < t.num_hidden_layers]
+        if bad:
+            raise ValueError(f"layer_ids {bad} out of range for num_hidden_layers={t.num_hidden_layers}")
+        self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden_size) if embed else None
+        self.visual = None
+        if cfg.vision is not None and embed:
+            from .vision import build_vision
+
+            self.visual = build_vision(cfg)
+        self.rotary = RotaryEmbedding(t)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels) for i in ids})
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False) if head else None
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Share lm_head with embed_tokens when tied and both live in this module (call again after to_empty)."""
+        if self.cfg.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_buffers(self):
+        """Recompute non-persistent buffers (garbage after meta init + `to_empty`)."""
+        self.rotary.reset()
+
+    def to_dtype(self, dtype: torch.dtype) -> "Qwen3_5Model":
+        """Cast parameters to `dtype`, keeping GDN's A_log / dt_bias in fp32 (works on meta too)."""
+        for module in self.modules():
+            for name, p in module.named_parameters(recurse=False):
+                p.data = p.data.to(torch.float32 if name in FP32_PARAM_NAMES else dtype)
+        return self
+
+    def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,
+                pixel_values=None, image_grid_thw=None, inputs_embeds=None) -> torch.Tensor:
+        """First stage: `input_ids` [B, T] (or `inputs_embeds` [B, T, H], replacing the embedding lookup);
+        later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
+        row, or per document when `cu_seqlens` (int32 offsets into the flattened B*T) is given.
+        Returns logits [B, T, V] when this module has the head, else hidden states."""
+        if self.embed_tokens is not None and hidden_states is None:
+            if inputs_embeds is None:
+                if input_ids is None:
+                    raise ValueError("the first stage needs input_ids or inputs_embeds")
+                inputs_embeds = self.embed_tokens(input_ids)
+                if pixel_values is not None:
+                    if self.visual is None:
+                        raise ValueError("pixel_values given but the model has no vision tower (cfg.vision is None)")
+                    inputs_embeds = self.visual(input_ids, inputs_embeds, pixel_values, image_grid_thw)
+            h = inputs_embeds
+        else:
+            h = hidden_states if hidden_states is not None else inputs_embeds
+            if h is None:
+                raise ValueError("a stage without embed_tokens needs hidden_states [B, T, H]")
+        B, T = h.shape[:2]
+        if position_ids is None:
+            if cu_seqlens is None:
+                position_ids = torch.arange(T, device=h.device).expand(B, T)
+            else:
+                position_ids = positions_in_document(cu_seqlens, B * T).view(B, T)
+        rope = self.rotary(position_ids, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, cu_seqlens)
+        if self.lm_head is None:
+            return h
+        return self.lm_head(self.norm(h))
