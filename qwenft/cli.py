@@ -179,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             return _launch_local_workers(cfg, args)
         from qwenft.train.runner import run
 
+        import torch.distributed as dist
+
         run(cfg)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return 0
     except ConfigError as e:
         print(f"qwenft: error: {e}", file=sys.stderr)

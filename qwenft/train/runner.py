@@ -1,0 +1,208 @@
+"""The training loop a recipe runs: mesh -> data -> model -> parallelize -> load -> steps -> metrics."""
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from qwenft.conf.schema import Config
+from qwenft.distributed.fsdp import apply_fsdp, set_microbatch_grad_sync
+from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
+from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.train.metrics import MetricsLogger, peak_memory_gib
+from qwenft.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("qwenft")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    state_dict: dict | None = None  # full (unsharded) parameters after training, when asked for
+
+
+def default_run_dir(recipe: str) -> str:
+    return str(Path("outputs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _agree_run_dir(cfg: Config) -> Path:
+    """Every rank must write to the same dir; rank 0's timestamp wins."""
+    choice = [cfg.run_dir or default_run_dir(cfg.recipe)]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0])
+
+
+def _setup_logging(run_dir: Path, is_main: bool) -> None:
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    log.handlers.clear()
+    log.propagate = False
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler()
+    console.setFormatter(fmt)
+    log.addHandler(console)
+    if is_main:
+        file = logging.FileHandler(run_dir / "train.log")
+        file.setFormatter(fmt)
+        log.addHandler(file)
+
+
+def _param_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _model_config(cfg: Config, vocab_size: int):
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
+
+    if cfg.model.path:
+        return config_from_hf_dir(cfg.model.path)
+    model_cfg = named_config(cfg.model.name)
+    if model_cfg.text.vocab_size < vocab_size:  # random init: make room for the tokenizer's vocabulary
+        model_cfg.text.vocab_size = vocab_size
+    return model_cfg
+
+
+def _accumulation_steps(cfg: Config, dp: int) -> int:
+    per_step = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={cfg.train.micro_batch_size} x dp={dp} = {per_step}")
+    return cfg.train.global_batch_size // per_step
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded copies of every parameter, on CPU (collective: all ranks must call it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().float().cpu().clone()
+    return out
+
+
+def run(cfg: Config, return_state: bool = False) -> RunResult:
+    from qwenft.data.loader import build_sft_data
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
+
+    init_process_group(cfg.mesh.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
+    if layout.tp > 1 or layout.pp > 1:
+        raise ValueError(f"mesh.tp={layout.tp}, mesh.pp={layout.pp}: tensor and pipeline parallelism are not "
+                         f"available in this version; use mesh.tp=1 mesh.pp=1 (data parallel only)")
+    accum = _accumulation_steps(cfg, layout.dp)
+    mesh = build_mesh(layout)
+    dp_mesh = mesh["dp"]
+    dp_rank = dp_mesh.get_local_rank()
+    device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
+
+    run_dir = _agree_run_dir(cfg)
+    is_main = rank == 0
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        from qwenft.cli import to_yaml
+
+        (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
+    dist.barrier()
+    _setup_logging(run_dir, is_main)
+    log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches per step",
+             run_dir, world, layout.pp, layout.dp, layout.tp, accum)
+
+    torch.manual_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
+    data = build_sft_data(
+        cfg.data.path, tokenizer, seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+        dp_rank=dp_rank, dp_size=layout.dp, seed=cfg.seed, packing=cfg.data.packing,
+        train_on=cfg.data.train_on, truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
+    max_steps = cfg.train.max_steps
+    if max_steps is None:
+        max_steps = max(1, math.ceil(cfg.train.epochs * data.batches_per_epoch / accum))
+    log.info("data: %s", data.summary())
+
+    model_cfg = _model_config(cfg, len(tokenizer))
+    model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
+    if cfg.model.activation_checkpointing:
+        from qwenft.distributed.parallelize import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, dp_mesh, _param_dtype(cfg.model.dtype, device))
+    if cfg.model.path:
+        load_hf_weights(model, cfg.model.path, device=device, dtype=torch.float32)
+    else:
+        init_random_weights(model, seed=cfg.seed, device=device, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %s, %.2fM parameters", cfg.model.path or cfg.model.name, n_params / 1e6)
+
+    optimizer = build_optimizer(model.parameters(), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
+                                cfg.optim.eps, cfg.optim.fused)
+    scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
+                                cfg.lr_scheduler.min_lr_ratio)
+    wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None
+    metrics = MetricsLogger(run_dir, is_main, wandb_config, cfg.logger.wandb_project,
+                            cfg.logger.wandb_mode, run_name=run_dir.name)
+    progress = None
+    if is_main and cfg.train.progress_bar:
+        from tqdm import tqdm
+
+        progress = tqdm(total=max_steps, desc="train", dynamic_ncols=True)
+
+    result = RunResult(run_dir=run_dir)
+    batches = iter(data)
+    model.train()
+    for step in range(1, max_steps + 1):
+        start = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(accum)]
+        label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(device)
+        dist.all_reduce(label_tokens, group=dp_mesh.get_group())
+        step_loss = torch.zeros((), device=device)
+        for i, mb in enumerate(micro_batches):
+            set_microbatch_grad_sync(model, i == accum - 1, cfg.pipeline.reduce_grad_per_microbatch)
+            logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
+                           cu_seqlens=mb["cu_seqlens"].to(device))
+            loss = token_ce_sum(logits, mb["labels"].to(device)) / label_tokens.clamp(min=1)
+            loss.backward()
+            step_loss += loss.detach()
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(step_loss, group=dp_mesh.get_group())
+        loss_value = step_loss.item()
+        elapsed = time.perf_counter() - start
+        result.losses.append(loss_value)
+        tokens = accum * layout.dp * cfg.train.micro_batch_size * cfg.data.seq_len
+        if step % cfg.train.log_every == 0 or step == max_steps:
+            metrics.log({
+                "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                "label_tokens": int(label_tokens.item()), "epoch": data.epoch,
+                "step_time_s": elapsed, "tokens_per_sec": tokens / elapsed,
+                "tokens_per_sec_per_gpu": tokens / elapsed / world,
+                "peak_memory_gib": peak_memory_gib(device),
+            })
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+    if progress is not None:
+        progress.close()
+    metrics.close()
+    log.info("done: %d steps, final loss %.4f; metrics in %s", max_steps, result.losses[-1],
+             run_dir / "metrics.jsonl")
+    if return_state:
+        result.state_dict = full_state_dict(model)
+    if "TORCHELASTIC_RUN_ID" in os.environ or world > 1:
+        dist.barrier()
+    return result

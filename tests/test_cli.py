@@ -1,0 +1,111 @@
+"""The CLI as a user types it: composition, overrides, errors, and real training runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwenft.cli import compose, list_recipes, main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def qwenft(*args, env=None, cwd=REPO, timeout=600):
+    return subprocess.run([sys.executable, "-m", "qwenft", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_show_resolves_recipe_and_overrides():
+    cfg = compose(["recipe=tiny", "train.max_steps=7", "mesh.dp=2", "optim.lr=0.5", "lr_scheduler=linear"])
+    assert cfg.train.max_steps == 7 and cfg.mesh.dp == 2 and cfg.optim.lr == 0.5
+    assert cfg.lr_scheduler.decay == "linear"
+    assert cfg.data.seq_len == 256  # from recipes/tiny.yaml, over data/tiny_chat.yaml's value
+    out = qwenft("show", "train.max_steps=7", "model.kernels.gdn=torch")
+    assert out.returncode == 0, out.stderr
+    assert "max_steps: 7" in out.stdout and "gdn: torch" in out.stdout
+
+
+def test_reset_override_returns_schema_default():
+    assert compose(["~optim.lr"]).optim.lr == 1e-5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_stepz=3", "unknown config key 'train.max_stepz'; did you mean 'train.max_steps'?"),
+    ("+train.max_stepz=3", "unknown config key 'train.max_stepz'; did you mean 'train.max_steps'?"),
+    ("recipe=nope", "recipe='nope' not found; available:"),
+    ("data.packing=zip", "data.packing='zip' is not valid; choose one of pack, pad"),
+    ("mesh=nope", "mesh='nope' is not a mesh option; choose one of default"),
+    ("optim.lr=fast", "optim.lr"),
+    ("mesh.tp=0", "mesh.tp=0 must be >= 1"),
+])
+def test_bad_overrides_fail_with_one_line(override, message):
+    with pytest.raises(ValueError) as e:  # ConfigError is a ValueError; schema checks raise ValueError
+        compose([override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_error_is_one_line_and_exit_code_2(capsys):
+    assert main(["show", "train.max_stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "did you mean 'train.max_steps'" in err
+
+
+def test_recipes_lists_each_with_description(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name in list_recipes():
+        assert name in out
+    assert "tiny" in out and "no download" in out
+
+
+def test_help_lists_groups_and_recipes(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh=" in out and "lr_scheduler={constant,cosine,linear}" in out and "tiny" in out
+
+
+def test_user_recipe_dir(tmp_path, monkeypatch):
+    (tmp_path / "mine.yaml").write_text("# @package _global_\ndescription: my recipe\ntrain:\n  max_steps: 3\n")
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    assert list_recipes()["mine"] == "my recipe"
+    assert compose(["recipe=mine"]).train.max_steps == 3
+
+
+def test_impossible_mesh_fails_before_building(tmp_path):
+    out = qwenft("train", "mesh.tp=2", "mesh.dp=2", f"run_dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    assert "mesh.tp=2 x mesh.pp=1 = 2 does not divide the world size 1" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_tiny_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    out = qwenft("train", "recipe=tiny", "train.max_steps=40", f"run_dir={run_dir}", "train.progress_bar=false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "peak_memory_gib"):
+        assert all(isinstance(r[key], float) for r in rows), key
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert (run_dir / "config.yaml").read_text().count("max_steps: 40") == 1
+    assert (run_dir / "train.log").exists()
+
+
+def test_torchrun_two_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "qwenft",
+           "train", "recipe=tiny", "train.max_steps=3", f"run_dir={run_dir}", "train.progress_bar=false"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _metrics(run_dir)
+    assert len(rows) == 3 and all(r["loss"] > 0 for r in rows)
+    assert "dp 2" in (run_dir / "train.log").read_text()
