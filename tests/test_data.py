@@ -1,0 +1,281 @@
+"""Chat SFT data pipeline: masking, packing, truncation, sharding, resume, bad rows, readers, tokenizer."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from qwenft.data.chat import IGNORE_INDEX, tokenize_rows
+from qwenft.data.loader import build_sft_data, load_rows
+from qwenft.data.tiny_chat import TRAIN_PATH, VAL_PATH
+from qwenft.data.tokenizer import load_tokenizer
+
+# Qwen3's structure (trimmed of tools): assistant turns after the last user query get a
+# `<think>...</think>` block, earlier ones do not, and `reasoning_content` is dropped from history.
+QWEN_LIKE_TEMPLATE = """
+{%- set ns = namespace(last_query=-1) %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- if loop.index0 > ns.last_query %}
+{{- '<|im_start|>assistant\\n<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n\\n' + m.content.strip() + '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>assistant\\n' + m.content.strip() + '<|im_end|>\\n' }}
+{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 3 plus 4?"},
+    {"role": "assistant", "content": "3 plus 4 is 7."},
+    {"role": "user", "content": "Reverse the word cat."},
+    {"role": "assistant", "content": "tac"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer("tiny", tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def qwen_like_tok(tmp_path_factory):
+    tok = load_tokenizer("tiny", tmp_path_factory.mktemp("tok_qwen"))
+    tok.chat_template = QWEN_LIKE_TEMPLATE
+    return tok
+
+
+def rows_of(batch, tok):
+    """Per row: the documents as decoded text, split where position_ids restart (i.e. cu_seqlens)."""
+    cu = batch["cu_seqlens"].tolist()
+    flat = batch["input_ids"].reshape(-1)
+    return [tok.decode(flat[a:b]) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def labelled_text(doc_labels, tok):
+    labels = torch.tensor(doc_labels)
+    return tok.decode(labels[labels != IGNORE_INDEX])
+
+
+def test_only_assistant_replies_and_im_end_are_labelled(tok):
+    docs, skipped = tokenize_rows([{"messages": CONVERSATION}], tok, seq_len=256)
+    (doc,) = docs
+    assert not skipped
+    # Reference ids: transformers' own apply_chat_template tokenization.
+    assert doc.input_ids == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    assert labelled_text(doc.labels, tok) == "3 plus 4 is 7.<|im_end|>tac<|im_end|>"
+    # Pre-shifted: a label is the next input token.
+    for t, label in enumerate(doc.labels):
+        if label != IGNORE_INDEX:
+            assert label == doc.input_ids[t + 1]
+    assert doc.labels[-1] == IGNORE_INDEX
+
+
+def test_masking_with_qwen_like_template_learns_the_think_block_of_the_final_turn(qwen_like_tok):
+    messages = CONVERSATION + [{"role": "user", "content": "Write 4 as a word."},
+                               {"role": "assistant", "content": "four"}]
+    docs, _ = tokenize_rows([{"messages": messages}], qwen_like_tok, seq_len=256)
+    assert labelled_text(docs[0].labels, qwen_like_tok) == (
+        "3 plus 4 is 7.<|im_end|>tac<|im_end|><think>\n\n</think>\n\nfour<|im_end|>")
+
+
+def test_train_on_all_labels_every_next_token(tok):
+    (doc,), _ = tokenize_rows([{"messages": CONVERSATION}], tok, seq_len=256, train_on="all")
+    assert doc.labels == doc.input_ids[1:] + [IGNORE_INDEX]
+
+
+def test_content_parts_are_flattened_to_text(tok):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 3 "}, {"type": "text", "text": "plus 4?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "3 plus 4 is 7."}]}]
+    (doc,), _ = tokenize_rows([{"messages": parts}], tok, seq_len=256)
+    assert doc.input_ids == tok.apply_chat_template(CONVERSATION[1:3], tokenize=True)["input_ids"]
+
+
+def test_packed_rows_keep_document_boundaries(tok):
+    data = build_sft_data(TRAIN_PATH, tok, seq_len=128, micro_batch_size=3)
+    rows = load_rows(TRAIN_PATH)
+    expected_texts = {tok.apply_chat_template(r["messages"], tokenize=False) for r in rows}
+    for _ in range(5):
+        batch = next(data)
+        ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+        assert ids.shape == labels.shape == pos.shape == (3, 128) and batch["cu_seqlens"].dtype == torch.int32
+        cu = batch["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == 3 * 128 and all(r * 128 in cu for r in range(3))
+        flat_ids, flat_labels, flat_pos = ids.reshape(-1), labels.reshape(-1), pos.reshape(-1)
+        for a, b in zip(cu[:-1], cu[1:]):
+            assert flat_pos[a:b].tolist() == list(range(b - a))  # positions restart per segment
+            assert flat_labels[b - 1] == IGNORE_INDEX  # nothing predicts into the next segment
+            seg_labels = flat_labels[a:b - 1]
+            mask = seg_labels != IGNORE_INDEX
+            assert torch.equal(seg_labels[mask], flat_ids[a + 1:b][mask])
+        for text in rows_of(batch, tok):
+            if not text.startswith("<|endoftext|>"):
+                assert text in expected_texts  # every segment is one whole conversation
+            else:
+                assert set(text.split("<|endoftext|>")) == {""}
+
+
+def test_pad_mode_holds_one_document_per_row(tok):
+    data = build_sft_data(TRAIN_PATH, tok, seq_len=64, micro_batch_size=4, packing="pad")
+    batch = next(data)
+    lengths = [len(data.docs[d[0]].input_ids) for d in data.epoch_rows(0)[:4]]
+    expected_cu = [0]
+    for r, length in enumerate(lengths):
+        expected_cu += [r * 64 + length, (r + 1) * 64] if length < 64 else [(r + 1) * 64]
+    assert batch["cu_seqlens"].tolist() == expected_cu
+    for r, length in enumerate(lengths):
+        assert (batch["input_ids"][r, length:] == tok.pad_token_id).all()
+        assert (batch["labels"][r, length - 1:] == IGNORE_INDEX).all()
+
+
+def test_truncation_policies(tok):
+    long_row = {"messages": CONVERSATION}
+    full = tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    docs, skipped = tokenize_rows([long_row], tok, seq_len=len(full) - 1, truncation="drop")
+    assert docs == [] and skipped == {"too_long": 1}
+    (whole,), _ = tokenize_rows([long_row], tok, seq_len=len(full))
+    keep = len(full) - 3  # cuts "tac<|im_end|>\n" inside the last reply
+    (doc,), skipped = tokenize_rows([long_row], tok, seq_len=keep, truncation="truncate_right")
+    assert doc.input_ids == full[:keep] and not skipped
+    assert doc.labels == whole.labels[:keep - 1] + [IGNORE_INDEX]
+    assert labelled_text(doc.labels, tok).startswith("3 plus 4 is 7.<|im_end|>t")
+    docs, skipped = tokenize_rows([long_row], tok, seq_len=10, truncation="truncate_right")
+    assert docs == [] and skipped == {"no_target_left": 1}
+
+
+BAD_ROWS = [
+    ({"text": "hello"}, "no_messages"),
+    ({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "bad_role"),
+    ({"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}, "bad_role"),
+    ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "y"}]}, "empty_content"),
+    ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}, "bad_content"),
+    ({"messages": [{"role": "user", "content": "bad \ud800"}, {"role": "assistant", "content": "y"}]}, "undecodable"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]},
+                   {"role": "assistant", "content": "y"}]}, "image_content"),
+]
+
+
+def test_bad_rows_are_skipped_and_counted(tok):
+    rows = [{"messages": CONVERSATION}] + [row for row, _ in BAD_ROWS]
+    docs, skipped = tokenize_rows(rows, tok, seq_len=256, on_bad_row="skip")
+    assert len(docs) == 1
+    expected = {}
+    for _, reason in BAD_ROWS:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert dict(skipped) == expected
+    data = build_sft_data(rows, tok, seq_len=256, micro_batch_size=1)
+    assert data.skipped == expected
+
+
+def test_bad_row_error_mode_names_the_row(tok):
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION}, BAD_ROWS[1][0]]
+    with pytest.raises(ValueError) as err:
+        tokenize_rows(rows, tok, seq_len=256, on_bad_row="error")
+    message = str(err.value)
+    assert "\n" not in message and "data row 2" in message and "'robot'" in message
+
+
+def test_resume_continues_exactly(tok):
+    kwargs = dict(seq_len=96, micro_batch_size=4, dp_rank=1, dp_size=2, seed=7)
+    reference = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    # Cross an epoch boundary: the tiny set packs into ~130 rows at seq_len 96, 8 rows per step.
+    expected = [next(reference) for _ in range(40)]
+    assert reference.epoch >= 1
+
+    first = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    for _ in range(13):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # survives serialization
+    resumed = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    resumed.load_state_dict(state)
+    for want in expected[13:]:
+        got = next(resumed)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+
+    with pytest.raises(ValueError, match="seed=7"):
+        build_sft_data(TRAIN_PATH, tok, **{**kwargs, "seed": 8}).load_state_dict(state)
+
+
+@pytest.mark.parametrize("packing", ["pack", "pad"])
+def test_dp_ranks_split_the_dp1_stream(tok, packing):
+    micro, dp, steps = 2, 3, 30
+    single = build_sft_data(TRAIN_PATH, tok, 96, micro * dp, packing=packing, seed=3)
+    ranks = [build_sft_data(TRAIN_PATH, tok, 96, micro, dp_rank=r, dp_size=dp, packing=packing, seed=3)
+             for r in range(dp)]
+    for _ in range(steps):
+        want = next(single)["input_ids"]
+        got = [next(data)["input_ids"] for data in ranks]
+        # rank r holds global rows r, r + dp, ...
+        for r in range(dp):
+            assert torch.equal(got[r], want[r::dp])
+    # Within an epoch the ranks' documents are disjoint and cover every document.
+    rows = ranks[0].epoch_rows(0)
+    per_rank = [{d for row in rows[r::dp] for d in row} for r in range(dp)]
+    assert sum(map(len, per_rank)) == len(set().union(*per_rank)) == ranks[0].num_documents
+
+
+def test_eval_batches_cover_the_data_once_with_equal_counts(tok):
+    dp = 2
+    ranks = [build_sft_data(VAL_PATH, tok, 64, 4, dp_rank=r, dp_size=dp, packing="pad") for r in range(dp)]
+    batches = [list(data.eval_batches()) for data in ranks]
+    assert len(batches[0]) == len(batches[1])
+    labelled_rows = sum(int((b["labels"] != IGNORE_INDEX).any(dim=1).sum()) for bs in batches for b in bs)
+    assert labelled_rows == ranks[0].num_documents == 40
+    assert ranks[0].epoch == 0 and ranks[0].epoch_progress == 0.0
+
+
+def test_readers_jsonl_parquet_and_load_from_disk(tmp_path):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [json.loads(line) for line in TRAIN_PATH.read_text().splitlines()[:20]]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert load_rows(tmp_path / "d.parquet") == rows
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    assert load_rows(tmp_path / "hf") == rows
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "hfdict"))
+    assert load_rows(tmp_path / "hfdict") == rows
+
+    broken = tmp_path / "d.jsonl"
+    broken.write_bytes(b"\n".join([json.dumps(rows[0]).encode(), b"{not json", b"\xff\xfe", b""]))
+    loaded = load_rows(broken)
+    assert loaded[0] == rows[0] and len(loaded) == 3
+    assert "line 2" in loaded[1].problem and "line 3" in loaded[2].problem
+
+    for bad in [tmp_path / "d.csv", tmp_path / "missing.jsonl", tmp_path]:
+        if bad.suffix == ".csv":
+            bad.write_text("a,b\n")
+        with pytest.raises(ValueError, match=str(bad)):
+            load_rows(bad)
+
+
+def test_tiny_tokenizer_trains_caches_and_reloads(tmp_path):
+    start = time.perf_counter()
+    tok = load_tokenizer("tiny", tmp_path, vocab_size=400)
+    assert time.perf_counter() - start < 5
+    (cache,) = tmp_path.iterdir()
+    assert cache.name.startswith("tiny-")
+    mtime = cache.stat().st_mtime_ns
+    again = load_tokenizer("tiny", tmp_path, vocab_size=400)
+    assert cache.stat().st_mtime_ns == mtime and len(list(tmp_path.iterdir())) == 1  # cache hit
+    load_tokenizer("tiny", tmp_path, vocab_size=300)
+    assert len(list(tmp_path.iterdir())) == 2  # another vocab size is another cache entry
+
+    reloaded = AutoTokenizer.from_pretrained(cache)
+    assert len(reloaded) == len(again) == 400
+    assert (reloaded.pad_token, reloaded.eos_token) == ("<|endoftext|>", "<|im_end|>")
+    assert reloaded.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    text = reloaded.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
+    ids = reloaded(text, add_special_tokens=False)["input_ids"]
+    assert ids == tok(text, add_special_tokens=False)["input_ids"] and reloaded.decode(ids) == text
