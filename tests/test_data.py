@@ -86,6 +86,13 @@ def test_masking_with_qwen_like_template_learns_the_think_block_of_the_final_tur
         "3 plus 4 is 7.<|im_end|>tac<|im_end|><think>\n\n</think>\n\nfour<|im_end|>")
 
 
+def test_im_end_is_labelled_when_eos_is_endoftext(tmp_path):
+    base_like = load_tokenizer("tiny", tmp_path)
+    base_like.eos_token = "<|endoftext|>"  # as in Qwen base checkpoints
+    (doc,), _ = tokenize_rows([{"messages": CONVERSATION}], base_like, seq_len=256)
+    assert labelled_text(doc.labels, base_like) == "3 plus 4 is 7.<|im_end|>tac<|im_end|>"
+
+
 def test_train_on_all_labels_every_next_token(tok):
     (doc,), _ = tokenize_rows([{"messages": CONVERSATION}], tok, seq_len=256, train_on="all")
     assert doc.labels == doc.input_ids[1:] + [IGNORE_INDEX]

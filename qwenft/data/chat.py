@@ -6,7 +6,7 @@ it starts where `render(messages[:i], add_generation_prompt=True)` stops agreein
 (so a template-inserted `<think>\n\n</think>\n\n` in front of the reply is learned, as the model must
 generate it; the generation prompt itself is not), or where the reply's content starts when the two
 disagree before the previous reply ended; it ends after
-the `eos_token` (`<|im_end|>`) that closes the reply. The text is then tokenized once with offsets, and
+the `<|im_end|>` (or `eos_token`) that closes the reply. The text is then tokenized once with offsets, and
 a token is a target when it starts inside a span. Working on characters, not on token-id diffs of
 prefixes, keeps it right when BPE merges across a turn boundary or the template renders earlier
 turns differently once later turns exist (Qwen3 drops reasoning from old assistant turns).
@@ -105,7 +105,8 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans of its assistant replies."""
     text = _render(tokenizer, messages, add_generation_prompt=False)
-    eos = tokenizer.eos_token or ""
+    # Base Qwen checkpoints set eos_token to <|endoftext|>, yet chat turns still close with <|im_end|>.
+    turn_ends = [m for m in ("<|im_end|>", tokenizer.eos_token) if m]
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -121,8 +122,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
         start = shared if i and cursor <= shared <= at else at
         end = at + len(content)
-        if eos and text.startswith(eos, end):
-            end += len(eos)
+        end += next((len(m) for m in turn_ends if text.startswith(m, end)), 0)
         spans.append((start, end))
         cursor = end
     return text, spans
