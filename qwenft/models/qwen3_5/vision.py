@@ -21,10 +21,6 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5VisionRotaryEmbedding,
 )
 
-HF_VISION_PREFIX = "model.visual."
-NATIVE_VISION_PREFIX = "visual."
-
-
 def tiny_vision_config(out_hidden_size: int) -> dict:
     """A two-block vision tower for CPU tests; `out_hidden_size` must be the text hidden size."""
     return {
@@ -44,15 +40,40 @@ def tiny_vision_config(out_hidden_size: int) -> dict:
 
 
 class VisionTower(Qwen3_5VisionModel):
-    """transformers' Qwen3.5 vision tower, plus the buffer re-init hook the loader calls after `to_empty`."""
+    """transformers' Qwen3.5 vision tower as the native model's `visual` module.
 
-    @classmethod
-    def from_vision_config(cls, vision: dict) -> "VisionTower":
-        """Build from a vision config dict; honours the default device (`with torch.device("meta")`)."""
-        return cls(Qwen3_5VisionConfig.from_dict(vision))
+    A subclass (not a wrapper) so parameter names stay `visual.X` = HF `model.visual.X`. `forward` is the
+    hook `Qwen3_5Model` calls on the first stage: token embeddings in, embeddings with the image
+    features at the image placeholder tokens out. `init_buffers` is the loader's re-init hook.
+    """
+
+    def __init__(self, config: Qwen3_5VisionConfig, image_token_id: int):
+        super().__init__(config)
+        self.image_token_id = image_token_id
+
+    def forward(self, input_ids, inputs_embeds, pixel_values, image_grid_thw) -> torch.Tensor:
+        features = self.image_features(pixel_values, image_grid_thw)
+        return scatter_image_features(inputs_embeds, input_ids, features, self.image_token_id)
+
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged features `[n_image_tokens, out_hidden_size]`, images concatenated in order."""
+        if image_grid_thw is None:
+            raise ValueError("pixel_values given without image_grid_thw [n_images, 3]")
+        pixel_values = pixel_values.to(self.patch_embed.proj.weight.dtype)
+        return super().forward(pixel_values, grid_thw=image_grid_thw).pooler_output
 
     def init_buffers(self) -> None:
         init_vision_buffers(self)
+
+
+def build_vision(cfg) -> VisionTower:
+    """The vision tower of a `ModelConfig` with `cfg.vision` set; honours the default device (meta)."""
+    if cfg.vision["out_hidden_size"] != cfg.text.hidden_size:
+        raise ValueError(
+            f"vision out_hidden_size {cfg.vision['out_hidden_size']} must equal text hidden_size "
+            f"{cfg.text.hidden_size} (image features replace token embeddings)"
+        )
+    return VisionTower(Qwen3_5VisionConfig.from_dict(cfg.vision), cfg.image_token_id)
 
 
 def init_vision_buffers(tower: Qwen3_5VisionModel) -> None:
@@ -63,12 +84,6 @@ def init_vision_buffers(tower: Qwen3_5VisionModel) -> None:
             inv_freq, _ = module.compute_axial_rope_parameters(module.config, device=device)
             module.inv_freq = inv_freq
             module.original_inv_freq = inv_freq.clone()
-
-
-def image_features(tower: Qwen3_5VisionModel, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-    """Merged vision features `[n_image_tokens, out_hidden_size]`, images concatenated in order."""
-    pixel_values = pixel_values.to(tower.patch_embed.proj.weight.dtype)
-    return tower(pixel_values, grid_thw=image_grid_thw).pooler_output
 
 
 def scatter_image_features(
@@ -176,17 +191,3 @@ def mrope_position_ids(
     for b, positions in enumerate(pieces):
         position_ids[:, b, attention_mask[b].bool()] = positions
     return position_ids
-
-
-def vision_key_to_native(hf_key: str) -> str | None:
-    """`model.visual.X` -> `visual.X`; None for keys outside the vision tower."""
-    if hf_key.startswith(HF_VISION_PREFIX):
-        return NATIVE_VISION_PREFIX + hf_key[len(HF_VISION_PREFIX) :]
-    return None
-
-
-def vision_key_to_hf(native_key: str) -> str | None:
-    """`visual.X` -> `model.visual.X`; None for keys outside the vision tower."""
-    if native_key.startswith(NATIVE_VISION_PREFIX):
-        return HF_VISION_PREFIX + native_key[len(NATIVE_VISION_PREFIX) :]
-    return None
