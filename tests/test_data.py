@@ -1,6 +1,7 @@
 """Chat SFT data pipeline: masking, packing, truncation, sharding, resume, bad rows, readers, tokenizer."""
 
 import json
+import multiprocessing
 import time
 
 import pytest
@@ -259,9 +260,9 @@ def test_readers_jsonl_parquet_and_load_from_disk(tmp_path):
     assert loaded[0] == rows[0] and len(loaded) == 3
     assert "line 2" in loaded[1].problem and "line 3" in loaded[2].problem
 
-    for bad in [tmp_path / "d.csv", tmp_path / "missing.jsonl", tmp_path]:
-        if bad.suffix == ".csv":
-            bad.write_text("a,b\n")
+    (tmp_path / "d.csv").write_text("a,b\n")
+    (tmp_path / "d.json").write_text("[{oops")
+    for bad in [tmp_path / "d.csv", tmp_path / "d.json", tmp_path / "missing.jsonl", tmp_path]:
         with pytest.raises(ValueError, match=str(bad)):
             load_rows(bad)
 
@@ -286,3 +287,13 @@ def test_tiny_tokenizer_trains_caches_and_reloads(tmp_path):
     assert text == "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n"
     ids = reloaded(text, add_special_tokens=False)["input_ids"]
     assert ids == tok(text, add_special_tokens=False)["input_ids"] and reloaded.decode(ids) == text
+
+
+def _load_tiny(cache_dir):
+    return len(load_tokenizer("tiny", cache_dir))
+
+
+def test_racing_ranks_build_one_tokenizer_cache(tmp_path):
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        assert pool.map(_load_tiny, [tmp_path] * 4) == [512] * 4
+    assert [p.name.startswith("tiny-") for p in tmp_path.iterdir()] == [True]  # no temp dirs left behind

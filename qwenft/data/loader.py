@@ -73,7 +73,10 @@ def load_rows(path: str | os.PathLike) -> list:
 def _read_json_lines(path: Path) -> list:
     raw = path.read_bytes()
     if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
-        return json.loads(raw)
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"data.path={str(path)!r} is not a valid JSON array: {e}") from None
     rows = []
     for number, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
