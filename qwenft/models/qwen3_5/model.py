@@ -114,7 +114,11 @@ class Qwen3_5Model(nn.Module):
                 raise ValueError("a stage without embed_tokens needs hidden_states [B, T, H]")
         B, T = h.shape[:2]
         if position_ids is None:
-            if cu_seqlens is None:
+            if image_grid_thw is not None and input_ids is not None:  # images shift later text positions
+                from .vision import mrope_position_ids
+
+                position_ids = mrope_position_ids(input_ids, image_grid_thw, self.cfg, cu_seqlens=cu_seqlens)
+            elif cu_seqlens is None:
                 position_ids = torch.arange(T, device=h.device).expand(B, T)
             else:
                 position_ids = positions_in_document(cu_seqlens, B * T).view(B, T)
