@@ -1,0 +1,203 @@
+"""Native Qwen3.5 VLM (transformers' vision tower + native decoder) against transformers' own
+`Qwen3_5ForConditionalGeneration` on identical weights: logits, every gradient, M-RoPE positions,
+and a save -> `from_pretrained` round trip. CPU, fp32."""
+
+import pytest
+import torch
+from transformers import Qwen3_5ForConditionalGeneration
+
+from qwenft.models.loader import build_model, load_hf_weights, save_hf
+from qwenft.models.qwen3_5 import adapter
+from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir, named_config, to_hf_config
+from qwenft.models.qwen3_5.vision import mrope_position_ids, tiny_vision_config
+
+IMAGE, VIDEO, START, END = 500, 501, 502, 503
+MERGE = 2
+PATCH_DIM = 3 * 2 * 16 * 16  # channels x temporal_patch_size x patch_size^2
+
+
+def tiny_vlm() -> ModelConfig:
+    text = named_config("tiny").text
+    return ModelConfig(text=text, vision=tiny_vision_config(text.hidden_size), image_token_id=IMAGE,
+                       video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def tokens(parts, length=None):
+    """A row of ids: an int n = n text tokens, a (t, h, w) grid = one image's placeholders; right-padded."""
+    ids = []
+    for p in parts:
+        if isinstance(p, int):
+            for _ in range(p):
+                ids.append((7 * len(ids) + 11) % 400 + 1)
+        else:
+            ids += [START] + [IMAGE] * (p[0] * p[1] * p[2] // MERGE**2) + [END]
+    length = len(ids) if length is None else length
+    assert len(ids) <= length
+    return ids + [0] * (length - len(ids))
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def hf_ckpt(tmp_path_factory):
+    cfg = tiny_vlm()
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(to_hf_config(cfg)).float()
+    with torch.no_grad():  # zero-initialised norms would hide a (1 + w) vs w mix-up
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf_vlm")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def batch():
+    grid = torch.tensor([[1, 4, 4], [1, 2, 6], [1, 6, 2]])  # 16, 12, 12 patches -> 4, 3, 3 tokens
+    input_ids = torch.tensor([tokens([3, (1, 4, 4), 5], 24), tokens([2, (1, 2, 6), 2, (1, 6, 2), 4], 24)])
+    gen = torch.Generator().manual_seed(1)
+    pixel_values = torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen)
+    labels = torch.randint(0, 400, input_ids.shape, generator=gen)
+    return input_ids, pixel_values, grid, labels
+
+
+def native_from(path):
+    cfg = config_from_hf_dir(path)
+    model = build_model(cfg, kernels="torch")  # meta
+    return load_hf_weights(model, path, device="cpu"), cfg
+
+
+def test_logits_and_grads_match_transformers(hf_ckpt, batch):
+    hf, path = hf_ckpt
+    model, cfg = native_from(path)
+    assert cfg.vision is not None and model.visual is not None
+    input_ids, pixel_values, grid, labels = batch
+
+    hf.zero_grad()
+    ref = hf(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid,
+             mm_token_type_ids=(input_ids == IMAGE).int()).logits
+    torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.flatten()).backward()
+    logits = model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid)  # positions computed
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+
+    assert rel(logits, ref) < 1e-5
+    grads = adapter.to_hf_state_dict({n: p.grad for n, p in model.named_parameters()}, cfg.text,
+                                     adapter.VLM_PREFIX, tied=cfg.tie_word_embeddings)
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == set(hf_grads)
+    assert any(k.startswith("model.visual.") for k in grads)
+    for k, g in hf_grads.items():
+        # GDN's A_log / dt_bias grads sum over every token with heavy cancellation; both fp32 implementations
+        # sit 2e-5..6e-5 from fp64 (measured for tests/test_model_text.py), so they get 1e-4.
+        tol = 1e-4 if k.endswith(("A_log", "dt_bias")) else 1e-5
+        assert rel(grads[k], g) < tol, k
+
+
+def test_vision_buffers_reinitialised_after_meta_build(hf_ckpt):
+    hf, path = hf_ckpt
+    model, _ = native_from(path)
+    torch.testing.assert_close(model.visual.rotary_pos_emb.inv_freq, hf.model.visual.rotary_pos_emb.inv_freq,
+                               rtol=0, atol=0)
+
+
+def test_state_dict_round_trip_is_exact(hf_ckpt):
+    hf, path = hf_ckpt
+    model, cfg = native_from(path)
+    native = {n: p.detach() for n, p in model.named_parameters()}
+    assert any(k.startswith("visual.") for k in native)
+    back = adapter.to_hf_state_dict(native, cfg.text, adapter.VLM_PREFIX, tied=cfg.tie_word_embeddings)
+    ref = hf.state_dict()
+    assert set(back) == set(ref)
+    for k in ref:
+        assert torch.equal(back[k], ref[k]), k
+
+
+def test_save_hf_loads_in_transformers(hf_ckpt, batch, tmp_path):
+    _, path = hf_ckpt
+    model, cfg = native_from(path)
+    with torch.no_grad():  # so the test does not pass by re-reading the original checkpoint
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_hf(model, cfg, tmp_path)
+    hf2, info = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    input_ids, pixel_values, grid, _ = batch
+    with torch.no_grad():
+        ref = hf2(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid,
+                  mm_token_type_ids=(input_ids == IMAGE).int()).logits
+        logits = model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid)
+    assert rel(logits, ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows, grids", [
+    ([[5], [3, 2]], []),
+    ([[3, (1, 4, 4), 5], [9]], [[1, 4, 4]]),
+    ([[2, (1, 2, 6), 3], [1, (1, 6, 4), 2]], [[1, 2, 6], [1, 6, 4]]),
+    ([[2, (1, 4, 4), 1, (2, 4, 2), 2], [4]], [[1, 4, 4], [2, 4, 2]]),  # two in one row; t=2 (video-like)
+])
+def test_mrope_position_ids_match_transformers(hf_ckpt, rows, grids):
+    hf, _ = hf_ckpt
+    cfg = tiny_vlm()
+    input_ids = torch.tensor([tokens(r, 30) for r in rows])
+    mask = (input_ids != 0).long()
+    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
+    type_ids = (input_ids == IMAGE).int()
+    ref, _ = hf.model.get_rope_index(input_ids, type_ids, image_grid_thw=grid, attention_mask=mask)
+    assert torch.equal(mrope_position_ids(input_ids, grid, cfg, attention_mask=mask), ref)
+    ref, _ = hf.model.get_rope_index(input_ids, type_ids, image_grid_thw=grid)  # padding counted as text
+    assert torch.equal(mrope_position_ids(input_ids, grid, cfg), ref)
+
+
+def test_mrope_position_ids_restart_per_packed_document(hf_ckpt):
+    """Packing = per-document positions (each from transformers, separately), concatenated."""
+    hf, _ = hf_ckpt
+    cfg = tiny_vlm()
+    docs = [([3, (1, 4, 4), 2], [[1, 4, 4]]), ([5], []), ([1, (1, 2, 6), 4], [[1, 2, 6]])]
+    ids = [torch.tensor([tokens(parts)]) for parts, _ in docs]
+    expected = []
+    for (_, g), doc in zip(docs, ids):
+        grid = torch.tensor(g).reshape(-1, 3) if g else None
+        expected.append(hf.model.get_rope_index(doc, (doc == IMAGE).int(), image_grid_thw=grid)[0])
+    packed = torch.cat(ids, dim=1)
+    lengths = torch.tensor([0] + [d.shape[1] for d in ids])
+    cu_seqlens = lengths.cumsum(0).to(torch.int32)
+    grid = torch.tensor([[1, 4, 4], [1, 2, 6]])
+    got = mrope_position_ids(packed, grid, cfg, cu_seqlens=cu_seqlens)
+    assert torch.equal(got, torch.cat(expected, dim=2))
+
+
+def test_image_token_count_mismatch_is_one_line_error(hf_ckpt, batch):
+    _, path = hf_ckpt
+    model, _ = native_from(path)
+    input_ids, pixel_values, grid, _ = batch
+    ids = input_ids.clone()
+    ids[0, 4] = 1  # one image placeholder fewer: 9 tokens for 10 features
+    with pytest.raises(ValueError, match=r"9 image tokens .* 10 image features"):
+        model(input_ids=ids, position_ids=torch.zeros(3, *ids.shape, dtype=torch.long),
+              pixel_values=pixel_values, image_grid_thw=grid)
+
+
+def test_packed_documents_with_images_match_transformers_per_document(hf_ckpt):
+    """One packed row (cu_seqlens, positions computed) = transformers run on each document alone."""
+    hf, path = hf_ckpt
+    model, _ = native_from(path)
+    docs = [([3, (1, 4, 4), 2], [[1, 4, 4]]), ([5], []), ([1, (1, 2, 6), 4], [[1, 2, 6]])]
+    gen = torch.Generator().manual_seed(2)
+    ids, grids, pixels, expected = [], [], [], []
+    with torch.no_grad():
+        for parts, g in docs:
+            doc = torch.tensor([tokens(parts)])
+            grid = torch.tensor(g).reshape(-1, 3) if g else None
+            pv = torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen) if g else None
+            expected.append(hf(input_ids=doc, pixel_values=pv, image_grid_thw=grid,
+                               mm_token_type_ids=(doc == IMAGE).int()).logits)
+            ids.append(doc)
+            grids += g
+            pixels += [pv] if g else []
+        lengths = torch.tensor([0] + [d.shape[1] for d in ids])
+        logits = model(input_ids=torch.cat(ids, dim=1), cu_seqlens=lengths.cumsum(0).to(torch.int32),
+                       pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
+    assert rel(logits, torch.cat(expected, dim=1)) < 1e-5
