@@ -180,6 +180,12 @@ def test_image_token_count_mismatch_is_one_line_error(hf_ckpt, batch):
               pixel_values=pixel_values, image_grid_thw=grid)
 
 
+def test_video_tokens_are_refused():
+    ids = torch.tensor([[1, 2, START, VIDEO, VIDEO, END]])
+    with pytest.raises(ValueError, match="video_token_id=501"):
+        mrope_position_ids(ids, None, tiny_vlm())
+
+
 def test_packed_documents_with_images_match_transformers_per_document(hf_ckpt):
     """One packed row (cu_seqlens, positions computed) = transformers run on each document alone."""
     hf, path = hf_ckpt

@@ -166,6 +166,9 @@ def mrope_position_ids(
         raise ValueError("mrope_position_ids takes attention_mask (padding) or cu_seqlens (packing), not both")
     image_token_id = cfg.image_token_id
     merge = cfg.vision["spatial_merge_size"] if cfg.vision else 1
+    if (input_ids == cfg.video_token_id).any():  # transformers splits videos per frame; not reproduced here
+        raise ValueError(f"input_ids hold video tokens (video_token_id={cfg.video_token_id}); qwenft supports "
+                         "images only")
     batch, seqlen = input_ids.shape
 
     if cu_seqlens is not None:
