@@ -20,9 +20,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64, for tests)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        return (out * (1.0 + self.weight.to(xf.dtype))).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         """position_ids [B, T] or [3, B, T] (temporal, height, width) -> cos, sin [B, T, rotary_dim]."""
         if position_ids.ndim == 2:
             position_ids = position_ids.expand(3, -1, -1)
-        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [3, B, T, rotary_dim/2]
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [3, B, T, rotary_dim/2], fp32 as HF
         # Interleaved sections as transformers does: frequency i comes from T, except H at i = 1, 4, 7, ...
         # (first mrope_section[1] of them) and W at i = 2, 5, 8, ... (first mrope_section[2]).
         mixed = freqs[0].clone()

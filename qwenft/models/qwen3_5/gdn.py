@@ -21,6 +21,11 @@ KERNELS = ("auto", "fla", "torch")
 FP32_PARAM_NAMES = ("A_log", "dt_bias")
 
 
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter called `name` (leaf name) gets in a model of `dtype`."""
+    return torch.promote_types(dtype, torch.float32) if name in FP32_PARAM_NAMES else dtype
+
+
 def resolve_kernel(kernels: str) -> str:
     if kernels not in KERNELS:
         raise ValueError(f"model.kernels.gdn={kernels!r}; valid: {list(KERNELS)}")
@@ -45,10 +50,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
+        xf = x.to(torch.promote_types(dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        return (out * F.silu(z.to(xf.dtype))).to(dtype)
 
 
 def positions_in_document(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -88,9 +93,10 @@ def chunked_delta_rule(q, k, v, g, beta, chunk_size: int = 64) -> torch.Tensor:
     A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i) turns the token loop into triangular solves.
     """
     dtype = v.dtype
+    compute = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 when given fp64 (tests)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # [B, H, T, ...]
+    q, k, v, g, beta = (t.transpose(1, 2).to(compute) for t in (q, k, v, g, beta))  # [B, H, T, ...]
     q = _l2norm(q) * Dk**-0.5
     k = _l2norm(k)
     C = chunk_size
@@ -106,7 +112,7 @@ def chunked_delta_rule(q, k, v, g, beta, chunk_size: int = 64) -> torch.Tensor:
     decay_ij = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # i >= j
     strict = decay_ij.masked_fill(lower.logical_not().logical_or(torch.eye(C, dtype=torch.bool, device=q.device)), 0)
     A = beta[..., None] * (k @ k.transpose(-1, -2)) * strict
-    eye = torch.eye(C, device=q.device)
+    eye = torch.eye(C, dtype=compute, device=q.device)
     solve = lambda rhs: torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # noqa: E731
     u_local = solve(beta[..., None] * v)  # part of u independent of the chunk's initial state
     w = solve(beta[..., None] * G.exp()[..., None] * k)  # u = u_local - w @ S0
@@ -202,7 +208,8 @@ class GatedDeltaNet(nn.Module):
         v = conv(self.v_proj(x), self.conv_v).view(b, t, -1, self.head_v_dim)
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         beta = self.b_proj(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        fp = torch.promote_types(x.dtype, torch.float32)
+        g = -self.A_log.to(fp).exp() * F.softplus(self.a_proj(x).to(fp) + self.dt_bias.to(fp))
         rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule

@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import GatedAttention, RMSNorm, RotaryEmbedding
 from .configs import FULL_ATTENTION, ModelConfig, TextConfig
-from .gdn import FP32_PARAM_NAMES, GatedDeltaNet, positions_in_document
+from .gdn import GatedDeltaNet, param_dtype, positions_in_document
 
 
 class MLP(nn.Module):
@@ -86,10 +86,10 @@ class Qwen3_5Model(nn.Module):
         self.rotary.reset()
 
     def to_dtype(self, dtype: torch.dtype) -> "Qwen3_5Model":
-        """Cast parameters to `dtype`, keeping GDN's A_log / dt_bias in fp32 (works on meta too)."""
+        """Cast parameters to `dtype`, keeping GDN's A_log / dt_bias in at least fp32 (works on meta too)."""
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
-                p.data = p.data.to(torch.float32 if name in FP32_PARAM_NAMES else dtype)
+                p.data = p.data.to(param_dtype(name, dtype))
         return self
 
     def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,

@@ -1,0 +1,317 @@
+"""Build -> (parallelize, by the caller) -> materialize and fill only the local shards -> re-init buffers.
+
+    model = build_model(cfg, kernels="auto", device="meta")       # no memory, no compute
+    ... TP / FSDP2 fully_shard may turn parameters into DTensors here ...
+    load_hf_weights(model, ckpt_dir, device="cuda")               # or init_random_weights(model, seed)
+
+A DTensor parameter gets only its local chunk, read straight from the safetensors rows it owns.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qwenft.models.qwen3_5 import adapter
+from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir, to_hf_config
+from qwenft.models.qwen3_5.gdn import param_dtype
+from qwenft.models.qwen3_5.model import Qwen3_5Model
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+def build_model(cfg: ModelConfig, kernels: str = "auto", layer_ids=None, embed: bool = True, head: bool = True,
+                device="meta", dtype: torch.dtype | None = None) -> Qwen3_5Model:
+    """The native model on `device` (default meta: shapes only). `dtype` casts all but GDN's fp32 params."""
+    with torch.device(device):
+        model = Qwen3_5Model(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels)
+    if dtype is not None:
+        model.to_dtype(dtype)
+    return model
+
+
+# ---------------------------------------------------------------- materialize + fill local shards
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_box(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(local shape, global offset) of a DTensor's local chunk when it is one contiguous box, else None."""
+    from torch.distributed.tensor import Replicate, Shard
+    # No public equivalent yet (torch 2.13); used by DCP's planner too.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):  # e.g. FSDP over TP: _StridedShard
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(shape), tuple(offset)
+
+
+def _materialize(model: nn.Module, device, dtype):
+    device = torch.device(device) if device is not None else None
+    if device is not None and any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        if isinstance(model, Qwen3_5Model):
+            model.tie_weights()
+    if dtype is not None:
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                want = param_dtype(name, dtype)
+                if p.dtype == want:
+                    continue
+                if _is_dtensor(p):
+                    raise ValueError(f"parameter {name} is a {p.dtype} DTensor but dtype={want} was asked; pass "
+                                     f"dtype to build_model before parallelizing")
+                p.data = p.data.to(want)
+
+
+def _fill(model: nn.Module, read_full, read_box):
+    """Copy each parameter's local part. read_full(name) -> full tensor; read_box(name, shape, offset) -> box."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if _is_dtensor(p):
+                box = _local_box(p)
+                if box is None:
+                    from torch.distributed.tensor import distribute_tensor
+
+                    full = read_full(name).to(p.dtype)
+                    # src_data_rank=None: every rank holds the same full tensor; no communication
+                    local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                else:
+                    local = read_box(name, *box)
+                p.to_local().copy_(local)
+            else:
+                p.copy_(read_full(name))
+
+
+def _reinit_buffers(model: nn.Module):
+    for m in model.modules():
+        if hasattr(m, "init_buffers"):
+            m.init_buffers()
+
+
+def _model_info(model) -> tuple[ModelConfig, dict[str, torch.Size]]:
+    if not isinstance(model, Qwen3_5Model):
+        raise ValueError(f"expected a Qwen3_5Model, got {type(model).__name__}")
+    return model.cfg, {n: p.shape for n, p in model.named_parameters()}
+
+
+def _checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
+    """{hf_key: safetensors file} from the index, or from the single model.safetensors."""
+    from safetensors import safe_open
+
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist")
+    index = ckpt_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {}
+        for key, fname in weight_map.items():
+            path = ckpt_dir / fname
+            if fname not in files and not path.is_file():
+                raise FileNotFoundError(f"shard {fname!r} listed in {SAFETENSORS_INDEX} is missing from {ckpt_dir}")
+            files[key] = path
+        return files
+    single = ckpt_dir / SAFETENSORS_SINGLE
+    if single.is_file():
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {str(ckpt_dir)!r}")
+
+
+def _first(items, n=5) -> str:
+    items = sorted(items)
+    return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype | None = None) -> nn.Module:
+    """Materialize `model` (meta -> `device`) and fill it from an HF Qwen3.5 checkpoint, reading only each
+    rank's rows. Accepts `model.`- and `model.language_model.`-prefixed layouts; `mtp.*` is skipped, and
+    `model.visual.*` too when the model has no vision tower."""
+    from safetensors import safe_open
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg, shapes = _model_info(model)
+    ckpt_cfg = config_from_hf_dir(ckpt_dir)  # also checks dir / config.json / model_type
+    files = _checkpoint_files(ckpt_dir)
+    if ckpt_cfg.text.num_hidden_layers != cfg.text.num_hidden_layers or ckpt_cfg.text.hidden_size != cfg.text.hidden_size:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} has {ckpt_cfg.text.num_hidden_layers} layers x hidden {ckpt_cfg.text.hidden_size}, "
+            f"model has {cfg.text.num_hidden_layers} x {cfg.text.hidden_size}"
+        )
+    prefix = adapter.detect_prefix(files)
+    tied = cfg.tie_word_embeddings and "lm_head.weight" not in files
+    sources = {n: adapter.hf_source(n, cfg.text, prefix, tied) for n in shapes}
+
+    missing = {s.hf_key for s in sources.values()} - set(files)
+    if missing:
+        raise ValueError(f"checkpoint {ckpt_dir} is missing {len(missing)} keys the model needs: {_first(missing)}")
+    # unexpected = not used by the WHOLE model (a pipeline stage legitimately skips other stages' keys)
+    allowed = adapter.expected_hf_keys(_all_native_keys(cfg), cfg.text, prefix, tied) | {"lm_head.weight"}
+    unexpected = {
+        k for k in files
+        if k not in allowed and not k.startswith(adapter.IGNORED_HF_PREFIXES)
+        and not (cfg.vision is None and k.startswith(adapter.VISUAL_PREFIX))
+    }
+    if unexpected:
+        raise ValueError(f"checkpoint {ckpt_dir} has {len(unexpected)} keys this model does not know: "
+                         f"{_first(unexpected)}")
+
+    handles = {}
+
+    def open_(path):
+        if path not in handles:
+            handles[path] = safe_open(path, "pt")
+        return handles[path]
+
+    def check_rows(name, sl):
+        src = sources[name]
+        shape = list(sl.get_shape())
+        if src.row_start is not None:
+            shape[0] = src.row_end - src.row_start
+        if tuple(shape) != tuple(shapes[name]):
+            raise ValueError(f"shape mismatch for {name} (from {src.hf_key}): model expects {tuple(shapes[name])}, "
+                             f"checkpoint has {tuple(shape)}")
+
+    def read_box(name, local_shape, offset):
+        src = sources[name]
+        sl = open_(files[src.hf_key]).get_slice(src.hf_key)
+        check_rows(name, sl)
+        row0 = src.row_start or 0
+        index = tuple(
+            slice(row0 + o, row0 + o + n) if d == 0 else slice(o, o + n)
+            for d, (o, n) in enumerate(zip(offset, local_shape))
+        )
+        return sl[index]
+
+    def read_full(name):
+        return read_box(name, tuple(shapes[name]), (0,) * len(shapes[name]))
+
+    _materialize(model, device, dtype)
+    _fill(model, read_full, read_box)
+    _reinit_buffers(model)
+    return model
+
+
+def _all_native_keys(cfg: ModelConfig) -> list[str]:
+    with torch.device("meta"):
+        full = Qwen3_5Model(cfg, kernels="torch")
+    return [n for n, _ in full.named_parameters()] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
+
+
+# ---------------------------------------------------------------- random init
+
+def _seed_for(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def init_value(name: str, shape, seed: int, std: float = 0.02) -> torch.Tensor:
+    """The full fp32 initial value of a native parameter; depends only on (seed, name, shape), so every
+    sharding of the model gets the same numbers. Matches transformers' init scheme for Qwen3.5."""
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "A_log":
+        return torch.empty(shape).uniform_(0.01, 16, generator=gen).log_()
+    if leaf == "dt_bias" or name.endswith("linear_attn.norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("norm.weight"):  # zero-centred RMSNorm: (1 + weight)
+        return torch.zeros(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if leaf.startswith("conv_"):  # nn.Conv1d's default (kaiming-uniform, fan_in = kernel size)
+        bound = 1.0 / shape[-1] ** 0.5
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, device=None, dtype: torch.dtype | None = None) -> nn.Module:
+    """Materialize and initialize deterministically per parameter name (same full tensors on any mesh)."""
+    cfg, shapes = _model_info(model)
+    tied_to_embed = cfg.tie_word_embeddings
+    values: dict[str, torch.Tensor] = {}
+
+    def read_full(name):
+        key = "embed_tokens.weight" if tied_to_embed and name == "lm_head.weight" else name
+        if key not in values:
+            values.clear()  # one full tensor alive at a time
+            values[key] = init_value(key, tuple(shapes[name]), seed)
+        return values[key]
+
+    def read_box(name, local_shape, offset):
+        full = read_full(name)
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+
+    _materialize(model, device, dtype)
+    _fill(model, read_full, read_box)
+    _reinit_buffers(model)
+    return model
+
+
+# ---------------------------------------------------------------- save
+
+def full_native_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of all parameters (collective under DTensor: every rank must call it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if _is_dtensor(p) else p
+        out[name] = t.detach().cpu()
+    return out
+
+
+def _parse_size(size) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = str(size).strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * units[unit])
+    return int(s)
+
+
+def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir, max_shard_size="5GB"):
+    """Write an HF state dict as safetensors shards + index + config.json."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    limit = _parse_size(max_shard_size)
+    shards, current, size = [], {}, 0
+    for key in sorted(hf_sd):
+        t = hf_sd[key].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    to_hf_config(cfg).save_pretrained(str(out_dir))
+
+
+def save_hf(model: nn.Module, cfg: ModelConfig, out_dir, max_shard_size="5GB") -> None:
+    """Gather full tensors and write a transformers-loadable checkpoint (rank 0 writes). Text-only configs use
+    the Qwen3_5ForCausalLM layout (`model.`), VLM configs `model.language_model.` + `model.visual.`.
+    Pipeline stages each hold part of the model: gather their `full_native_state_dict`s and call
+    `write_hf_checkpoint(adapter.to_hf_state_dict(...))` instead."""
+    native = full_native_state_dict(model)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    prefix = adapter.CAUSAL_LM_PREFIX if cfg.vision is None else adapter.VLM_PREFIX
+    hf_sd = adapter.to_hf_state_dict(native, cfg.text, prefix, tied=cfg.tie_word_embeddings)
+    write_hf_checkpoint(hf_sd, cfg, out_dir, max_shard_size)
