@@ -220,6 +220,8 @@ def init_value(name: str, shape, seed: int, std: float = 0.02) -> torch.Tensor:
         return torch.empty(shape).uniform_(0.01, 16, generator=gen).log_()
     if leaf == "dt_bias" or name.endswith("linear_attn.norm.weight"):
         return torch.ones(shape)
+    if name.startswith("visual.") and ".norm" in name and leaf == "weight":  # vision LayerNorms: plain weight
+        return torch.ones(shape)
     if name.endswith("norm.weight"):  # zero-centred RMSNorm: (1 + weight)
         return torch.zeros(shape)
     if name.endswith(".bias"):
