@@ -207,3 +207,21 @@ def test_packed_documents_with_images_match_transformers_per_document(hf_ckpt):
         logits = model(input_ids=torch.cat(ids, dim=1), cu_seqlens=lengths.cumsum(0).to(torch.int32),
                        pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
     assert rel(logits, torch.cat(expected, dim=1)) < 1e-5
+
+
+def test_random_init_of_vision_tower_follows_transformers():
+    """LayerNorm weights 1 and biases 0 exactly, like transformers' init; the rest normal(0, 0.02)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from qwenft.models.loader import init_random_weights
+
+    cfg = tiny_vlm()
+    model = init_random_weights(build_model(cfg, kernels="torch"), seed=3, device="cpu")
+    torch.manual_seed(0)
+    ref = dict(Qwen3_5VisionModel(Qwen3_5VisionConfig.from_dict(cfg.vision)).named_parameters())
+    for name, p in model.visual.named_parameters():
+        if ref[name].std() == 0:
+            assert torch.equal(p, ref[name]), name
+        else:
+            assert abs(p.std().item() - ref[name].std().item()) < 0.2 * ref[name].std().item(), name
