@@ -14,12 +14,12 @@ runs (pipeline stages after the first never see `input_ids`), and per packed doc
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5VisionModel,
     Qwen3_5VisionRotaryEmbedding,
 )
+
 
 def tiny_vision_config(out_hidden_size: int) -> dict:
     """A two-block vision tower for CPU tests; `out_hidden_size` must be the text hidden size."""
