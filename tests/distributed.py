@@ -6,6 +6,7 @@ way against ~300 s with torchrun on the 2-core CI box.
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -26,7 +27,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle: the queue's pickler would share tensor memory through file descriptors, which
+        # vanish when this process exits before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure to the parent, whatever its kind
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -37,7 +40,7 @@ def _worker(rank, world_size, port, fn, args, queue):
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """Call fn(rank, world_size, *args) on each rank; return the results in rank order.
 
-    fn and its results must be picklable-free only on the way back (results go through a queue).
+    fn's arguments are inherited through fork; its result must be picklable.
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -50,7 +53,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
         for _ in procs:
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break

@@ -91,6 +91,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def run(cfg: Config, return_state: bool = False) -> RunResult:
     from qwenft.data.loader import build_sft_data
+    from qwenft.data.tiny_chat import TRAIN_PATH
     from qwenft.data.tokenizer import load_tokenizer
     from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
 
@@ -121,13 +122,14 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
     data = build_sft_data(
-        cfg.data.path, tokenizer, seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+        TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
         dp_rank=dp_rank, dp_size=layout.dp, seed=cfg.seed, packing=cfg.data.packing,
         train_on=cfg.data.train_on, truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
     max_steps = cfg.train.max_steps
     if max_steps is None:
-        max_steps = max(1, math.ceil(cfg.train.epochs * data.batches_per_epoch / accum))
-    log.info("data: %s", data.summary())
+        max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
+    log.info("data: %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s",
+             data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
 
     model_cfg = _model_config(cfg, len(tokenizer))
     model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
@@ -188,7 +190,7 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         if step % cfg.train.log_every == 0 or step == max_steps:
             metrics.log({
                 "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                "label_tokens": int(label_tokens.item()), "epoch": data.epoch,
+                "label_tokens": int(label_tokens.item()), "epoch": data.epoch_progress,
                 "step_time_s": elapsed, "tokens_per_sec": tokens / elapsed,
                 "tokens_per_sec_per_gpu": tokens / elapsed / world,
                 "peak_memory_gib": peak_memory_gib(device),
