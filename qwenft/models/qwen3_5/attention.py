@@ -7,8 +7,22 @@ varlen flash kernel can replace SDPA on GPU.
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .configs import TextConfig
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as a plain tensor for use on TP-local activations (a no-op without tensor parallelism).
+
+    qwenft.distributed.tensor_parallel makes per-head parameters (GDN conv weights, A_log, dt_bias) Shard(0)
+    DTensors and per-head-shared norm weights Replicate DTensors. A replicated weight applied to head-sharded
+    activations gets only this rank's heads' share of its gradient, so its grad is declared Partial (summed over
+    tp ranks when DTensor/FSDP materialise it).
+    """
+    if not isinstance(p, DTensor):
+        return p
+    return p.to_local(grad_placements=[Partial() if isinstance(pl, Replicate) else pl for pl in p.placements])
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64, for tests)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.to(xf.dtype))).type_as(x)
+        return (out * (1.0 + local(self.weight).to(xf.dtype))).type_as(x)
 
 
 class RotaryEmbedding(nn.Module):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import local
 from .configs import TextConfig
 
 KERNELS = ("auto", "fla", "torch")
@@ -52,7 +53,7 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.to(torch.promote_types(dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
+        out = local(self.weight) * xf.to(dtype)
         return (out * F.silu(z.to(xf.dtype))).to(dtype)
 
 
@@ -203,13 +204,13 @@ class GatedDeltaNet(nn.Module):
             pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, x.shape[1])
             conv = lambda t, w: causal_conv(t, w, pos)  # noqa: E731
         b, t = x.shape[:2]
-        q = conv(self.q_proj(x), self.conv_q).view(b, t, -1, self.head_k_dim)
-        k = conv(self.k_proj(x), self.conv_k).view(b, t, -1, self.head_k_dim)
-        v = conv(self.v_proj(x), self.conv_v).view(b, t, -1, self.head_v_dim)
+        q = conv(self.q_proj(x), local(self.conv_q)).view(b, t, -1, self.head_k_dim)
+        k = conv(self.k_proj(x), local(self.conv_k)).view(b, t, -1, self.head_k_dim)
+        v = conv(self.v_proj(x), local(self.conv_v)).view(b, t, -1, self.head_v_dim)
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         beta = self.b_proj(x).sigmoid()
         fp = torch.promote_types(x.dtype, torch.float32)
-        g = -self.A_log.to(fp).exp() * F.softplus(self.a_proj(x).to(fp) + self.dt_bias.to(fp))
+        g = -local(self.A_log).to(fp).exp() * F.softplus(self.a_proj(x).to(fp) + local(self.dt_bias).to(fp))
         rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule
