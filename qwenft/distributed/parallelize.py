@@ -1,9 +1,14 @@
-"""Per-stage parallelization in its fixed order: (TP) -> activation checkpointing -> FSDP2."""
+"""Per-stage parallelization in its fixed order: TP -> activation checkpointing -> FSDP2."""
 
 import functools
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
+
+from qwenft.distributed.fsdp import apply_fsdp
+from qwenft.distributed.tensor_parallel import apply_tp
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -14,3 +19,21 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """
     for layer in model.layers.values():
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
+                activation_checkpointing: bool = False, vocab_parallel: bool = True,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then FSDP2 over mesh["dp"].
+
+    `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
+    afterwards (qwenft.models.loader), which fills only each rank's shards. Call
+    `tensor_parallel.validate_tp` before building the model so bad head counts fail early.
+    """
+    tp_mesh = mesh["tp"]
+    if tp_mesh.size() > 1:
+        apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward)
+    return model

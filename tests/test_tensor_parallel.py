@@ -1,0 +1,215 @@
+"""Tensor parallelism against one process on the same checkpoint (fp32, CPU gloo on forked ranks).
+
+tp2 (vocab-parallel on and off, with and without FSDP on top), tp2 x dp2 with FSDP2, three AdamW steps with
+clipping, and the VLM with an image: logits, loss, grad norm and every parameter's gradient (gathered with
+`full_tensor()`) match the unsharded model, which runs in the pytest process with torch's own
+`clip_grad_norm_`.
+"""
+
+import math
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from qwenft.models.loader import build_model, init_random_weights, load_hf_weights, save_hf
+from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
+from qwenft.models.qwen3_5.gdn import positions_in_document
+from qwenft.train.loss import count_label_tokens, token_ce_sum
+
+TOL = 1e-5
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def _save_checkpoint(cfg, path):
+    model = build_model(cfg, kernels="torch")
+    init_random_weights(model, seed=0, device="cpu", dtype=torch.float32)
+    with torch.no_grad():  # zero / one initialised norms would hide a sharded-norm mistake
+        gen = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    save_hf(model, cfg, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    return _save_checkpoint(named_config("tiny"), tmp_path_factory.mktemp("tp_text"))
+
+
+@pytest.fixture(scope="module")
+def vlm_ckpt(tmp_path_factory):
+    from test_model_vlm import tiny_vlm
+
+    return _save_checkpoint(tiny_vlm(), tmp_path_factory.mktemp("tp_vlm"))
+
+
+def text_batch(steps=1):
+    """Per step: two packed rows of 16 tokens, four documents, a few ignored labels."""
+    cu = torch.tensor([0, 5, 16, 23, 32], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(steps):
+        input_ids = torch.randint(1, 500, (2, 16), generator=gen)
+        labels = torch.randint(0, 512, (2, 16), generator=gen)
+        labels.view(-1)[cu[1:] - 1] = -100  # each document's last position
+        labels[0, 2] = -100
+        batches.append(dict(input_ids=input_ids, labels=labels, cu_seqlens=cu,
+                            position_ids=positions_in_document(cu, 32).view(2, 16)))
+    return batches
+
+
+def _row(batch, r):
+    """Row r of a text batch as its own microbatch (the data-parallel share of rank r)."""
+    cu = batch["cu_seqlens"].tolist()
+    starts = [c - 16 * r for c in cu if 16 * r <= c <= 16 * (r + 1)]
+    return dict(input_ids=batch["input_ids"][r:r + 1], labels=batch["labels"][r:r + 1],
+                position_ids=batch["position_ids"][r:r + 1], cu_seqlens=torch.tensor(starts, dtype=torch.int32))
+
+
+def _forward_kwargs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def _label_tokens(batches):
+    """Each step's loss is divided by the label tokens of the whole (global) batch, as the runner does."""
+    return [count_label_tokens(b["labels"]) for b in batches]
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(model, batches, clip, max_norm, lr, label_tokens, dp_group=None):
+    """Forward + backward (+ clip + AdamW step when lr) per batch; returns per-step logits, loss, grad norm,
+    grads (of the first step: later steps' grads also carry the last-bit differences of the updated
+    parameters) and the final parameters, all unsharded."""
+    # eps 1e-6, not 1e-8: Adam turns a gradient element at rounding-noise level into a +-lr step, so with
+    # 1e-8 one element of embed_tokens whose step-3 grad is 8e-9 (one process) vs -2.6e-8 (tp2; its row's
+    # grads are ~1e-2) moved 3e-4 apart. Larger eps keeps that noise from deciding the update's sign.
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6) if lr else None
+    out = dict(logits=[], loss=[], grad_norm=[])
+    for batch, n_labels in zip(batches, label_tokens):
+        logits = model(**_forward_kwargs(batch))
+        loss = token_ce_sum(logits, batch["labels"]) / n_labels
+        loss.backward()
+        total = loss.detach().clone()
+        if dp_group is not None:
+            torch.distributed.all_reduce(total, group=dp_group)
+        out["loss"].append(total.item())
+        out["logits"].append(_full(logits).detach())
+        out["grad_norm"].append(_full(clip(model.parameters(), max_norm)).item())
+        out.setdefault("grads", {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()})
+        # every rank's own .grad must be the full gradient of what it holds, not a partial sum
+        out.setdefault("partial_grads", [n for n, p in model.named_parameters()
+                                         if hasattr(p.grad, "placements") and any(pl.is_partial() for pl in p.grad.placements)])
+        if opt:
+            opt.step()
+            opt.zero_grad()
+    out["params"] = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def reference(path, batches, max_norm=math.inf, lr=0.0):
+    model = load_hf_weights(build_model(config_from_hf_dir(path), kernels="torch"), path, device="cpu")
+    return _train(model, batches, torch.nn.utils.clip_grad_norm_, max_norm, lr, _label_tokens(batches))
+
+
+def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwenft.distributed.parallelize import parallelize
+    from qwenft.distributed.tensor_parallel import apply_tp, clip_grad_norm_, validate_tp
+
+    mesh = init_device_mesh("cpu", (1, dp, world_size // dp), mesh_dim_names=("pp", "dp", "tp"))
+    cfg = config_from_hf_dir(path)
+    validate_tp(cfg.text, mesh["tp"].size())
+    model = build_model(cfg, kernels="torch")
+    if fsdp:
+        parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel)
+    else:
+        apply_tp(model, mesh["tp"], vocab_parallel=vocab_parallel)
+    load_hf_weights(model, path, device="cpu")
+    label_tokens = _label_tokens(batches)
+    if dp > 1:
+        batches = [_row(b, mesh["dp"].get_local_rank()) for b in batches]
+    out = _train(model, batches, clip_grad_norm_, max_norm, lr, label_tokens, mesh["dp"].get_group())
+    return out
+
+
+def assert_same(out, ref, logits=True):
+    for step, (a, b) in enumerate(zip(out["loss"], ref["loss"])):
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: loss {a} vs one process {b}"
+    for step, (a, b) in enumerate(zip(out["grad_norm"], ref["grad_norm"])):
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: grad norm {a} vs one process {b}"
+    if logits:
+        for step, (a, b) in enumerate(zip(out["logits"], ref["logits"])):
+            assert rel(a, b) < TOL, f"step {step}: logits rel err {rel(a, b):.1e}"
+    assert out["grads"].keys() == ref["grads"].keys()
+    assert out["partial_grads"] == []
+    for name, g in ref["grads"].items():
+        assert g.norm() > 0, name
+        assert rel(out["grads"][name], g) < TOL, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
+
+
+@pytest.mark.parametrize("vocab_parallel, fsdp", [(True, False), (False, True)])
+def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp):
+    batches = text_batch()
+    ref = reference(text_ckpt, batches)
+    for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp):
+        assert_same(out, ref)
+
+
+def test_tp2_dp2_fsdp(text_ckpt):
+    batches = text_batch()
+    ref = reference(text_ckpt, batches)
+    out = run_distributed(_tp_rank, 4, text_ckpt, batches, 2, True, True)[0]
+    assert_same(out, ref, logits=False)  # each dp rank sees half the rows
+
+
+def test_tp2_three_adamw_steps_with_clipping(text_ckpt):
+    batches = text_batch(steps=3)
+    ref = reference(text_ckpt, batches, max_norm=0.5, lr=5e-4)
+    assert min(ref["grad_norm"]) > 0.5  # the clip is active, so a wrong norm would change the update
+    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, True, 0.5, 5e-4)[0]
+    assert_same(out, ref)
+    initial = reference(text_ckpt, [])["params"]
+    for name, p in ref["params"].items():
+        assert not torch.equal(p, initial[name]), f"{name} did not train"
+        assert rel(out["params"][name], p) < TOL, f"param {name} after 3 steps"
+
+
+def test_vlm_tp2_with_image(vlm_ckpt):
+    from test_model_vlm import PATCH_DIM, tokens
+
+    grid = torch.tensor([[1, 4, 4]])
+    input_ids = torch.tensor([tokens([3, (1, 4, 4), 5], 16)])
+    gen = torch.Generator().manual_seed(1)
+    batch = dict(input_ids=input_ids, pixel_values=torch.randn(16, PATCH_DIM, generator=gen),
+                 image_grid_thw=grid, labels=torch.randint(0, 400, input_ids.shape, generator=gen))
+    ref = reference(vlm_ckpt, [batch])
+    assert any(n.startswith("visual.") for n in ref["grads"])
+    out = run_distributed(_tp_rank, 2, vlm_ckpt, [batch], 1, True, True)[0]
+    assert_same(out, ref)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("linear_num_key_heads", 6, "mesh.tp=4 does not divide linear_num_key_heads=6 (GatedDeltaNet key heads)"),
+    ("num_key_value_heads", 2, "mesh.tp=4 does not divide num_key_value_heads=2 (full attention key/value heads)"),
+])
+def test_non_divisible_heads_fail_before_building(field, value, message):
+    from qwenft.distributed.tensor_parallel import validate_tp
+
+    text = named_config("tiny").text
+    setattr(text, field, value)
+    if field == "linear_num_key_heads":
+        text.linear_num_value_heads, text.num_key_value_heads = 12, 4
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_tp(text, 4)
+    validate_tp(named_config("27b").text, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads=4"):
+        validate_tp(named_config("27b").text, 8)
