@@ -70,6 +70,12 @@ class TrainConfig:
 
 @dataclass
 class PipelineConfig:
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev
+    microbatch_size: Optional[int] = None  # sequences per microbatch; null = train.micro_batch_size
+    num_microbatches: Optional[int] = None  # derived: global batch / dp / microbatch_size; if set, must agree
+    virtual_stages: Optional[int] = None  # stages per pp rank; null = 1 (gpipe, 1f1b) or 2 (the others)
+    layers_per_stage: Optional[list] = None  # e.g. [15, 17, 17, 15]; null = balanced (embed, head ~1 layer each)
+    stage_layers: Optional[list] = None  # e.g. [[0, 1], [2, 3]]: explicit layer indices of each stage
     reduce_grad_per_microbatch: bool = False  # reduce-scatter FSDP grads every microbatch (see docs)
 
 
@@ -112,6 +118,7 @@ CHOICES = {
     "data.on_bad_row": ("skip", "error"),
     "optim.fused": ("auto", "true", "false"),
     "lr_scheduler.decay": ("cosine", "linear", "constant"),
+    "pipeline.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"),
 }
 
 
@@ -132,6 +139,10 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key}={value} must be >= 1")
+    for key in ("microbatch_size", "num_microbatches", "virtual_stages"):
+        value = getattr(cfg.pipeline, key)
+        if value is not None and value < 1:
+            raise ValueError(f"pipeline.{key}={value} must be >= 1 (or null)")
     if cfg.mesh.dp == 0 or cfg.mesh.dp < -1:
         raise ValueError(f"mesh.dp={cfg.mesh.dp} must be >= 1, or -1 to infer it from the world size")
     if cfg.train.max_steps is None and cfg.train.epochs is None:

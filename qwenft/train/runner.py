@@ -71,40 +71,129 @@ def _model_config(cfg: Config, vocab_size: int):
     return model_cfg
 
 
-def _accumulation_steps(cfg: Config, dp: int) -> int:
-    per_step = cfg.train.micro_batch_size * dp
+def _microbatching(cfg: Config, dp: int) -> tuple[int, int]:
+    """(sequences per microbatch, microbatches per step) on one data parallel rank; the same split serves
+    pipeline microbatches (pp > 1) and gradient accumulation (pp = 1)."""
+    key = "pipeline.microbatch_size" if cfg.pipeline.microbatch_size else "train.micro_batch_size"
+    size = cfg.pipeline.microbatch_size or cfg.train.micro_batch_size
+    per_step = size * dp
     if cfg.train.global_batch_size % per_step:
         raise ValueError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={cfg.train.micro_batch_size} x dp={dp} = {per_step}")
-    return cfg.train.global_batch_size // per_step
+            f"{key}={size} x dp={dp} = {per_step}")
+    count = cfg.train.global_batch_size // per_step
+    if cfg.pipeline.num_microbatches is not None and cfg.pipeline.num_microbatches != count:
+        raise ValueError(
+            f"pipeline.num_microbatches={cfg.pipeline.num_microbatches} but train.global_batch_size="
+            f"{cfg.train.global_batch_size} / dp={dp} / {key}={size} = {count}; set it to {count} or null")
+    return size, count
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded copies of every parameter, on CPU (collective: all ranks must call it)."""
+def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of every parameter of every pipeline stage, on every rank (collective)."""
     out = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().float().cpu().clone()
+    for module in modules:
+        for name, p in module.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = t.detach().float().cpu().clone()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        parts = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, out, group=pp_group)
+        out = {k: v for part in parts for k, v in part.items()}
     return out
+
+
+def _parallelize(module: torch.nn.Module, cfg: Config, dp_mesh, device, reshard_after_forward: bool = True):
+    """One model or pipeline stage, in the fixed order: activation checkpointing -> FSDP2 (TP comes first
+    once qwenft.distributed.parallelize has it)."""
+    if cfg.model.activation_checkpointing:
+        from qwenft.distributed.parallelize import apply_activation_checkpointing
+
+        apply_activation_checkpointing(module)
+    apply_fsdp(module, dp_mesh, _param_dtype(cfg.model.dtype, device), reshard_after_forward)
+
+
+def _load(module: torch.nn.Module, cfg: Config, device) -> None:
+    from qwenft.models.loader import init_random_weights, load_hf_weights
+
+    if cfg.model.path:
+        load_hf_weights(module, cfg.model.path, device=device, dtype=torch.float32)
+    else:
+        init_random_weights(module, seed=cfg.seed, device=device, dtype=torch.float32)
+
+
+@dataclass
+class Pipeline:
+    stages: list
+    schedule: object
+    loss_fn: object
+
+
+def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatches: int) -> Pipeline:
+    """This rank's stages (built on meta, parallelized, loaded) and the schedule that runs them."""
+    from qwenft.distributed import pipeline as pp_lib
+
+    name = cfg.pipeline.schedule
+    virtual = cfg.pipeline.virtual_stages or pp_lib.default_virtual_stages(name)
+    pp_lib.check_virtual_stages(name, virtual)
+    num_stages = layout.pp * virtual
+    if model_cfg.tie_word_embeddings:
+        raise ValueError(f"model {cfg.model.path or cfg.model.name} ties lm_head to the embeddings, which "
+                         f"mesh.pp={layout.pp} puts on different stages; use mesh.pp=1")
+    layers = pp_lib.split_layers(model_cfg.text.num_hidden_layers, num_stages, model_cfg.vision is not None,
+                                 cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
+    log.info("pipeline: %s, %d stages, layers per stage %s", name, num_stages, [len(ls) for ls in layers])
+    pp_mesh = mesh["pp"]
+    stages = []
+    for i in pp_lib.stage_ids_for_rank(pp_mesh.get_local_rank(), layout.pp, virtual, name in pp_lib.V_SHAPED):
+        module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == num_stages - 1,
+                                          kernels=cfg.model.kernels.gdn)
+        reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
+        _parallelize(module, cfg, mesh["dp"], device, reshard_after_forward=reshard)
+        _load(module, cfg, device)
+        stages.append(pp_lib.ReduceGradStage(
+            module, i, num_stages, device, group=pp_mesh.get_group(),
+            reduce_grad_per_microbatch=cfg.pipeline.reduce_grad_per_microbatch, reshard=reshard))
+    loss_fn = pp_lib.TokenCE()
+    try:
+        schedule = pp_lib.build_schedule(name, stages, num_microbatches, loss_fn)
+    except ValueError as e:
+        raise ValueError(f"pipeline.schedule={name} with {num_microbatches} microbatches per step and {num_stages} "
+                         f"stages: {str(e).splitlines()[0]}") from None
+    return Pipeline(stages, schedule, loss_fn)
+
+
+def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Config) -> torch.Tensor:
+    """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss."""
+    step_loss = torch.zeros((), device=device)
+    for i, mb in enumerate(micro_batches):
+        set_microbatch_grad_sync(model, i == len(micro_batches) - 1, cfg.pipeline.reduce_grad_per_microbatch)
+        logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
+                       cu_seqlens=mb["cu_seqlens"].to(device))
+        loss = token_ce_sum(logits, mb["labels"].to(device)) / label_tokens.clamp(min=1)
+        loss.backward()
+        step_loss += loss.detach()
+    return step_loss
 
 
 def run(cfg: Config, return_state: bool = False) -> RunResult:
     from qwenft.data.loader import build_sft_data
     from qwenft.data.tiny_chat import TRAIN_PATH
     from qwenft.data.tokenizer import load_tokenizer
-    from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
+    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.models.loader import build_model
 
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
-    if layout.tp > 1 or layout.pp > 1:
-        raise ValueError(f"mesh.tp={layout.tp}, mesh.pp={layout.pp}: tensor and pipeline parallelism are not "
-                         f"available in this version; use mesh.tp=1 mesh.pp=1 (data parallel only)")
-    accum = _accumulation_steps(cfg, layout.dp)
+    if layout.tp > 1:
+        raise ValueError(f"mesh.tp={layout.tp}: tensor parallelism is not available in this version; "
+                         f"use mesh.tp=1 (data and pipeline parallel)")
+    microbatch_size, num_microbatches = _microbatching(cfg, layout.dp)
     mesh = build_mesh(layout)
     dp_mesh = mesh["dp"]
     dp_rank = dp_mesh.get_local_rank()
+    pp_group = mesh["pp"].get_group()
     device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
 
     run_dir = _agree_run_dir(cfg)
@@ -116,15 +205,16 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
     dist.barrier()
     _setup_logging(run_dir, is_main)
-    log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches per step",
-             run_dir, world, layout.pp, layout.dp, layout.tp, accum)
+    log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
+             run_dir, world, layout.pp, layout.dp, layout.tp, num_microbatches, microbatch_size)
 
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
     data = build_sft_data(
-        TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
-        dp_rank=dp_rank, dp_size=layout.dp, seed=cfg.seed, packing=cfg.data.packing,
-        train_on=cfg.data.train_on, truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
+        TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, seq_len=cfg.data.seq_len,
+        micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=layout.dp, seed=cfg.seed,
+        packing=cfg.data.packing, train_on=cfg.data.train_on, truncation=cfg.data.truncation,
+        on_bad_row=cfg.data.on_bad_row)
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
@@ -132,20 +222,21 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
              data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
 
     model_cfg = _model_config(cfg, len(tokenizer))
-    model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
-    if cfg.model.activation_checkpointing:
-        from qwenft.distributed.parallelize import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model)
-    apply_fsdp(model, dp_mesh, _param_dtype(cfg.model.dtype, device))
-    if cfg.model.path:
-        load_hf_weights(model, cfg.model.path, device=device, dtype=torch.float32)
+    pipe = None
+    if layout.pp > 1:
+        pipe = _build_pipeline(cfg, model_cfg, mesh, layout, device, num_microbatches)
+        modules = [stage.submod for stage in pipe.stages]
     else:
-        init_random_weights(model, seed=cfg.seed, device=device, dtype=torch.float32)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("model: %s, %.2fM parameters", cfg.model.path or cfg.model.name, n_params / 1e6)
+        model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
+        _parallelize(model, cfg, dp_mesh, device)
+        _load(model, cfg, device)
+        modules = [model]
+    params = [p for m in modules for p in m.parameters()]
+    n_params = sum(p.numel() for p in params)
+    log.info("model: %s, %.2fM parameters on this rank's stage(s)", cfg.model.path or cfg.model.name,
+             n_params / 1e6)
 
-    optimizer = build_optimizer(model.parameters(), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
+    optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
                                 cfg.optim.eps, cfg.optim.fused)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)
@@ -160,33 +251,33 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
 
     result = RunResult(run_dir=run_dir)
     batches = iter(data)
-    model.train()
+    for m in modules:
+        m.train()
+    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     for step in range(1, max_steps + 1):
         start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(accum)]
+        micro_batches = [next(batches) for _ in range(num_microbatches)]
         label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(device)
         dist.all_reduce(label_tokens, group=dp_mesh.get_group())
-        step_loss = torch.zeros((), device=device)
-        for i, mb in enumerate(micro_batches):
-            set_microbatch_grad_sync(model, i == accum - 1, cfg.pipeline.reduce_grad_per_microbatch)
-            logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                           cu_seqlens=mb["cu_seqlens"].to(device))
-            loss = token_ce_sum(logits, mb["labels"].to(device)) / label_tokens.clamp(min=1)
-            loss.backward()
-            step_loss += loss.detach()
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        if pipe is not None:
+            batch = pp_lib.PipelineBatch.from_microbatches(micro_batches, device)
+            step_loss = pp_lib.train_step(pipe.schedule, pipe.stages, batch, pipe.loss_fn, label_tokens,
+                                          dp_mesh.get_group(), pp_group)
+            grad_norm = pp_lib.clip_grad_norm_(params, max_norm, pp_group)
+        else:
+            step_loss = _accumulate(model, micro_batches, label_tokens, device, cfg)
+            dist.all_reduce(step_loss, group=dp_mesh.get_group())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(step_loss, group=dp_mesh.get_group())
         loss_value = step_loss.item()
         elapsed = time.perf_counter() - start
         result.losses.append(loss_value)
-        tokens = accum * layout.dp * cfg.train.micro_batch_size * cfg.data.seq_len
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len
         if step % cfg.train.log_every == 0 or step == max_steps:
             metrics.log({
                 "step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
@@ -204,7 +295,7 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     log.info("done: %d steps, final loss %.4f; metrics in %s", max_steps, result.losses[-1],
              run_dir / "metrics.jsonl")
     if return_state:
-        result.state_dict = full_state_dict(model)
+        result.state_dict = full_state_dict(modules, pp_group)
     if "TORCHELASTIC_RUN_ID" in os.environ or world > 1:
         dist.barrier()
     return result

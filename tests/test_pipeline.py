@@ -1,0 +1,237 @@
+"""Pipeline parallelism trains the same numbers as one process (fp32, CPU, gloo ranks), under every schedule.
+
+seq_len is 128, not 64: at 64, pp2 x dp2 moved layers.0.linear_attn.a_proj (tiny gradients, which Adam
+normalizes) to 1.01e-5 of one process from reduction order alone; at 128 the worst parameter is 3e-6.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from qwenft.cli import compose
+from qwenft.distributed.pipeline import SCHEDULES, split_layers
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _train(rank, world_size, overrides):
+    from qwenft.train.runner import run
+
+    result = run(compose(overrides), return_state=True)
+    return result.losses, result.state_dict
+
+
+def _overrides(tmp_path, name, *extra):
+    return ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "model.kernels.gdn=torch",
+            "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
+            "train.global_batch_size=4", "train.micro_batch_size=1", f"run_dir={tmp_path / name}", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, global batch 4 as 4 microbatches of 1."""
+    (result,) = run_distributed(_train, 1, _overrides(tmp_path_factory.mktemp("reference"), "ref"))
+    return result
+
+
+def _assert_same(result, reference, rtol=1e-5):
+    losses, state = result
+    ref_losses, ref_state = reference
+    assert len(losses) == 3
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= rtol * abs(b), f"step {step + 1}: loss {a} vs one process {b}"
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        err = (state[name] - ref).norm() / ref.norm().clamp(min=1e-12)
+        assert err < rtol, f"{name}: rel err {err:.2e}"
+    assert ref_losses[0] != ref_losses[-1]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_pp2_schedule_equals_one_process(tmp_path, reference, schedule):
+    """4 layers: 2 stages of 2 layers (gpipe, 1f1b) or 2 ranks x 2 virtual stages of 1 layer (the others)."""
+    results = run_distributed(_train, 2, _overrides(tmp_path, schedule, "mesh.pp=2",
+                                                    f"pipeline.schedule={schedule}"))
+    for result in results:  # every rank returns the gathered state and the broadcast loss
+        _assert_same(result, reference)
+
+
+@pytest.mark.parametrize("schedule, knob", [("1f1b", "false"), ("1f1b", "true"), ("zbv", "true")])
+def test_pp2_dp2_equals_one_process(tmp_path, reference, schedule, knob):
+    results = run_distributed(_train, 4, _overrides(
+        tmp_path, f"pp2dp2-{schedule}-{knob}", "mesh.pp=2", f"pipeline.schedule={schedule}",
+        f"pipeline.reduce_grad_per_microbatch={knob}"))
+    _assert_same(results[0], reference)
+    _assert_same(results[3], reference)
+
+
+def test_pp4_equals_one_process(tmp_path, reference):
+    results = run_distributed(_train, 4, _overrides(tmp_path, "pp4", "mesh.pp=4", "pipeline.schedule=gpipe"))
+    _assert_same(results[0], reference)
+
+
+# ------------------------------------------------------------------ stages built by hand: memory, eval
+
+def _batch(dp_rank: int, n_microbatches: int, seq_len: int = 32, vocab: int = 512):
+    """Two packed documents per row; the same numbers on every pp rank of a dp rank."""
+    from qwenft.distributed.pipeline import PipelineBatch
+
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    input_ids = torch.randint(0, vocab, (n_microbatches, seq_len), generator=g)
+    split = seq_len // 3
+    position_ids = torch.cat([torch.arange(split), torch.arange(seq_len - split)]).expand(n_microbatches, -1)
+    labels = torch.randint(0, vocab, (n_microbatches, seq_len), generator=g)
+    labels[:, :4] = -100
+    return PipelineBatch(input_ids, position_ids.contiguous(), labels)
+
+
+def _stage(mesh, cfg, knob: bool, record: bool = False):
+    from qwenft.distributed.fsdp import apply_fsdp
+    from qwenft.distributed.pipeline import ReduceGradStage, build_stage_model, reshard_policy
+    from qwenft.models.loader import init_random_weights
+
+    i = mesh["pp"].get_local_rank()
+    module = build_stage_model(cfg, split_layers(4, 2)[i], embed=i == 0, head=i == 1, kernels="torch")
+    reshard = reshard_policy("1f1b", knob)
+    apply_fsdp(module, mesh["dp"], torch.float32, reshard_after_forward=reshard)
+    init_random_weights(module, seed=0, device="cpu", dtype=torch.float32)
+    stage = ReduceGradStage(module, i, 2, torch.device("cpu"), group=mesh["pp"].get_group(),
+                            reduce_grad_per_microbatch=knob, reshard=reshard, record_grad_bytes=record)
+    return module, stage
+
+
+def _grad_bytes_after_first_microbatch(rank, world_size, knob):
+    from qwenft.distributed.mesh import Layout, build_mesh
+    from qwenft.distributed.pipeline import TokenCE, build_schedule, train_step
+    from qwenft.models.qwen3_5.configs import named_config
+
+    mesh = build_mesh(Layout(pp=2, dp=2, tp=1))
+    module, stage = _stage(mesh, named_config("tiny"), knob, record=True)
+    loss_fn = TokenCE()
+    schedule = build_schedule("1f1b", [stage], 2, loss_fn)
+    batch = _batch(mesh["dp"].get_local_rank(), 2)
+    train_step(schedule, [stage], batch, loss_fn, torch.tensor(100.0), mesh["dp"].get_group(),
+               mesh["pp"].get_group())
+    full = sum(p.numel() * p.element_size() for p in module.parameters())  # DTensor numel is the global one
+    return stage.first_backward_grad_bytes, full
+
+
+@pytest.mark.parametrize("knob", [False, True])
+def test_knob_gradient_memory_after_first_microbatch(knob):
+    """Knob off: a full-size accumulator (= the stage's parameter bytes) after microbatch 0's backward;
+    on: no unsharded gradient at all, only 1/dp shards."""
+    results = run_distributed(_grad_bytes_after_first_microbatch, 4, knob)
+    for rank, (grad_bytes, full) in enumerate(results):
+        print(f"knob={knob} rank {rank}: stage params {full} B, after microbatch 0: {grad_bytes}")
+        if knob:
+            assert grad_bytes["unsharded"] == 0
+            assert 0 < grad_bytes["sharded"] <= full // 2 + 4096  # 1/dp, plus uneven-shard rounding
+        else:
+            assert grad_bytes["unsharded"] == full
+
+
+def _eval_vs_one_process(rank, world_size):
+    from qwenft.distributed.mesh import Layout, build_mesh
+    from qwenft.distributed.pipeline import TokenCE, build_schedule, pipeline_eval_loss
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.loss import token_ce_sum
+
+    mesh = build_mesh(Layout(pp=2, dp=2, tp=1))
+    cfg = named_config("tiny")
+    _, stage = _stage(mesh, cfg, knob=False)
+    schedule = build_schedule("1f1b", [stage], 2, TokenCE())
+    batch = _batch(mesh["dp"].get_local_rank(), 2)
+    ce, tokens = pipeline_eval_loss(schedule, [stage], batch, mesh["dp"].get_group(), mesh["pp"].get_group())
+
+    full = init_random_weights(build_model(cfg, kernels="torch"), seed=0, device="cpu", dtype=torch.float32)
+    from qwenft.data.packing import cu_seqlens_from_position_ids
+
+    ref_ce, ref_tokens = 0.0, 0
+    with torch.no_grad():
+        for dp_rank in range(2):
+            b = _batch(dp_rank, 2)
+            logits = full(input_ids=b.input_ids, position_ids=b.position_ids,
+                          cu_seqlens=cu_seqlens_from_position_ids(b.position_ids))
+            ref_ce += token_ce_sum(logits, b.labels).item()
+            ref_tokens += int((b.labels != -100).sum())
+    return ce.item(), int(tokens.item()), ref_ce, ref_tokens
+
+
+def test_pipeline_eval_loss_equals_one_process():
+    for ce, tokens, ref_ce, ref_tokens in run_distributed(_eval_vs_one_process, 4):
+        assert tokens == ref_tokens
+        assert abs(ce - ref_ce) <= 1e-5 * ref_ce, (ce, ref_ce)
+
+
+# ------------------------------------------------------------------ stage split, config errors
+
+def test_balanced_split_counts_embeddings_and_head():
+    assert [len(s) for s in split_layers(64, 4)] == [16, 16, 16, 16]  # 27B, pp4: 66 layer-equivalents
+    assert split_layers(4, 2) == [[0, 1], [2, 3]]
+    assert split_layers(4, 4) == [[0], [1], [2], [3]]
+    assert [len(s) for s in split_layers(10, 2)] == [5, 5]
+    assert [len(s) for s in split_layers(9, 3)] == [3, 3, 3]  # costs 4, 3, 4 beat 3, 4, 4 on even layer counts
+    vlm = [len(s) for s in split_layers(64, 4, has_vision=True)]  # stage 0 also carries the vision tower
+    assert vlm[0] == 15 and max(vlm[0] + 2, vlm[1], vlm[2], vlm[3] + 1) == 17 and sum(vlm) == 64
+
+
+def test_split_overrides_and_errors():
+    assert split_layers(4, 2, layers_per_stage=[1, 3]) == [[0], [1, 2, 3]]
+    assert split_layers(4, 2, stage_layers=[[0, 1, 2], [3]]) == [[0, 1, 2], [3]]
+    with pytest.raises(ValueError, match=r"pipeline.layers_per_stage=\[2, 1\] must have 2 entries"):
+        split_layers(4, 2, layers_per_stage=[2, 1])
+    with pytest.raises(ValueError, match="pipeline.stage_layers"):
+        split_layers(4, 2, stage_layers=[[0, 2], [1, 3]])
+    with pytest.raises(ValueError, match="fewer than the 8 pipeline stages"):
+        split_layers(4, 8)
+
+
+def test_bad_schedule_is_one_line_listing_valid_ones():
+    with pytest.raises(ValueError) as e:
+        compose(["pipeline.schedule=zb"])
+    msg = str(e.value)
+    assert "\n" not in msg and "pipeline.schedule='zb' is not valid" in msg
+    assert all(name in msg for name in SCHEDULES)
+
+
+def test_num_microbatches_must_agree(tmp_path):
+    with pytest.raises(RuntimeError, match=r"pipeline.num_microbatches=3 but train.global_batch_size=4 / dp=1 "
+                                           r"/ train.micro_batch_size=1 = 4"):
+        run_distributed(_train, 1, _overrides(tmp_path, "nmb", "pipeline.num_microbatches=3"))
+
+
+def test_virtual_stages_must_fit_schedule(tmp_path):
+    with pytest.raises(RuntimeError, match="pipeline.virtual_stages=1 but pipeline.schedule=zbv needs exactly 2"):
+        run_distributed(_train, 2, _overrides(tmp_path, "vs", "mesh.pp=2", "pipeline.schedule=zbv",
+                                              "pipeline.virtual_stages=1"))
+
+
+# ------------------------------------------------------------------ the CLI, as a user runs it
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchrun_pp2_matches_one_process(tmp_path):
+    args = ["train", "recipe=tiny", "train.max_steps=3", "data.seq_len=128", "train.progress_bar=false",
+            "optim.lr=5e-4", "lr_scheduler.warmup_steps=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "qwenft", *args, f"run_dir={tmp_path / 'one'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    pp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                         "-m", "qwenft", *args, "mesh.pp=2", f"run_dir={tmp_path / 'pp'}"], cwd=REPO,
+                        capture_output=True, text=True, timeout=600, env=env)
+    assert pp.returncode == 0, pp.stderr[-3000:]
+    a, b = _losses(tmp_path / "pp"), _losses(tmp_path / "one")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(y), (a, b)
+    assert "pp 2 x dp 1" in (tmp_path / "pp" / "train.log").read_text()
