@@ -42,6 +42,13 @@ def text_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def odd_vocab_ckpt(tmp_path_factory):
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = 511  # what a tokenizer-sized vocab can look like: uneven vocab shards
+    return _save_checkpoint(cfg, tmp_path_factory.mktemp("tp_odd_vocab"))
+
+
+@pytest.fixture(scope="module")
 def vlm_ckpt(tmp_path_factory):
     from test_model_vlm import tiny_vlm
 
@@ -102,6 +109,7 @@ def _train(model, batches, clip, max_norm, lr, label_tokens, dp_group=None):
             torch.distributed.all_reduce(total, group=dp_group)
         out["loss"].append(total.item())
         out["logits"].append(_full(logits).detach())
+        out["logits_type"] = type(logits).__name__
         out["grad_norm"].append(_full(clip(model.parameters(), max_norm)).item())
         out.setdefault("grads", {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()})
         # every rank's own .grad must be the full gradient of what it holds, not a partial sum
@@ -133,6 +141,11 @@ def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm
         parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel)
     else:
         apply_tp(model, mesh["tp"], vocab_parallel=vocab_parallel)
+    sharded = [model.layers["3"].self_attn.q_proj.weight, model.layers["0"].linear_attn.conv_v]
+    if vocab_parallel:
+        sharded.append(model.lm_head.weight)
+    for p in sharded:  # really split over tp (and dp under FSDP), before any weight is read
+        assert p.to_local().shape[0] <= -(-p.shape[0] // world_size), p.shape
     load_hf_weights(model, path, device="cpu")
     label_tokens = _label_tokens(batches)
     if dp > 1:
@@ -153,7 +166,10 @@ def assert_same(out, ref, logits=True):
     assert out["partial_grads"] == []
     for name, g in ref["grads"].items():
         assert g.norm() > 0, name
-        assert rel(out["grads"][name], g) < TOL, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
+        # GDN's A_log / dt_bias grads sum over every token with heavy cancellation (tests/test_model_vlm.py):
+        # a different summation order alone moves them by up to 2.3e-5 (measured, vocab 511)
+        tol = 1e-4 if name.endswith(("A_log", "dt_bias")) else TOL
+        assert rel(out["grads"][name], g) < tol, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
 
 
 @pytest.mark.parametrize("vocab_parallel, fsdp", [(True, False), (False, True)])
@@ -162,6 +178,15 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp):
     ref = reference(text_ckpt, batches)
     for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp):
         assert_same(out, ref)
+        assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
+
+
+def test_tp2_vocab_parallel_uneven_vocab(odd_vocab_ckpt):
+    batches = text_batch()
+    batches[0]["labels"][0, 3] = 510  # the last id lives in the second, shorter shard
+    ref = reference(odd_vocab_ckpt, batches)
+    out = run_distributed(_tp_rank, 2, odd_vocab_ckpt, batches, 1, True, True)[0]
+    assert_same(out, ref)
 
 
 def test_tp2_dp2_fsdp(text_ckpt):
