@@ -17,11 +17,15 @@ def local(p: torch.Tensor) -> torch.Tensor:
 
     qwenft.distributed.tensor_parallel makes per-head parameters (GDN conv weights, A_log, dt_bias) Shard(0)
     DTensors and per-head-shared norm weights Replicate DTensors. A replicated weight applied to head-sharded
-    activations gets only this rank's heads' share of its gradient, so its grad is declared Partial (summed over
-    tp ranks when DTensor/FSDP materialise it).
+    activations gets only this rank's heads' share of its gradient: the local grad is declared Partial, and
+    the (forward no-op) redistribute to Replicate sums it over tp ranks in the backward, so every rank's
+    `.grad` is the full gradient.
     """
     if not isinstance(p, DTensor):
         return p
+    if not any(isinstance(pl, Replicate) for pl in p.placements):
+        return p.to_local()
+    p = p.redistribute(p.device_mesh, p.placements)
     return p.to_local(grad_placements=[Partial() if isinstance(pl, Replicate) else pl for pl in p.placements])
 
 
