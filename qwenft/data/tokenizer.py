@@ -35,6 +35,9 @@ _RECIPE_VERSION = "1"  # bump when the training recipe below changes, to invalid
 DEFAULT_CACHE_DIR = Path("~/.cache/qwenft/tokenizers")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(path_or_name: str, cache_dir: str | os.PathLike | None = None,
                    vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """`"tiny"` -> the cached (trained on first use) tiny BPE; anything else -> AutoTokenizer on that path.
@@ -42,7 +45,14 @@ def load_tokenizer(path_or_name: str, cache_dir: str | os.PathLike | None = None
     `cache_dir` and `vocab_size` only matter for `"tiny"`.
     """
     if path_or_name != "tiny":
-        return AutoTokenizer.from_pretrained(path_or_name)
+        path = Path(path_or_name)
+        if not path.is_dir():
+            raise ValueError(f"tokenizer dir {str(path)!r} does not exist; set data.tokenizer to a tokenizer "
+                             f"dir, or to 'tiny'")
+        if not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise ValueError(f"{str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); set "
+                             f"data.tokenizer to a tokenizer dir (default: model.path, else 'tiny')")
+        return AutoTokenizer.from_pretrained(path)
     data = TRAIN_PATH.read_bytes()
     key = json.dumps([_RECIPE_VERSION, vocab_size, SPECIAL_TOKENS, TINY_CHAT_TEMPLATE]).encode()
     digest = hashlib.sha256(key + data).hexdigest()[:16]

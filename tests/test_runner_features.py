@@ -1,0 +1,100 @@
+"""Runner features a user relies on: pretrained start, wandb offline, repo-root launch, packaged recipes."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from qwenft.cli import compose, list_recipes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _first_step_loss(rank, world_size, overrides):
+    from qwenft.train.runner import run
+
+    return run(compose(overrides)).losses[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen3.5 saved in HF layout with the tiny tokenizer beside it."""
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.loader import build_model, init_random_weights, save_hf
+    from qwenft.models.qwen3_5.configs import named_config
+
+    out = tmp_path_factory.mktemp("ckpt")
+    cfg = named_config("tiny")
+    model = build_model(cfg, kernels="torch", device="meta")
+    init_random_weights(model, seed=7, device="cpu", dtype=torch.float32)
+    save_hf(model, cfg, out)
+    load_tokenizer("tiny").save_pretrained(out)
+    return out
+
+
+def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
+    """model.path takes config, weights and tokenizer from the dir: step 1's loss equals transformers'
+    loss on the same batch with the same checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qwenft.data.loader import build_sft_data
+    from qwenft.data.tiny_chat import TRAIN_PATH
+    from qwenft.train.loss import token_ce_sum
+
+    (loss,) = run_distributed(_first_step_loss, 1, [
+        f"model.path={checkpoint}", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
+        "data.packing=pad", "data.seq_len=64", "model.kernels.gdn=torch", "train.progress_bar=false",
+        f"run_dir={tmp_path / 'run'}"])
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    batch = next(iter(build_sft_data(TRAIN_PATH, tokenizer, seq_len=64, micro_batch_size=2, packing="pad")))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():  # one document per row, right-padded: the padding can't reach earlier tokens
+        logits = hf(input_ids=batch["input_ids"]).logits
+    reference = token_ce_sum(logits, batch["labels"]) / (batch["labels"] != -100).sum()
+    assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
+
+
+def test_model_path_without_tokenizer_fails_naming_the_key(tmp_path, checkpoint):
+    weights_only = tmp_path / "weights"
+    weights_only.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name.startswith("model") or f.name == "config.json":
+            (weights_only / f.name).symlink_to(f)
+    with pytest.raises(RuntimeError, match="has no tokenizer files .* set data.tokenizer"):
+        run_distributed(_first_step_loss, 1, [f"model.path={weights_only}", "train.max_steps=1",
+                                              f"run_dir={tmp_path / 'run'}"])
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    run_distributed(_first_step_loss, 1, ["logger=wandb", "train.max_steps=2", "data.seq_len=64",
+                                          "train.progress_bar=false", f"run_dir={run_dir}"])
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
+
+
+def test_repo_root_directory_runs_as_script():
+    """`torchrun qwenft train ...` from the repository root executes the qwenft/ directory as a script."""
+    out = subprocess.run([sys.executable, "qwenft", "show", "train.max_steps=5"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "max_steps: 5" in out.stdout
+
+
+def test_wheel_ships_every_recipe(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    (wheel,) = tmp_path.glob("qwenft-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for recipe in list_recipes():
+        assert f"qwenft/conf/recipe/{recipe}.yaml" in names, recipe
+    assert "qwenft/data/assets/tiny_chat.jsonl" in names
