@@ -135,3 +135,25 @@ def test_inputs_embeds_replace_the_lookup():
     model = init_random_weights(build_model(cfg, kernels="torch"), seed=4, device="cpu")
     ids = torch.randint(0, cfg.text.vocab_size, (1, 12))
     assert torch.equal(model(inputs_embeds=model.embed_tokens(ids)), model(input_ids=ids))
+
+
+# (full-attention layers, q heads, kv heads, GDN key heads, GDN value heads, hidden, tied), from the released
+# config.json of each size (see docs/models.md)
+RELEASED_SIZES = {
+    "0.8b": (6, 8, 2, 16, 16, 1024, True),
+    "2b": (6, 8, 2, 16, 16, 2048, True),
+    "4b": (8, 16, 4, 16, 32, 2560, True),
+    "9b": (8, 16, 4, 16, 32, 4096, False),
+    "27b": (16, 24, 4, 16, 48, 5120, False),
+}
+
+
+@pytest.mark.parametrize("size", sorted(RELEASED_SIZES))
+def test_named_sizes_build_the_released_transformers_config(size):
+    full, q, kv, gdn_k, gdn_v, hidden, tied = RELEASED_SIZES[size]
+    hf = to_hf_config(named_config(size))  # config only: no weights are built
+    assert hf.layer_types.count(FULL_ATTENTION) == full
+    assert all(t == FULL_ATTENTION for t in hf.layer_types[3::4]) and hf.layer_types.count(LINEAR_ATTENTION) == 3 * full
+    assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (q, kv, 256)
+    assert (hf.linear_num_key_heads, hf.linear_num_value_heads) == (gdn_k, gdn_v)
+    assert (hf.hidden_size, hf.vocab_size, hf.tie_word_embeddings) == (hidden, 248320, tied)
