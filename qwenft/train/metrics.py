@@ -43,3 +43,47 @@ class MetricsLogger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# Dense bf16 tensor-core peaks (datasheet, no sparsity), for MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def matmul_params(t) -> dict[str, int]:
+    """Parameters that take part in a matmul per token, by layer kind (embedding lookups excluded)."""
+    mlp = 3 * t.hidden_size * t.intermediate_size
+    q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    attention = t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size  # q_proj carries the gate: 2*q rows
+    kd = t.linear_num_key_heads * t.linear_key_head_dim
+    vd = t.linear_num_value_heads * t.linear_value_head_dim
+    gdn = t.hidden_size * (2 * kd + 2 * vd + 2 * t.linear_num_value_heads) + vd * t.hidden_size
+    return {"full_attention": attention + mlp, "linear_attention": gdn + mlp,
+            "lm_head": t.hidden_size * t.vocab_size}
+
+
+def flops_per_token(t, seq_len: int, chunk: int = 64) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token of a Qwen3.5 text model.
+
+    6 per matmul parameter; plus, per full-attention layer, the causal QK^T and PV products over seq_len
+    (2 products x 2 FLOPs x seq_len/2 keys x heads x head_dim, x3); plus, per GatedDeltaNet layer, the
+    chunked delta rule per value head (state read, correction and update: ~4 dk*dv products; intra-chunk
+    attention: chunk*(dk+dv)), x2 FLOPs x3. Packing lowers the real attention term (documents are
+    shorter than seq_len); this counts the unpacked upper bound, the convention of MFU reports.
+    """
+    params = matmul_params(t)
+    total = 6 * params["lm_head"]
+    dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
+    for kind in t.layer_types:
+        total += 6 * params[kind]
+        if kind == "full_attention":
+            total += 3 * 2 * 2 * (seq_len / 2) * t.num_attention_heads * t.head_dim
+        else:
+            total += 3 * 2 * t.linear_num_value_heads * (4 * dk * dv + chunk * (dk + dv))
+    return float(total)
