@@ -42,9 +42,10 @@ def text_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def odd_vocab_ckpt(tmp_path_factory):
+def tied_odd_vocab_ckpt(tmp_path_factory):
     cfg = named_config("tiny")
     cfg.text.vocab_size = 511  # what a tokenizer-sized vocab can look like: uneven vocab shards
+    cfg.tie_word_embeddings = True  # as 0.8b: embed_tokens and lm_head share one vocab-sharded DTensor
     return _save_checkpoint(cfg, tmp_path_factory.mktemp("tp_odd_vocab"))
 
 
@@ -181,11 +182,12 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp):
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
 
-def test_tp2_vocab_parallel_uneven_vocab(odd_vocab_ckpt):
+def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
     batches = text_batch()
     batches[0]["labels"][0, 3] = 510  # the last id lives in the second, shorter shard
-    ref = reference(odd_vocab_ckpt, batches)
-    out = run_distributed(_tp_rank, 2, odd_vocab_ckpt, batches, 1, True, True)[0]
+    ref = reference(tied_odd_vocab_ckpt, batches)
+    assert "lm_head.weight" not in ref["grads"]  # tied: one parameter, named embed_tokens.weight
+    out = run_distributed(_tp_rank, 2, tied_odd_vocab_ckpt, batches, 1, True, True)[0]
     assert_same(out, ref)
 
 

@@ -16,9 +16,11 @@
 The residual stream between blocks is replicated (no sequence parallelism yet).
 """
 
+import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -83,11 +85,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True)
             model.tie_weights()
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for a model whose parameters live on different meshes (TP + FSDP
-    gives (dp, tp) DTensors for sharded weights and dp-only DTensors for replicated ones; torch's version
-    refuses to stack norms from different meshes). Returns the total norm as a plain tensor, equal on all
-    ranks. With pipeline stages, each stage's norm still has to be combined over pp by the caller."""
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for parameters on different meshes, optionally over pipeline stages.
+
+    TP + FSDP leaves (dp, tp) DTensors for sharded weights next to dp-only DTensors (or plain tensors) for
+    replicated ones, and torch's version refuses to stack norms from different meshes. Each mesh's norm is
+    reduced on its own, then combined (and over `pp_group`, each stage holding its own parameters). Returns
+    the total norm as a plain tensor, equal on all ranks, as one process would compute it.
+    """
     params = [p for p in parameters if p.grad is not None]
     groups = defaultdict(list)
     for p in params:
@@ -96,12 +101,19 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    device = params[0].device if params else None
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
+    total = total.float()
+    if pp_group is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=pp_group)
+            total = total ** (1.0 / norm_type)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     with torch.no_grad():
         for grads in groups.values():
             for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
     return total
