@@ -76,6 +76,16 @@ def test_pp4_equals_one_process(tmp_path, reference):
     _assert_same(results[0], reference)
 
 
+@pytest.mark.parametrize("world_size, knob", [(4, "false"), (8, "true")])
+def test_tp2_pp2_dpn_equals_one_process(tmp_path, reference, world_size, knob):
+    """TP inside each stage (tp2 x pp2, and 3D tp2 x pp2 x dp2). tp2 alone already sits 9.9e-6 from one
+    process (z_proj, tensor-parallel reduction order); pipelining adds nothing on top: hence 2e-5."""
+    results = run_distributed(_train, world_size, _overrides(
+        tmp_path, f"tp2pp2-{world_size}", "mesh.tp=2", "mesh.pp=2", f"pipeline.reduce_grad_per_microbatch={knob}"))
+    _assert_same(results[0], reference, rtol=2e-5)
+    _assert_same(results[-1], reference, rtol=2e-5)
+
+
 # ------------------------------------------------------------------ stages built by hand: memory, eval
 
 def _batch(dp_rank: int, n_microbatches: int, seq_len: int = 32, vocab: int = 512):

@@ -344,16 +344,3 @@ def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_grou
     dist.all_reduce(ce, group=pp_group)
     dist.all_reduce(tokens, group=dp_group)
     return ce, tokens
-
-
-def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the global gradient norm over all pipeline stages (the norm one process would compute)."""
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    norm = norm.float() ** 2
-    dist.all_reduce(norm, group=pp_group)
-    norm = norm.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm

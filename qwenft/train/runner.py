@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from qwenft.conf.schema import Config
-from qwenft.distributed.fsdp import apply_fsdp, set_microbatch_grad_sync
+from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
+from qwenft.distributed.tensor_parallel import clip_grad_norm_, validate_tp
 from qwenft.train.loss import count_label_tokens, token_ce_sum
 from qwenft.train.metrics import MetricsLogger, peak_memory_gib
 from qwenft.train.optim import build_optimizer, build_scheduler
@@ -103,14 +104,13 @@ def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, 
     return out
 
 
-def _parallelize(module: torch.nn.Module, cfg: Config, dp_mesh, device, reshard_after_forward: bool = True):
-    """One model or pipeline stage, in the fixed order: activation checkpointing -> FSDP2 (TP comes first
-    once qwenft.distributed.parallelize has it)."""
-    if cfg.model.activation_checkpointing:
-        from qwenft.distributed.parallelize import apply_activation_checkpointing
+def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_after_forward: bool = True):
+    """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> FSDP2."""
+    from qwenft.distributed.parallelize import parallelize
 
-        apply_activation_checkpointing(module)
-    apply_fsdp(module, dp_mesh, _param_dtype(cfg.model.dtype, device), reshard_after_forward)
+    parallelize(module, mesh, param_dtype=_param_dtype(cfg.model.dtype, device),
+                activation_checkpointing=cfg.model.activation_checkpointing,
+                reshard_after_forward=reshard_after_forward)
 
 
 def _load(module: torch.nn.Module, cfg: Config, device) -> None:
@@ -149,7 +149,7 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
         module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == num_stages - 1,
                                           kernels=cfg.model.kernels.gdn)
         reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
-        _parallelize(module, cfg, mesh["dp"], device, reshard_after_forward=reshard)
+        _parallelize(module, cfg, mesh, device, reshard_after_forward=reshard)
         _load(module, cfg, device)
         stages.append(pp_lib.ReduceGradStage(
             module, i, num_stages, device, group=pp_mesh.get_group(),
@@ -186,9 +186,6 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
-    if layout.tp > 1:
-        raise ValueError(f"mesh.tp={layout.tp}: tensor parallelism is not available in this version; "
-                         f"use mesh.tp=1 (data and pipeline parallel)")
     microbatch_size, num_microbatches = _microbatching(cfg, layout.dp)
     mesh = build_mesh(layout)
     dp_mesh = mesh["dp"]
@@ -222,13 +219,14 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
              data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
 
     model_cfg = _model_config(cfg, len(tokenizer))
+    validate_tp(model_cfg.text, layout.tp)
     pipe = None
     if layout.pp > 1:
         pipe = _build_pipeline(cfg, model_cfg, mesh, layout, device, num_microbatches)
         modules = [stage.submod for stage in pipe.stages]
     else:
         model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
-        _parallelize(model, cfg, dp_mesh, device)
+        _parallelize(model, cfg, mesh, device)
         _load(model, cfg, device)
         modules = [model]
     params = [p for m in modules for p in m.parameters()]
@@ -263,13 +261,10 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
             batch = pp_lib.PipelineBatch.from_microbatches(micro_batches, device)
             step_loss = pp_lib.train_step(pipe.schedule, pipe.stages, batch, pipe.loss_fn, label_tokens,
                                           dp_mesh.get_group(), pp_group)
-            grad_norm = pp_lib.clip_grad_norm_(params, max_norm, pp_group)
         else:
             step_loss = _accumulate(model, micro_batches, label_tokens, device, cfg)
             dist.all_reduce(step_loss, group=dp_mesh.get_group())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
