@@ -88,7 +88,26 @@ class LoggerConfig:
 
 @dataclass
 class LauncherConfig:
-    nproc_per_node: int = 1  # plain `qwenft train` starts this many local workers itself
+    nproc_per_node: int = 1  # `qwenft train` starts this many local workers; SLURM: procs per node without GPUs
+    # `qwenft slurm` (docs/slurm.md): one sbatch task per node, torchrun on each with c10d rendezvous
+    nodes: int = 1
+    gpus_per_node: int = 8  # 0 = CPU nodes: launcher.nproc_per_node processes per node, gloo
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: Optional[str] = None  # SLURM time limit, e.g. "24:00:00"; null = the partition's default
+    job_name: Optional[str] = None  # default qwenft-<recipe>
+    cpus_per_task: Optional[int] = None  # CPUs per node task (the node's torchrun and its workers)
+    container_image: Optional[str] = None  # pyxis: srun --container-image
+    container_mounts: list = field(default_factory=list)  # pyxis: srun --container-mounts, "src:dst" each
+    env: Optional[dict] = None  # exported in the job; *_KEY/*_TOKEN/*SECRET* by name only (null)
+    setup: list = field(default_factory=list)  # shell lines before srun: module load, source .venv/bin/activate
+    sbatch_extra: list = field(default_factory=list)  # extra #SBATCH options, e.g. "--exclusive"
+    python: Optional[str] = None  # interpreter on the nodes; default: this one (or `python` in a container)
+    master_port: Optional[int] = None  # c10d rendezvous port on the first node; default 20000 + job id % 20000
+    signal_seconds: int = 120  # SIGUSR1 to the batch shell this long before the time limit
+    requeue: bool = True  # sbatch --requeue: SLURM may requeue the job after preemption or node failure
+    max_requeues: int = 0  # on SIGUSR1 the job requeues itself up to this many times (needs resume to pay off)
 
 
 @dataclass
@@ -134,7 +153,7 @@ def validate(cfg: Config) -> None:
         "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "data.seq_len": cfg.data.seq_len,
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.micro_batch_size": cfg.train.micro_batch_size, "train.log_every": cfg.train.log_every,
-        "launcher.nproc_per_node": cfg.launcher.nproc_per_node,
+        "launcher.nproc_per_node": cfg.launcher.nproc_per_node, "launcher.nodes": cfg.launcher.nodes,
     }
     for key, value in positive.items():
         if value < 1:
@@ -143,6 +162,9 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.pipeline, key)
         if value is not None and value < 1:
             raise ValueError(f"pipeline.{key}={value} must be >= 1 (or null)")
+    for key in ("gpus_per_node", "signal_seconds", "max_requeues"):
+        if getattr(cfg.launcher, key) < 0:
+            raise ValueError(f"launcher.{key}={getattr(cfg.launcher, key)} must be >= 0")
     if cfg.mesh.dp == 0 or cfg.mesh.dp < -1:
         raise ValueError(f"mesh.dp={cfg.mesh.dp} must be >= 1, or -1 to infer it from the world size")
     if cfg.train.max_steps is None and cfg.train.epochs is None:
