@@ -215,5 +215,6 @@ class GatedDeltaNet(nn.Module):
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule
         out = delta_rule(q, k, v, g, beta, cu_seqlens)
-        out = self.norm(out, z).reshape(b, t, -1)
-        return self.out_proj(out).reshape(B, T, -1)
+        # back to [B, T] before out_proj, so a sequence-parallel out_proj scatters each row's tokens
+        out = self.norm(out, z).reshape(B, T, -1)
+        return self.out_proj(out)
