@@ -128,7 +128,8 @@ def reference(path, batches, max_norm=math.inf, lr=0.0):
     return _train(model, batches, torch.nn.utils.clip_grad_norm_, max_norm, lr, _label_tokens(batches))
 
 
-def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0):
+def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0,
+             sequence_parallel=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwenft.distributed.parallelize import parallelize
@@ -139,19 +140,25 @@ def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm
     validate_tp(cfg.text, mesh["tp"].size())
     model = build_model(cfg, kernels="torch")
     if fsdp:
-        parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel)
+        parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel,
+                    sequence_parallel=sequence_parallel)
     else:
-        apply_tp(model, mesh["tp"], vocab_parallel=vocab_parallel)
+        apply_tp(model, mesh["tp"], vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
     sharded = [model.layers["3"].self_attn.q_proj.weight, model.layers["0"].linear_attn.conv_v]
     if vocab_parallel:
         sharded.append(model.lm_head.weight)
     for p in sharded:  # really split over tp (and dp under FSDP), before any weight is read
         assert p.to_local().shape[0] <= -(-p.shape[0] // world_size), p.shape
+    tokens_seen = []  # by a norm between blocks: T/tp per rank under sequence parallelism
+    model.layers["0"].post_attention_layernorm.register_forward_pre_hook(
+        lambda m, args: tokens_seen.append(args[0].shape[1]))
     load_hf_weights(model, path, device="cpu")
     label_tokens = _label_tokens(batches)
     if dp > 1:
         batches = [_row(b, mesh["dp"].get_local_rank()) for b in batches]
     out = _train(model, batches, clip_grad_norm_, max_norm, lr, label_tokens, mesh["dp"].get_group())
+    seq = batches[0]["input_ids"].shape[1]
+    assert set(tokens_seen) == {seq // mesh["tp"].size() if sequence_parallel else seq}, tokens_seen
     return out
 
 
@@ -173,11 +180,13 @@ def assert_same(out, ref, logits=True):
         assert rel(out["grads"][name], g) < tol, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
 
 
-@pytest.mark.parametrize("vocab_parallel, fsdp", [(True, False), (False, True)])
-def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp):
+@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel",
+                         [(True, False, False), (False, True, False), (True, True, True), (False, False, True)])
+def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel):
     batches = text_batch()
     ref = reference(text_ckpt, batches)
-    for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp):
+    for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp, math.inf, 0.0,
+                               sequence_parallel):
         assert_same(out, ref)
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
@@ -191,18 +200,20 @@ def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
     assert_same(out, ref)
 
 
-def test_tp2_dp2_fsdp(text_ckpt):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
     batches = text_batch()
     ref = reference(text_ckpt, batches)
-    out = run_distributed(_tp_rank, 4, text_ckpt, batches, 2, True, True)[0]
+    out = run_distributed(_tp_rank, 4, text_ckpt, batches, 2, True, True, math.inf, 0.0, sequence_parallel)[0]
     assert_same(out, ref, logits=False)  # each dp rank sees half the rows
 
 
-def test_tp2_three_adamw_steps_with_clipping(text_ckpt):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
     batches = text_batch(steps=3)
     ref = reference(text_ckpt, batches, max_norm=0.5, lr=5e-4)
     assert min(ref["grad_norm"]) > 0.5  # the clip is active, so a wrong norm would change the update
-    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, True, 0.5, 5e-4)[0]
+    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, True, 0.5, 5e-4, sequence_parallel)[0]
     assert_same(out, ref)
     initial = reference(text_ckpt, [])["params"]
     for name, p in ref["params"].items():
@@ -210,7 +221,8 @@ def test_tp2_three_adamw_steps_with_clipping(text_ckpt):
         assert rel(out["params"][name], p) < TOL, f"param {name} after 3 steps"
 
 
-def test_vlm_tp2_with_image(vlm_ckpt):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_vlm_tp2_with_image(vlm_ckpt, sequence_parallel):
     from test_model_vlm import PATCH_DIM, tokens
 
     grid = torch.tensor([[1, 4, 4]])
@@ -220,7 +232,7 @@ def test_vlm_tp2_with_image(vlm_ckpt):
                  image_grid_thw=grid, labels=torch.randint(0, 400, input_ids.shape, generator=gen))
     ref = reference(vlm_ckpt, [batch])
     assert any(n.startswith("visual.") for n in ref["grads"])
-    out = run_distributed(_tp_rank, 2, vlm_ckpt, [batch], 1, True, True)[0]
+    out = run_distributed(_tp_rank, 2, vlm_ckpt, [batch], 1, True, True, math.inf, 0.0, sequence_parallel)[0]
     assert_same(out, ref)
 
 

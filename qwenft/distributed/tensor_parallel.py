@@ -16,6 +16,7 @@
 The residual stream between blocks is replicated (no sequence parallelism yet).
 """
 
+import functools
 import math
 from collections import defaultdict
 
@@ -24,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
 
@@ -52,13 +54,25 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> N
     module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
+             sequence_parallel: bool = False) -> None:
     """Shard `model` (a `Qwen3_5Model` or one pipeline stage of it, usually on the meta device) over `tp_mesh`.
 
     Call `validate_tp` first. Weights are not moved: loading afterwards (`qwenft.models.loader`) reads each
     rank's rows only.
+
+    sequence_parallel: inside the layer stack the residual stream and the two norms of each layer hold only
+    T/tp tokens per rank (the sequence must divide by tp). Each mixer and MLP all-gathers its input tokens
+    and reduce-scatters its output (instead of one all-reduce); the stack's input is split on entry and its
+    output gathered on exit, so embeddings, vision tower, final norm, head and pipeline stage boundaries
+    see full sequences.
     """
     col, row = ColwiseParallel(), RowwiseParallel()
+    if sequence_parallel:
+        row = RowwiseParallel(output_layouts=Shard(1))  # reduce-scatter over tokens
+        gather = {n: PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n - 1),
+                                        desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
+                  for n in (1, 2, 3)}  # by positional input count: mlp(x), linear_attn(x, cu), self_attn(x, rope, cu)
     for layer in model.layers.values():
         if layer.layer_type == FULL_ATTENTION:
             plan = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
@@ -72,7 +86,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True)
                 _shard_param(gdn, name, tp_mesh, Shard(0))
             _shard_param(gdn.norm, "weight", tp_mesh, Replicate())
         plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+        if sequence_parallel:
+            mixer = ("self_attn", 3) if layer.layer_type == FULL_ATTENTION else ("linear_attn", 2)
+            plan |= {mixer[0]: gather[mixer[1]], "mlp": gather[1]}
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # see T/tp tokens each
+                _shard_param(norm, "weight", tp_mesh, Replicate())
         parallelize_module(layer, tp_mesh, plan)
+    if sequence_parallel and len(model.layers):
+        layers = list(model.layers.values())
+        layers[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
+        layers[-1].register_forward_hook(functools.partial(_gather_tokens, mesh=tp_mesh))
     if vocab_parallel:
         plan = {}
         if model.embed_tokens is not None:
@@ -83,6 +106,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True)
         parallelize_module(model, tp_mesh, plan)
         if hasattr(model, "tie_weights"):  # both now Shard(0) over vocab: share the one DTensor again
             model.tie_weights()
+
+
+def _split_tokens(layer, args, mesh):
+    """Sequence parallel entry: keep this rank's contiguous T/tp tokens of every row (backward: all-gather)."""
+    h, *rest = args
+    if h.shape[1] % mesh.size():
+        raise ValueError(f"sequence parallelism needs the sequence length to divide by mesh.tp: {h.shape[1]} "
+                         f"tokens per row, tp={mesh.size()}; pick data.seq_len as a multiple of {mesh.size()}")
+    local = DTensor.from_local(h, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+    return (local.to_local(), *rest)
+
+
+def _gather_tokens(layer, args, output, mesh):
+    """Sequence parallel exit: all-gather the tokens (backward: keep this rank's slice of the gradient)."""
+    return DTensor.from_local(output, mesh, [Shard(1)], run_check=False).redistribute(
+        mesh, [Replicate()]).to_local()
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
