@@ -3,6 +3,7 @@
 import difflib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,13 +21,14 @@ USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]
 commands:
   train     train a recipe (torchrun ... qwenft train, or launcher.nproc_per_node=N to start N workers)
   show      print the resolved config of a recipe after overrides
+  slurm     write an sbatch script for launcher.nodes nodes and submit it (--dry-run: print it); docs/slurm.md
   recipes   list recipes, one line each
 
 overrides (Hydra syntax): a.b=v sets a key, group=option picks a config group option, ~a.b resets a key.
 config groups: {{groups}}
 recipes: {{recipes}}
 extra recipe dir: ${RECIPES_ENV}=DIR (YAML files in DIR become recipes; they shadow built-in ones)
-docs: docs/cli.md, docs/recipes.md
+docs: docs/cli.md, docs/recipes.md, docs/slurm.md
 """
 
 
@@ -155,6 +157,34 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+def _slurm(args: list[str]) -> int:
+    """`qwenft slurm`: run_dir/slurm.sh and run_dir/config.yaml, then sbatch; --dry-run only prints the script."""
+    import dataclasses
+
+    from qwenft.launch import slurm
+    from qwenft.train.runner import default_run_dir
+
+    overrides = [a for a in args if a != "--dry-run"]
+    cfg = compose(overrides)
+    run_dir = str(Path(cfg.run_dir or default_run_dir(cfg.recipe)).resolve())
+    script = slurm.render(cfg, overrides, run_dir, workdir=os.getcwd())
+    if "--dry-run" in args:
+        print(script, end="")
+        return 0
+    for name in slurm.missing_secrets(cfg):
+        print(f"qwenft: warning: launcher.env.{name} is passed by name but not set in this shell", file=sys.stderr)
+    if shutil.which("sbatch") is None:
+        raise ConfigError("sbatch not found on PATH; run qwenft slurm on a SLURM login node "
+                          "(or add --dry-run to print the script)")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    script_path = Path(run_dir) / "slurm.sh"
+    script_path.write_text(script)
+    (Path(run_dir) / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=run_dir)))
+    job_id = slurm.submit(str(script_path))
+    print(f"submitted job {job_id}: {script_path}, log {run_dir}/slurm-{job_id}.out")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -169,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, description in list_recipes().items():
                 print(f"{name:28s} {description}")
             return 0
+        if command == "slurm":
+            return _slurm(args)
         if command not in ("train", "show"):
-            raise ConfigError(f"unknown command {command!r}; commands: train, show, recipes")
+            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, recipes")
         cfg = compose(args)
         if command == "show":
             print(to_yaml(cfg), end="")

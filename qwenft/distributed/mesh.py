@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from qwenft.launch.slurm import env_from_slurm
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -49,6 +51,7 @@ def init_process_group(backend: str = "auto") -> None:
         return
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    os.environ.update(env_from_slurm())  # a hand-written `srun qwenft train`: one task per rank, no torchrun
     if "RANK" not in os.environ:  # a single process started without torchrun
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -56,7 +59,8 @@ def init_process_group(backend: str = "auto") -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # modulo: srun --gpus-per-task=1 leaves each task one visible GPU whatever its local rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
 
 

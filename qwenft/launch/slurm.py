@@ -1,0 +1,194 @@
+"""SLURM: the sbatch script `qwenft slurm` submits, and the environment mapping for a hand-written srun.
+
+The script runs one task per node; `srun` starts torchrun on every node, and the torchruns meet by c10d
+rendezvous on the first node's address. That address is the first node's NodeAddr from `scontrol show
+node`, not its name: node names need not resolve (they don't on test clusters with fake nodes).
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from qwenft.conf.schema import Config
+
+# Environment variables whose values never go into a script: they travel by name from the submitting shell.
+SECRET_NAME = re.compile(r"(_KEY|_TOKEN)$|SECRET", re.IGNORECASE)
+MASTER_PORT_BASE = 20000
+
+
+def procs_per_node(cfg: "Config") -> int:
+    """GPUs per node, or launcher.nproc_per_node on CPU nodes (gpus_per_node=0)."""
+    launcher = cfg.launcher
+    if launcher.gpus_per_node == 0:
+        return launcher.nproc_per_node
+    if launcher.nproc_per_node not in (1, launcher.gpus_per_node):
+        raise ValueError(
+            f"launcher.nproc_per_node={launcher.nproc_per_node} disagrees with launcher.gpus_per_node="
+            f"{launcher.gpus_per_node}; on GPU nodes each GPU is one process: leave nproc_per_node at 1")
+    return launcher.gpus_per_node
+
+
+def check(cfg: "Config") -> int:
+    """The world size of the job; raises ValueError (one line) when the mesh can't fill it."""
+    launcher, mesh = cfg.launcher, cfg.mesh
+    procs = procs_per_node(cfg)
+    world = launcher.nodes * procs
+    per_node = (f"launcher.gpus_per_node={procs}" if launcher.gpus_per_node
+                else f"launcher.nproc_per_node={procs}")
+    ranks = f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks"
+    if world % (mesh.tp * mesh.pp):
+        raise ValueError(f"{ranks}, but mesh.tp={mesh.tp} x mesh.pp={mesh.pp} = {mesh.tp * mesh.pp} "
+                         f"does not divide {world}")
+    if mesh.dp != -1 and mesh.tp * mesh.pp * mesh.dp != world:
+        raise ValueError(f"{ranks}, but mesh.tp={mesh.tp} x mesh.pp={mesh.pp} x mesh.dp={mesh.dp} = "
+                         f"{mesh.tp * mesh.pp * mesh.dp}; set mesh.dp=-1 to infer it")
+    for name, value in (launcher.env or {}).items():
+        if SECRET_NAME.search(str(name)) and value is not None:
+            raise ValueError(
+                f"launcher.env.{name} has a value; secrets are passed by name only: export {name} in the "
+                f"shell that runs qwenft slurm and set launcher.env.{name}=null")
+    return world
+
+
+def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> str:
+    """The sbatch script. `overrides` are the user's, passed on to `qwenft train` with run_dir fixed, so a
+    requeued job writes to (and, once resume exists, resumes from) the same dir."""
+    launcher = cfg.launcher
+    procs = procs_per_node(cfg)
+    world = check(cfg)
+    python = launcher.python or ("python" if launcher.container_image else sys.executable)
+    q = shlex.quote
+
+    sbatch = [f"--job-name={launcher.job_name or 'qwenft-' + cfg.recipe}",
+              f"--nodes={launcher.nodes}", "--ntasks-per-node=1"]
+    if launcher.gpus_per_node:
+        sbatch.append(f"--gpus-per-node={launcher.gpus_per_node}")
+    for key in ("cpus_per_task", "partition", "account", "qos", "time"):
+        value = getattr(launcher, key)
+        if value is not None:
+            sbatch.append(f"--{key.replace('_', '-')}={value}")
+    sbatch += [f"--chdir={workdir}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
+               "--export=ALL", f"--signal=B:USR1@{launcher.signal_seconds}"]
+    if launcher.requeue:
+        sbatch.append("--requeue")
+    sbatch += list(launcher.sbatch_extra)
+
+    lines = ["#!/bin/bash",
+             f"# qwenft slurm: recipe {cfg.recipe}, {launcher.nodes} node(s) x {procs} process(es) = world "
+             f"{world}; written by `qwenft slurm`, see docs/slurm.md"]
+    lines += [f"#SBATCH {option}" for option in sbatch]
+    lines += ["set -euo pipefail", ""]
+    env = launcher.env or {}
+    if env:
+        lines.append("# launcher.env; names without a value come from the submitting shell (--export=ALL)")
+        for name, value in env.items():
+            lines.append(f"export {name}" if value is None else f"export {name}={q(str(value))}")
+        lines.append("")
+    lines += list(launcher.setup)
+    port = launcher.master_port or f"$(({MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_BASE}))"
+    lines += [
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# node names need not resolve; SLURM knows each node's address",
+        'head_addr=$(scontrol show node "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        'head_addr=${head_addr:-$head_node}',
+        f"port={port}",
+        'echo "qwenft: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, restart ${SLURM_RESTART_COUNT:-0}, '
+        'rendezvous $head_addr:$port"',
+        "",
+        "# SIGUSR1 (--signal: the time limit is near) requeues the job into the same run dir, up to",
+        f"# launcher.max_requeues={launcher.max_requeues} times. Training resumes only once checkpoint resume exists.",
+        "on_usr1() {",
+        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {launcher.max_requeues} ]; then',
+        '    echo "qwenft: SIGUSR1, requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"',
+        "  else",
+        f'    echo "qwenft: SIGUSR1, not requeueing (launcher.max_requeues={launcher.max_requeues})"',
+        "  fi",
+        "}",
+        "trap on_usr1 USR1",
+        "",
+    ]
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if launcher.cpus_per_task is not None:  # srun stopped inheriting sbatch's --cpus-per-task in 22.05
+        srun.append(f"--cpus-per-task={launcher.cpus_per_task}")
+    if launcher.container_image:
+        srun += [f"--container-image={q(launcher.container_image)}", f"--container-workdir={q(workdir)}"]
+        if launcher.container_mounts:
+            srun.append(f"--container-mounts={q(','.join(launcher.container_mounts))}")
+    torchrun = [q(python), "-m", "torch.distributed.run", '--nnodes="$SLURM_JOB_NUM_NODES"',
+                f"--nproc-per-node={procs}", "--rdzv-backend=c10d", '--rdzv-endpoint="$head_addr:$port"',
+                '--rdzv-id="$SLURM_JOB_ID"', "--max-restarts=0"]
+    train = ["-m", "qwenft", "train", *(q(o) for o in overrides if not o.startswith("run_dir=")),
+             q(f"run_dir={run_dir}")]
+    lines.append(" \\\n    ".join([" ".join(srun), " ".join(torchrun), " ".join(train)]) + " &")
+    lines += [
+        "# srun runs in the background so the USR1 trap fires at once (bash defers traps during a",
+        "# foreground command); a trap interrupts `wait`, so wait again until srun has exited",
+        "srun_pid=$!",
+        "status=0",
+        'wait "$srun_pid" || status=$?',
+        'while kill -0 "$srun_pid" 2>/dev/null; do status=0; wait "$srun_pid" || status=$?; done',
+        'exit "$status"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def missing_secrets(cfg: "Config", environ: Mapping[str, str] | None = None) -> list[str]:
+    """launcher.env names passed by name that the submitting shell doesn't have."""
+    environ = os.environ if environ is None else environ
+    return [name for name, value in (cfg.launcher.env or {}).items() if value is None and name not in environ]
+
+
+def submit(script_path: str) -> str:
+    """sbatch the script; the job id."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise ValueError("sbatch not found on PATH; run qwenft slurm on a SLURM login node "
+                         "(or add --dry-run to print the script)")
+    out = subprocess.run([sbatch, "--parsable", script_path], capture_output=True, text=True)
+    if out.returncode != 0:
+        reason = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        raise ValueError(f"sbatch {script_path} failed: {reason}")
+    return out.stdout.strip().split(";")[0]
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist: 'gpu[003-010,012],cpu1' -> 'gpu003'."""
+    prefix, ranges, suffix = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,\[]*)", nodelist).groups()
+    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "") + suffix
+
+
+def node_address(name: str) -> str:
+    """The NodeAddr SLURM has for a node (names need not resolve); the name itself without scontrol."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return name
+    match = re.search(r"NodeAddr=(\S+)", out.stdout)
+    return match.group(1) if match else name
+
+
+def env_from_slurm(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """torch.distributed variables for a process that `srun` started as one rank (no torchrun).
+
+    Applies only inside a job step (SLURM_STEP_ID and SLURM_PROCID set) when RANK and WORLD_SIZE are not set
+    (torchrun sets them, and then they win). Maps RANK <- SLURM_PROCID, WORLD_SIZE <- SLURM_STEP_NUM_TASKS,
+    LOCAL_RANK <- SLURM_LOCALID; MASTER_ADDR <- NodeAddr of the step's first node (SLURM_STEP_NODELIST),
+    MASTER_PORT <- 20000 + SLURM_JOB_ID % 20000; MASTER_ADDR / MASTER_PORT already set are kept. The batch
+    shell itself has no SLURM_STEP_ID: a plain `qwenft train` there stays a single process.
+    """
+    env = os.environ if environ is None else environ
+    if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env or "RANK" in env or "WORLD_SIZE" in env:
+        return {}
+    mapped = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")),
+              "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        mapped["MASTER_ADDR"] = node_address(first_host(nodelist)) if nodelist else "127.0.0.1"
+    if "MASTER_PORT" not in env:
+        mapped["MASTER_PORT"] = str(MASTER_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % MASTER_PORT_BASE)
+    return mapped
