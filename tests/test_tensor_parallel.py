@@ -129,7 +129,7 @@ def reference(path, batches, max_norm=math.inf, lr=0.0):
 
 
 def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0,
-             sequence_parallel=False):
+             sequence_parallel=False, activation_checkpointing=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwenft.distributed.parallelize import parallelize
@@ -141,7 +141,7 @@ def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm
     model = build_model(cfg, kernels="torch")
     if fsdp:
         parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing)
     else:
         apply_tp(model, mesh["tp"], vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
     sharded = [model.layers["3"].self_attn.q_proj.weight, model.layers["0"].linear_attn.conv_v]
@@ -180,13 +180,14 @@ def assert_same(out, ref, logits=True):
         assert rel(out["grads"][name], g) < tol, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
 
 
-@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel",
-                         [(True, False, False), (False, True, False), (True, True, True), (False, False, True)])
+@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel", [
+    (True, False, False), (False, True, False), (True, True, True), (False, False, True)])
 def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel):
     batches = text_batch()
     ref = reference(text_ckpt, batches)
+    # the FSDP cases also recompute each layer (activation checkpointing), as parallelize orders it
     for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp, math.inf, 0.0,
-                               sequence_parallel):
+                               sequence_parallel, fsdp):
         assert_same(out, ref)
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 

@@ -11,9 +11,9 @@
 | GDN out_proj, MLP down_proj    | row-parallel                                                           |
 | MLP gate/up_proj               | column-parallel                                                        |
 | embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits stay a DTensor sharded on vocab, `qwenft.train.loss.token_ce_sum` takes it); else plain, replicated |
-| layer norms, final norm, vision tower | plain, replicated (identical compute and grads on every tp rank) |
+| layer norms, final norm, vision tower | plain, replicated (identical compute and grads on every tp rank); with sequence_parallel the layer norms' weights are replicated DTensors run on T/tp tokens |
 
-The residual stream between blocks is replicated (no sequence parallelism yet).
+Without sequence_parallel the residual stream between blocks is replicated on every tp rank.
 """
 
 import functools
