@@ -143,3 +143,29 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r} world 4 sum 10" for r in range(4)], out.stdout
+
+
+def test_usr1_requeues_into_the_same_run_dir(cluster, tmp_path):
+    """--signal's SIGUSR1 reaches the batch shell, whose trap requeues the job (launcher.max_requeues=1);
+    the second start trains in the same run dir. (Without checkpoint resume it starts from step 1 again.)"""
+    run_dir = tmp_path / "run"
+    out = qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0", "launcher.max_requeues=1",
+                 "train.max_steps=3", "train.progress_bar=false", f"run_dir={run_dir}",
+                 env={**cluster.env, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
+    log = run_dir / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "restart 0, rendezvous" in log.read_text()):
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.5)
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what --signal=B:USR1@120 sends
+    while "Restarts=1" not in cluster.run("scontrol", "-o", "show", "job", job_id):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # skip SLURM's requeue hold-off
+    state = cluster.wait_job(job_id, timeout=180)
+    text = log.read_text()
+    assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
+    assert "qwenft: SIGUSR1, requeueing job" in text and "restart 1, rendezvous" in text
+    assert [r["step"] for r in _metrics(run_dir)][-3:] == [1, 2, 3]
