@@ -169,3 +169,10 @@ def test_usr1_requeues_into_the_same_run_dir(cluster, tmp_path):
     assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
     assert "qwenft: SIGUSR1, requeueing job" in text and "restart 1, rendezvous" in text
     assert [r["step"] for r in _metrics(run_dir)][-3:] == [1, 2, 3]
+
+
+def test_slurm_launcher_option():
+    script = _dry_run("launcher=slurm", "launcher.partition=gpu", "mesh.tp=4")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=04:00:00", "export HF_TOKEN"):
+        assert line in script.splitlines(), line
