@@ -141,6 +141,9 @@ class SFTData:
     def _row_tokens(self, doc_ids: list[int]):
         return build_row([self.docs[d] for d in doc_ids], self.seq_len, self.pad_id)
 
+    def _collate(self, rows) -> dict:
+        return collate(rows)
+
     def __iter__(self):
         return self
 
@@ -152,7 +155,7 @@ class SFTData:
             self._row += 1
             if self._row == self.rows_in_epoch(self._epoch):
                 self._epoch, self._row = self._epoch + 1, 0
-        return collate(mine)
+        return self._collate(mine)
 
     def eval_batches(self):
         """One pass over epoch 0's rows, this rank's share, padded with empty rows to whole micro batches.
@@ -163,7 +166,7 @@ class SFTData:
         stride = self.micro_batch_size * self.dp_size
         for start in range(0, len(rows), stride):
             mine = [rows[k] if k < len(rows) else [] for k in range(start + self.dp_rank, start + stride, self.dp_size)]
-            yield collate([self._row_tokens(doc_ids) for doc_ids in mine])
+            yield self._collate([self._row_tokens(doc_ids) for doc_ids in mine])
 
     def state_dict(self) -> dict:
         return {"epoch": self._epoch, "row": self._row, "seed": self.seed, "num_documents": len(self.docs),

@@ -44,6 +44,10 @@ def load_tokenizer(path_or_name: str, cache_dir: str | os.PathLike | None = None
 
     `cache_dir` and `vocab_size` only matter for `"tiny"`.
     """
+    if path_or_name == "tiny_vlm":  # the tiny VLM's tokenizer, part of its processor dir
+        from qwenft.data.tiny_vlm import tiny_vlm_processor_dir
+
+        return AutoTokenizer.from_pretrained(tiny_vlm_processor_dir(cache_dir))
     if path_or_name != "tiny":
         path = Path(path_or_name)
         if not path.is_dir():
@@ -56,33 +60,44 @@ def load_tokenizer(path_or_name: str, cache_dir: str | os.PathLike | None = None
     data = TRAIN_PATH.read_bytes()
     key = json.dumps([_RECIPE_VERSION, vocab_size, SPECIAL_TOKENS, TINY_CHAT_TEMPLATE]).encode()
     digest = hashlib.sha256(key + data).hexdigest()[:16]
-    root = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
-    out = root / f"tiny-{digest}"
+    rows = lambda: [json.loads(line) for line in data.decode("utf-8").splitlines()]  # noqa: E731
+    out = cached_dir(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"tiny-{digest}",
+                     lambda tmp: train_tiny_tokenizer(rows(), vocab_size).save_pretrained(tmp))
+    return AutoTokenizer.from_pretrained(out)
+
+
+def cached_dir(out: Path, write) -> Path:
+    """`out`, created by `write(tmp_dir)` the first time; a private temp dir renamed into place, so ranks
+    that race each build a copy and all but the first discard theirs."""
     if not out.is_dir():
-        tok = train_tiny_tokenizer([json.loads(line) for line in data.decode("utf-8").splitlines()], vocab_size)
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}."))
-        tok.save_pretrained(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        write(tmp)
         try:
             os.rename(tmp, out)
         except OSError:  # another rank renamed first: its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
-    return AutoTokenizer.from_pretrained(out)
+    return out
 
 
-def train_tiny_tokenizer(rows: list[dict], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Byte-level BPE on the rows' role names and contents, with Qwen's special tokens and template."""
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"tokenizer vocab_size={vocab_size} is below the {256 + len(SPECIAL_TOKENS)} "
+def train_tiny_tokenizer(rows: list[dict], vocab_size: int = 512, special_tokens: list[str] = SPECIAL_TOKENS,
+                         chat_template: str = TINY_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Byte-level BPE on the rows' role names and (string) contents, with Qwen's special tokens and template.
+
+    `special_tokens` get ids 0, 1, ... in order and must start with `SPECIAL_TOKENS` (pad, im_start, im_end).
+    """
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(f"tokenizer vocab_size={vocab_size} is below the {256 + len(special_tokens)} "
                          "ids needed for all bytes plus the special tokens")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     texts = (f"{m['role']}\n{m['content']}" for row in rows for m in row["messages"])
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=IM_END,
-        additional_special_tokens=[IM_START], chat_template=TINY_CHAT_TEMPLATE,
+        additional_special_tokens=[t for t in special_tokens if t not in (PAD_TOKEN, IM_END)],
+        chat_template=chat_template,
     )

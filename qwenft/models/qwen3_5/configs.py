@@ -134,6 +134,16 @@ def _named() -> dict[str, ModelConfig]:
     return {"tiny": tiny, "0.8b": size_0_8b, "2b": size_2b, "4b": size_4b, "9b": size_9b, "27b": size_27b}
 
 
+def _tiny_vlm(tiny: ModelConfig) -> ModelConfig:
+    """tiny + a two-block vision tower; the token ids are the tiny VLM tokenizer's (qwenft.data.tiny_vlm):
+    3 <|vision_start|>, 4 <|vision_end|>, 5 <|image_pad|>, 6 <|video_pad|>. Built on request only, since
+    the vision module imports transformers' Qwen3.5 modeling (seconds)."""
+    from .vision import tiny_vision_config
+
+    return dataclasses.replace(tiny, vision=tiny_vision_config(tiny.text.hidden_size), image_token_id=5,
+                               video_token_id=6, vision_start_token_id=3, vision_end_token_id=4)
+
+
 UNVERIFIED_SIZES: tuple[str, ...] = ()
 
 
@@ -142,12 +152,15 @@ def named_config(name: str) -> ModelConfig:
     named = _named()
     if name in named:
         return named[name]
+    if name == "tiny_vlm":
+        return _tiny_vlm(named["tiny"])
     if name in UNVERIFIED_SIZES:
         raise ValueError(
             f"model size {name!r} has no verified config facts in qwenft; point model.path at the checkpoint "
             f"directory (its config.json is read) instead"
         )
-    raise ValueError(f"unknown model size {name!r}; valid: {sorted(named)} (or a checkpoint dir via model.path)")
+    raise ValueError(f"unknown model size {name!r}; valid: {sorted(named) + ['tiny_vlm']} (or a checkpoint dir "
+                     "via model.path)")
 
 
 def _text_from_hf(d: dict) -> TextConfig:
