@@ -85,8 +85,10 @@ def _user_search_path(extra: Path) -> str:
     return f"hydra.searchpath=[file://{root}]"
 
 
-def compose(overrides: list[str]) -> Config:
-    """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake)."""
+def compose(overrides: list[str], missing_ok: bool = False) -> Config:
+    """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake).
+
+    missing_ok (for `show`): required keys left at ??? stay the string "???" instead of raising."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -127,10 +129,20 @@ def compose(overrides: list[str]) -> Config:
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise _unknown_key_error(key or str(e)) from None
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
+    for key in OmegaConf.missing_keys(raw):  # merging ??? onto the schema's default keeps the default
+        OmegaConf.update(merged, key, "???")
     missing = OmegaConf.missing_keys(merged)
-    if missing:
+    if missing and not missing_ok:
         raise ConfigError(f"required key(s) not set: {', '.join(sorted(missing))} (set them as key=value)")
+    for key in missing:
+        OmegaConf.update(merged, key, "")
     cfg = OmegaConf.to_object(merged)
+    for key in missing:  # to_yaml prints "???" as OmegaConf's missing marker again
+        *parents, leaf = key.split(".")
+        node = cfg
+        for part in parents:
+            node = getattr(node, part)
+        setattr(node, leaf, "???")
     validate(cfg)
     return cfg
 
@@ -203,9 +215,14 @@ def main(argv: list[str] | None = None) -> int:
             return _slurm(args)
         if command not in ("train", "show"):
             raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, recipes")
-        cfg = compose(args)
+        cfg = compose(args, missing_ok=command == "show")
         if command == "show":
             print(to_yaml(cfg), end="")
+            from omegaconf import OmegaConf
+
+            missing = sorted(OmegaConf.missing_keys(OmegaConf.structured(cfg)))
+            if missing:
+                print(f"qwenft: required before train: {', '.join(missing)}", file=sys.stderr)
             return 0
         if cfg.launcher.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
             return _launch_local_workers(cfg, args)

@@ -245,3 +245,38 @@ def test_torchrun_pp2_matches_one_process(tmp_path):
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(y), (a, b)
     assert "pp 2 x dp 1" in (tmp_path / "pp" / "train.log").read_text()
+
+
+# ------------------------------------------------------------------ recipes
+
+PARALLEL_RECIPES = {  # recipe: (world size it is meant for, tp, pp)
+    "qwen3_5_27b_tp4pp4": (16, 4, 4), "qwen3_5_27b_pp2dp4": (8, 1, 2), "qwen3_5_27b_tp2pp2dp2": (8, 2, 2),
+    "tiny_tp2": (2, 2, 1), "tiny_pp2": (2, 1, 2), "tiny_3d": (8, 2, 2),
+}
+
+
+@pytest.mark.parametrize("recipe", list(PARALLEL_RECIPES))
+def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
+    from qwenft.cli import main
+    from qwenft.distributed.mesh import resolve_layout
+    from qwenft.distributed.pipeline import default_virtual_stages
+    from qwenft.distributed.tensor_parallel import validate_tp
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.runner import _microbatching
+
+    assert main(["show", f"recipe={recipe}"]) == 0
+    out = capsys.readouterr()
+    assert f"recipe: {recipe}" in out.out
+    world, tp, pp = PARALLEL_RECIPES[recipe]
+    cfg = compose([f"recipe={recipe}", "data.path=/data/chats.jsonl"])
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
+    assert (layout.tp, layout.pp) == (tp, pp)
+    size, count = _microbatching(cfg, layout.dp)
+    assert count >= pp * default_virtual_stages(cfg.pipeline.schedule)  # 1F1B needs >= one microbatch a stage
+    model = named_config(cfg.model.name).text
+    validate_tp(model, layout.tp)
+    layers = split_layers(model.num_hidden_layers, pp)
+    if recipe == "qwen3_5_27b_tp4pp4":
+        assert [len(s) for s in layers] == [16, 16, 16, 16] and size == 1 and count == 32
+        assert cfg.pipeline.reduce_grad_per_microbatch and cfg.model.activation_checkpointing
+        assert "data.path" in out.err  # required, shown as ???
