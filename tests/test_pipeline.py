@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from test_train_parity import _assert_same  # losses at every step and every parameter, relative
 from qwenft.cli import compose
 from qwenft.distributed.pipeline import SCHEDULES, split_layers
 
@@ -38,19 +39,6 @@ def reference(tmp_path_factory):
     """One process, global batch 4 as 4 microbatches of 1."""
     (result,) = run_distributed(_train, 1, _overrides(tmp_path_factory.mktemp("reference"), "ref"))
     return result
-
-
-def _assert_same(result, reference, rtol=1e-5):
-    losses, state = result
-    ref_losses, ref_state = reference
-    assert len(losses) == 3
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= rtol * abs(b), f"step {step + 1}: loss {a} vs one process {b}"
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        err = (state[name] - ref).norm() / ref.norm().clamp(min=1e-12)
-        assert err < rtol, f"{name}: rel err {err:.2e}"
-    assert ref_losses[0] != ref_losses[-1]
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
