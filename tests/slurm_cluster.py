@@ -28,16 +28,23 @@ class SlurmCluster:
             raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
         return out.stdout
 
+    def job_fields(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict; slurmctld keeps finished jobs for MinJobAge."""
+        out = self.run("scontrol", "-o", "show", "job", job_id)
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
     def job_state(self, job_id: str) -> tuple[str, str]:
-        """(JobState, ExitCode) from `scontrol show job`; slurmctld keeps finished jobs for MinJobAge."""
-        fields = dict(kv.split("=", 1) for kv in self.run("scontrol", "-o", "show", "job", job_id).split()
-                      if "=" in kv)
+        fields = self.job_fields(job_id)
         return fields["JobState"], fields["ExitCode"]
 
-    def wait_job(self, job_id: str, timeout: float) -> tuple[str, str]:
+    def wait_job(self, job_id: str, timeout: float, release_held: bool = False) -> tuple[str, str]:
+        """Poll until the job ends: (JobState, ExitCode). release_held: start a job that SLURM holds back
+        (a requeued job waits ~2 min for its BeginTime) at once."""
         deadline = time.monotonic() + timeout
         while True:
             state = self.job_state(job_id)
+            if release_held and state[0] == "PENDING":
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             if state[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED"):
                 return state
             if time.monotonic() > deadline:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
+from qwenft.cli import main
 from qwenft.launch.slurm import env_from_slurm, first_host
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,19 +34,22 @@ def cluster(tmp_path_factory):
     slurm_cluster.stop(procs)
 
 
-def _dry_run(*overrides, env=None):
-    out = qwenft("slurm", "recipe=tiny", "--dry-run", *overrides, env=env)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+def _dry_run(capsys, *overrides):
+    """In process: the dry-run tests need no cluster and no fresh interpreter."""
+    code = main(["slurm", "recipe=tiny", "--dry-run", *overrides])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
 
 
-def test_dry_run_script_lines(tmp_path):
-    script = _dry_run(
+def test_dry_run_script_lines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    script = _dry_run(capsys, 
         "launcher.nodes=4", "launcher.gpus_per_node=8", "launcher.partition=gpu", "launcher.account=proj",
-        "launcher.time=04:00:00", "launcher.qos=high", "launcher.job_name=ft", "launcher.container_image='nvcr.io#nvidia/pytorch:25.01-py3'",
+        "launcher.time=04:00:00", "launcher.qos=high", "launcher.job_name=ft",
+        "launcher.container_image='nvcr.io#nvidia/pytorch:25.01-py3'",
         "launcher.container_mounts=[/data:/data,/ckpt:/ckpt]", "launcher.sbatch_extra=[--exclusive]",
-        "launcher.env={NCCL_DEBUG: WARN, HF_TOKEN: null}", "mesh.tp=4", "mesh.pp=2", f"run_dir={tmp_path}/run",
-        env={"HF_TOKEN": "hf_secret_value"})
+        "launcher.env={NCCL_DEBUG: WARN, HF_TOKEN: null}", "mesh.tp=4", "mesh.pp=2", f"run_dir={tmp_path}/run")
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=04:00:00",
                  "#SBATCH --qos=high", "#SBATCH --job-name=ft", f"#SBATCH --output={tmp_path}/run/slurm-%j.out",
@@ -53,15 +57,16 @@ def test_dry_run_script_lines(tmp_path):
                  "export NCCL_DEBUG=WARN", "export HF_TOKEN", "trap on_usr1 USR1"):
         assert line in script.splitlines(), line
     assert "hf_secret_value" not in script
-    assert "--container-image='nvcr.io#nvidia/pytorch:25.01-py3'" in script and "--container-mounts=/data:/data,/ckpt:/ckpt" in script
+    assert "--container-image='nvcr.io#nvidia/pytorch:25.01-py3'" in script
+    assert "--container-mounts=/data:/data,/ckpt:/ckpt" in script
     assert "--nproc-per-node=8" in script and '--rdzv-endpoint="$head_addr:$port"' in script
     assert f"run_dir={tmp_path}/run" in script and "mesh.tp=4" in script
     assert "# qwenft slurm: recipe tiny, 4 node(s) x 8 process(es) = world 32" in script
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
-def test_dry_run_cpu_nodes_and_defaults():
-    script = _dry_run("launcher.nodes=2", "launcher.gpus_per_node=0", "launcher.nproc_per_node=3")
+def test_dry_run_cpu_nodes_and_defaults(capsys):
+    script = _dry_run(capsys, "launcher.nodes=2", "launcher.gpus_per_node=0", "launcher.nproc_per_node=3")
     assert "--gpus-per-node" not in script and "--nproc-per-node=3" in script
     assert "#SBATCH --job-name=qwenft-tiny" in script and "--partition" not in script
     assert re.search(r"run_dir=/\S+/outputs/tiny/\d{8}-\d{6}", script)  # absolute: the job's dir is fixed
@@ -77,17 +82,19 @@ def test_dry_run_cpu_nodes_and_defaults():
      "launcher.nproc_per_node=4 disagrees with launcher.gpus_per_node=8"),
     (["+launcher.env.WANDB_API_KEY=abc"], "launcher.env.WANDB_API_KEY has a value; secrets are passed by name"),
 ])
-def test_bad_input_one_line_errors(overrides, message):
-    out = qwenft("slurm", "recipe=tiny", "--dry-run", *overrides)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
-    assert out.stderr.strip().count("\n") == 0
+def test_bad_input_one_line_errors(overrides, message, capsys):
+    code = main(["slurm", "recipe=tiny", "--dry-run", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert err.strip().count("\n") == 0
 
 
-def test_missing_sbatch(tmp_path):
-    env = {"PATH": str(Path(sys.executable).parent)}  # python only: no sbatch
-    out = qwenft("slurm", "recipe=tiny", "launcher.gpus_per_node=0", f"run_dir={tmp_path}/run", env=env)
-    assert out.returncode == 2 and "sbatch not found on PATH" in out.stderr, out.stderr
-    assert out.stderr.strip().count("\n") == 0 and not (tmp_path / "run").exists()
+def test_missing_sbatch(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it: no sbatch
+    code = main(["slurm", "recipe=tiny", "launcher.gpus_per_node=0", f"run_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and "sbatch not found on PATH" in err, err
+    assert err.strip().count("\n") == 0 and not (tmp_path / "run").exists()
 
 
 def test_first_host():
@@ -163,16 +170,15 @@ def test_usr1_requeues_into_the_same_run_dir(cluster, tmp_path):
     while "Restarts=1" not in cluster.run("scontrol", "-o", "show", "job", job_id):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.5)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # skip SLURM's requeue hold-off
-    state = cluster.wait_job(job_id, timeout=180)
+    state = cluster.wait_job(job_id, timeout=180, release_held=True)
     text = log.read_text()
     assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
     assert "qwenft: SIGUSR1, requeueing job" in text and "restart 1, rendezvous" in text
     assert [r["step"] for r in _metrics(run_dir)][-3:] == [1, 2, 3]
 
 
-def test_slurm_launcher_option():
-    script = _dry_run("launcher=slurm", "launcher.partition=gpu", "mesh.tp=4")
+def test_slurm_launcher_option(capsys):
+    script = _dry_run(capsys, "launcher=slurm", "launcher.partition=gpu", "mesh.tp=4")
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive", "#SBATCH --partition=gpu",
                  "#SBATCH --time=04:00:00", "export HF_TOKEN"):
         assert line in script.splitlines(), line

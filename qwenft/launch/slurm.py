@@ -101,7 +101,7 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
         'rendezvous $head_addr:$port"',
         "",
         "# SIGUSR1 (--signal: the time limit is near) requeues the job into the same run dir, up to",
-        f"# launcher.max_requeues={launcher.max_requeues} times. Training resumes only once checkpoint resume exists.",
+        f"# launcher.max_requeues={launcher.max_requeues} times (training resumes once checkpoint resume exists)",
         "on_usr1() {",
         f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {launcher.max_requeues} ]; then',
         '    echo "qwenft: SIGUSR1, requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"',
@@ -184,8 +184,8 @@ def env_from_slurm(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     env = os.environ if environ is None else environ
     if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env or "RANK" in env or "WORLD_SIZE" in env:
         return {}
-    mapped = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")),
-              "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    world = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
+    mapped = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
     if "MASTER_ADDR" not in env:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         mapped["MASTER_ADDR"] = node_address(first_host(nodelist)) if nodelist else "127.0.0.1"
