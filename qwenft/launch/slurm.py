@@ -8,7 +8,6 @@ node`, not its name: node names need not resolve (they don't on test clusters wi
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Mapping
@@ -144,12 +143,8 @@ def missing_secrets(cfg: "Config", environ: Mapping[str, str] | None = None) -> 
 
 
 def submit(script_path: str) -> str:
-    """sbatch the script; the job id."""
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise ValueError("sbatch not found on PATH; run qwenft slurm on a SLURM login node "
-                         "(or add --dry-run to print the script)")
-    out = subprocess.run([sbatch, "--parsable", script_path], capture_output=True, text=True)
+    """sbatch the script (the caller has checked that sbatch is on the PATH); the job id."""
+    out = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True, text=True)
     if out.returncode != 0:
         reason = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
         raise ValueError(f"sbatch {script_path} failed: {reason}")
