@@ -93,7 +93,7 @@ def test_random_init_is_independent_of_the_split():
     full_params = dict(full.named_parameters())
     for n, p in stage.named_parameters():
         assert torch.equal(p, full_params[n]), n
-    assert full.layers["0"].linear_attn.A_log.dtype == torch.float32  # fp32 even in a bf16 model
+    assert full.layers["0"].linear_attn.decay.A_log.dtype == torch.float32  # fp32 even in a bf16 model
     assert full.layers["0"].linear_attn.q_proj.weight.dtype == torch.bfloat16
     assert not torch.equal(full.layers["0"].mlp.up_proj.weight, full.layers["1"].mlp.up_proj.weight)
 

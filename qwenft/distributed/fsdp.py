@@ -13,7 +13,13 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     The loss is already divided by the label tokens of the whole global batch (qwenft.train.loss), so the
     default 1/dp averaging of FSDP would count data parallel ranks twice.
     """
+    from qwenft.models.qwen3_5.gdn import Decay
+
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for module in model.modules():  # GDN's decay parameters stay fp32 in a bf16 model (gdn.Decay)
+        if isinstance(module, Decay):
+            fully_shard(module, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
     for layer in model.layers.values():
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

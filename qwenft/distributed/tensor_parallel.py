@@ -82,8 +82,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
         else:
             gdn = layer.linear_attn
             plan = {f"linear_attn.{p}_proj": col for p in "qkvzab"} | {"linear_attn.out_proj": row}
-            for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+            for name in ("conv_q", "conv_k", "conv_v"):
                 _shard_param(gdn, name, tp_mesh, Shard(0))
+            for name in ("A_log", "dt_bias"):
+                _shard_param(gdn.decay, name, tp_mesh, Shard(0))
             _shard_param(gdn.norm, "weight", tp_mesh, Replicate())
         plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
         if sequence_parallel:

@@ -54,6 +54,8 @@ def hf_source(native_key: str, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, 
         if name in ("conv_q", "conv_k", "conv_v"):
             return Source(base + "conv1d.weight", *split[name[-1]])
         module, _, rest = name.partition(".")
+        if module == "decay":  # native decay.A_log / decay.dt_bias sit directly under linear_attn in HF
+            return Source(base + rest)
         if module in _GDN_RENAMES:
             return Source(base + _GDN_RENAMES[module] + "." + rest)
     return Source(prefix + native_key)

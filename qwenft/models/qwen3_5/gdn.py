@@ -162,6 +162,24 @@ def _fla_conv(x_btc, weight_c1k, cu_seqlens):
     return out
 
 
+class Decay(nn.Module):
+    """Per-value-head log decay g = -exp(A_log) * softplus(a + dt_bias), with A_log and dt_bias in fp32.
+
+    A module of its own so FSDP2 can shard the two as a group with an fp32 parameter policy: FSDP casts every
+    parameter of a group to that group's param dtype, and in bf16 exp(A_log) is off by up to 1%. Native key
+    `linear_attn.decay.A_log` is HF's `linear_attn.A_log` (adapter.py).
+    """
+
+    def __init__(self, num_value_heads: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(num_value_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.ones(num_value_heads, dtype=torch.float32))
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        fp = torch.promote_types(a.dtype, torch.float32)
+        return -local(self.A_log).to(fp).exp() * F.softplus(a.to(fp) + local(self.dt_bias).to(fp))
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5 linear attention with separate q/k/v/z/a/b projections and per-part conv weights.
 
@@ -188,8 +206,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_q = nn.Parameter(torch.empty(key_dim, 1, K))
         self.conv_k = nn.Parameter(torch.empty(key_dim, 1, K))
         self.conv_v = nn.Parameter(torch.empty(value_dim, 1, K))
-        self.A_log = nn.Parameter(torch.empty(nv, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.ones(nv, dtype=torch.float32))
+        self.decay = Decay(nv)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
@@ -210,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         beta = self.b_proj(x).sigmoid()
         fp = torch.promote_types(x.dtype, torch.float32)
-        g = -local(self.A_log).to(fp).exp() * F.softplus(self.a_proj(x).to(fp) + local(self.dt_bias).to(fp))
+        g = self.decay(self.a_proj(x))
         rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule
