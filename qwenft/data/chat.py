@@ -143,6 +143,18 @@ def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     return [nxt if target else IGNORE_INDEX for nxt, target in zip(ids[1:], is_target[1:])] + [IGNORE_INDEX]
 
 
+def parse_rows(rows, parse, on_bad_row: str, skipped: Counter):
+    """Yield `parse(row)` for each row; a row whose parse raises BadRow is counted in `skipped[reason]`, or
+    with `on_bad_row=error` stops the run with a one-line ValueError naming the row's index."""
+    for index, row in enumerate(rows):
+        try:
+            yield parse(row)
+        except BadRow as e:
+            if on_bad_row == "error":
+                raise ValueError(f"data row {index}: {e} (set data.on_bad_row=skip to skip such rows)") from None
+            skipped[e.reason] += 1
+
+
 def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
                   truncation: str = "truncate_right", on_bad_row: str = "skip") -> tuple[list[Document], Counter]:
     """Documents for every usable row, and how many rows were skipped per reason.
@@ -157,14 +169,8 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
     docs, skipped = [], Counter()
-    for index, row in enumerate(rows):
-        try:
-            ids, is_target = tokenize_messages(tokenizer, normalize_messages(row), train_on)
-        except BadRow as e:
-            if on_bad_row == "error":
-                raise ValueError(f"data row {index}: {e} (set data.on_bad_row=skip to skip such rows)") from None
-            skipped[e.reason] += 1
-            continue
+    tokenize = lambda row: tokenize_messages(tokenizer, normalize_messages(row), train_on)  # noqa: E731
+    for ids, is_target in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":
                 skipped["too_long"] += 1

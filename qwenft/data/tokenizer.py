@@ -40,9 +40,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 def load_tokenizer(path_or_name: str, cache_dir: str | os.PathLike | None = None,
                    vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """`"tiny"` -> the cached (trained on first use) tiny BPE; anything else -> AutoTokenizer on that path.
+    """`"tiny"` -> the cached (trained on first use) tiny BPE; `"tiny_vlm"` -> the tiny VLM processor's
+    tokenizer (`qwenft.data.tiny_vlm`); anything else -> AutoTokenizer on that path.
 
-    `cache_dir` and `vocab_size` only matter for `"tiny"`.
+    `vocab_size` only matters for `"tiny"`.
     """
     if path_or_name == "tiny_vlm":  # the tiny VLM's tokenizer, part of its processor dir
         from qwenft.data.tiny_vlm import tiny_vlm_processor_dir

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from qwenft.data.chat import (BadRow, Document, IGNORE_INDEX, ROLES, UnreadableRow, check_choice,
-                              shift_labels, tokenize_messages)
+from qwenft.data.chat import (IGNORE_INDEX, ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
+                              UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
 from qwenft.data.loader import SFTData, load_rows
 from qwenft.data.packing import build_row, cu_seqlens_from_position_ids
 
@@ -112,7 +112,7 @@ def load_processor(path_or_name: str, min_pixels: int | None = None, max_pixels:
         path = tiny_vlm_processor_dir(cache_dir)
     else:
         path = Path(path_or_name)
-        if not (path / "preprocessor_config.json").is_file():
+        if not any((path / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
             raise ValueError(f"{str(path)!r} has no preprocessor_config.json (the image processor); set "
                              "data.tokenizer or model.path to a Qwen3.5 VLM checkpoint dir, or to 'tiny_vlm'")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -315,18 +315,12 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
                       max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> tuple[list[VLMDocument], Counter]:
     """Documents for every usable row and the skip counts, as `chat.tokenize_rows`; extra reasons:
     `image_missing`, `image_undecodable`, `image_too_large`, `image_source`, `image_count`."""
-    check_choice("data.train_on", train_on, ("assistant", "all"))
-    check_choice("data.truncation", truncation, ("drop", "truncate_right"))
-    check_choice("data.on_bad_row", on_bad_row, ("skip", "error"))
+    check_choice("data.train_on", train_on, TRAIN_ON)
+    check_choice("data.truncation", truncation, TRUNCATION)
+    check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
     docs, skipped = [], Counter()
-    for index, row in enumerate(rows):
-        try:
-            ids, is_target, images, grids = tokenize_vlm_row(row, processor, base_dir, train_on, max_image_bytes)
-        except BadRow as e:
-            if on_bad_row == "error":
-                raise ValueError(f"data row {index}: {e} (set data.on_bad_row=skip to skip such rows)") from None
-            skipped[e.reason] += 1
-            continue
+    tokenize = lambda row: tokenize_vlm_row(row, processor, base_dir, train_on, max_image_bytes)  # noqa: E731
+    for ids, is_target, images, grids in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":
                 skipped["too_long"] += 1
