@@ -280,22 +280,19 @@ def expand_image_tokens(ids: list[int], is_target: list[bool], grids: list[tuple
     return out_ids, out_target
 
 
-def truncate_at(ids: list[int], seq_len: int, processor: VLMProcessor) -> tuple[int, int]:
+def truncate_at(ids: list[int], grids: list[tuple[int, int, int]], seq_len: int,
+                processor: VLMProcessor) -> tuple[int, int]:
     """(cut, images kept) for right truncation to `seq_len` that never splits an image: an image whose
     placeholders do not all fit is dropped together with its vision-start token."""
-    image, t, kept = processor.image_token_id, 0, 0
-    while t < len(ids):
-        if ids[t] != image:
-            t += 1
-            continue
-        end = t
-        while end < len(ids) and ids[end] == image:
-            end += 1
+    t = 0
+    for kept, (gt, gh, gw) in enumerate(grids):
+        t = ids.index(processor.image_token_id, t)
+        end = t + gt * gh * gw // processor.merge_size ** 2
         if end > seq_len:
             start = t - 1 if t and ids[t - 1] == processor.vision_start_token_id else t
             return min(seq_len, start), kept
-        kept, t = kept + 1, end
-    return seq_len, kept
+        t = end
+    return seq_len, len(grids)
 
 
 def tokenize_vlm_row(row, processor: VLMProcessor, base_dir: Path, train_on: str, max_image_bytes: int):
@@ -325,7 +322,7 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
             if truncation == "drop":
                 skipped["too_long"] += 1
                 continue
-            cut, kept = truncate_at(ids, seq_len, processor)
+            cut, kept = truncate_at(ids, grids, seq_len, processor)
             ids, is_target, images, grids = ids[:cut], is_target[:cut], images[:kept], grids[:kept]
         labels = shift_labels(ids, is_target)
         if all(label == IGNORE_INDEX for label in labels):
