@@ -384,6 +384,9 @@ def test_tiny_vlm_set_is_deterministic_and_processor_reloads(cache, tmp_path):
         cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id, cfg.video_token_id]
     assert len(tok) <= cfg.text.vocab_size and ip.patch_size == cfg.vision["patch_size"]
     assert ip.merge_size == cfg.vision["spatial_merge_size"]
+    from qwenft.data.tokenizer import load_tokenizer
+
+    assert load_tokenizer("tiny_vlm", cache).get_vocab() == tok.get_vocab()  # what the runner's data.tokenizer gets
 
 
 def test_tiny_vlm_loss_falls(proc, cache):
