@@ -20,8 +20,6 @@ from qwenft.models.freeze import checkpoint_vision, freeze
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
 
-torch.set_num_threads(2)
-
 
 def picture(height, width, seed=0) -> Image.Image:
     return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8))
