@@ -64,14 +64,23 @@ def test_pp4_equals_one_process(tmp_path, reference):
     _assert_same(results[0], reference)
 
 
+@pytest.fixture(scope="module")
+def tp2_reference(tmp_path_factory):
+    """tp2 without pipelining: the same tensor-parallel reduction order as tp2 x pp2."""
+    results = run_distributed(_train, 2, _overrides(tmp_path_factory.mktemp("tp2"), "tp2", "mesh.tp=2"))
+    return results[0]
+
+
 @pytest.mark.parametrize("world_size, knob", [(4, "false"), (8, "true")])
-def test_tp2_pp2_dpn_equals_one_process(tmp_path, reference, world_size, knob):
-    """TP inside each stage (tp2 x pp2, and 3D tp2 x pp2 x dp2). tp2 alone already sits 9.9e-6 from one
-    process (z_proj, tensor-parallel reduction order); pipelining adds nothing on top: hence 2e-5."""
+def test_tp2_pp2_dpn_equals_one_process(tmp_path, reference, tp2_reference, world_size, knob):
+    """TP inside each stage (tp2 x pp2, and 3D tp2 x pp2 x dp2). tp2 alone sits up to ~3e-5 from one process
+    (a_proj, whose tiny gradients Adam normalises, summed in tensor-parallel order): so 1e-4 against one
+    process, and 1e-5 against tp2 without pipelining, which shows pipelining adds nothing on top."""
     results = run_distributed(_train, world_size, _overrides(
         tmp_path, f"tp2pp2-{world_size}", "mesh.tp=2", "mesh.pp=2", f"pipeline.reduce_grad_per_microbatch={knob}"))
-    _assert_same(results[0], reference, rtol=2e-5)
-    _assert_same(results[-1], reference, rtol=2e-5)
+    for result in (results[0], results[-1]):
+        _assert_same(result, reference, rtol=1e-4)
+        _assert_same(result, tp2_reference, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ stages built by hand: memory, eval
@@ -203,6 +212,11 @@ def test_num_microbatches_must_agree(tmp_path):
     with pytest.raises(RuntimeError, match=r"pipeline.num_microbatches=3 but train.global_batch_size=4 / dp=1 "
                                            r"/ train.micro_batch_size=1 = 4"):
         run_distributed(_train, 1, _overrides(tmp_path, "nmb", "pipeline.num_microbatches=3"))
+
+
+def test_stage_keys_without_pipeline_are_refused(tmp_path):
+    with pytest.raises(RuntimeError, match=r"pipeline.layers_per_stage=\[2, 2\] is set but mesh.pp=1"):
+        run_distributed(_train, 1, _overrides(tmp_path, "nopp", "pipeline.layers_per_stage=[2,2]"))
 
 
 def test_virtual_stages_must_fit_schedule(tmp_path):

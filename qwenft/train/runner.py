@@ -187,6 +187,11 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     microbatch_size, num_microbatches = _microbatching(cfg, layout.dp)
+    if layout.pp == 1:
+        for key in ("virtual_stages", "layers_per_stage", "stage_layers"):
+            if getattr(cfg.pipeline, key) is not None:
+                raise ValueError(f"pipeline.{key}={getattr(cfg.pipeline, key)} is set but mesh.pp=1 (no pipeline); "
+                                 f"set mesh.pp > 1 or pipeline.{key}=null")
     mesh = build_mesh(layout)
     dp_mesh = mesh["dp"]
     dp_rank = dp_mesh.get_local_rank()
