@@ -307,7 +307,7 @@ class PipelineBatch:
 def _summed_loss(stages, losses: list, device) -> torch.Tensor:
     """This rank's summed microbatch losses (zero unless it runs the last stage)."""
     if any(s.is_last for s in stages) and losses:
-        return torch.stack([l.detach().float() for l in losses]).sum()
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
     return torch.zeros((), device=device)
 
 
