@@ -14,6 +14,8 @@ class MeshConfig:
     pp: int = 1  # pipeline parallel degree
     dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp)
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
+    vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
+    sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence
 
 
 @dataclass
@@ -28,6 +30,18 @@ class ModelConfig:
     dtype: str = "auto"  # auto = bf16 params on CUDA, fp32 on CPU | float32 | bfloat16
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     activation_checkpointing: bool = False
+    num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
+    freeze_vision: bool = False  # VLM: no gradient for the vision tower
+    freeze_projector: Optional[bool] = None  # VLM: the tower's merger; null = follow freeze_vision
+    freeze_language: bool = False  # VLM: no gradient for the text decoder (adapter-style runs)
+    vision_activation_checkpointing: bool = False
+
+
+@dataclass
+class ImageConfig:
+    min_pixels: Optional[int] = None  # resize bounds per image; null = the processor's own
+    max_pixels: Optional[int] = None
+    max_image_bytes: int = 32 * 2**20  # larger image files are bad rows (data.on_bad_row)
 
 
 @dataclass
@@ -39,6 +53,7 @@ class DataConfig:
     train_on: str = "assistant"  # assistant | all
     truncation: str = "truncate_right"  # truncate_right | drop
     on_bad_row: str = "skip"  # skip | error
+    image: ImageConfig = field(default_factory=ImageConfig)
 
 
 @dataclass
@@ -173,5 +188,14 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null with train.epochs)")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise ValueError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
+    if cfg.model.num_layers is not None and cfg.model.num_layers < 1:
+        raise ValueError(f"model.num_layers={cfg.model.num_layers} must be >= 1 (or null for all layers)")
+    image = cfg.data.image
+    for key in ("min_pixels", "max_pixels", "max_image_bytes"):
+        value = getattr(image, key)
+        if value is not None and value < 1:
+            raise ValueError(f"data.image.{key}={value} must be >= 1")
+    if image.min_pixels and image.max_pixels and image.min_pixels > image.max_pixels:
+        raise ValueError(f"data.image.min_pixels={image.min_pixels} is above data.image.max_pixels={image.max_pixels}")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")

@@ -17,6 +17,7 @@ from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
 from qwenft.distributed.tensor_parallel import clip_grad_norm_, validate_tp
 from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.train import metrics as metrics_lib
 from qwenft.train.metrics import MetricsLogger, peak_memory_gib
 from qwenft.train.optim import build_optimizer, build_scheduler
 
@@ -61,15 +62,57 @@ def _param_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _model_config(cfg: Config, vocab_size: int):
+def _model_config(cfg: Config):
     from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 
-    if cfg.model.path:
-        return config_from_hf_dir(cfg.model.path)
-    model_cfg = named_config(cfg.model.name)
-    if model_cfg.text.vocab_size < vocab_size:  # random init: make room for the tokenizer's vocabulary
-        model_cfg.text.vocab_size = vocab_size
+    model_cfg = config_from_hf_dir(cfg.model.path) if cfg.model.path else named_config(cfg.model.name)
+    n = cfg.model.num_layers
+    if n is not None:
+        t = model_cfg.text
+        if n > t.num_hidden_layers:
+            raise ValueError(f"model.num_layers={n} but the model has {t.num_hidden_layers} layers")
+        model_cfg.text = dataclasses.replace(t, num_hidden_layers=n, layer_types=t.layer_types[:n])
     return model_cfg
+
+
+def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
+    """Random init makes room for the tokenizer's vocabulary; a checkpoint must already have it."""
+    if tokenizer_size <= model_cfg.text.vocab_size:
+        return
+    if cfg.model.path:
+        raise ValueError(f"the tokenizer has {tokenizer_size} tokens but model.path={cfg.model.path} has "
+                         f"vocab_size={model_cfg.text.vocab_size}; point data.tokenizer at the model's tokenizer")
+    model_cfg.text.vocab_size = tokenizer_size
+
+
+def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int):
+    """(tokenizer, data stream): chat text, or chat with images when the model has a vision tower."""
+    common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
+                  seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
+                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
+    if model_cfg.vision is not None:
+        from qwenft.data.vlm import build_vlm_data, load_processor
+
+        processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
+                                   min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
+        data = build_vlm_data(cfg.data.path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
+        return processor.tokenizer, data
+    from qwenft.data.loader import build_sft_data
+    from qwenft.data.tiny_chat import TRAIN_PATH
+    from qwenft.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
+    return tokenizer, build_sft_data(TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, **common)
+
+
+def _freeze(module: torch.nn.Module, cfg: Config) -> dict[str, int]:
+    from qwenft.models.freeze import checkpoint_vision, freeze
+
+    frozen = freeze(module, vision=cfg.model.freeze_vision, language=cfg.model.freeze_language,
+                    projector=cfg.model.freeze_projector)
+    if cfg.model.vision_activation_checkpointing and getattr(module, "visual", None) is not None:
+        checkpoint_vision(module)
+    return frozen
 
 
 def _microbatching(cfg: Config, dp: int) -> tuple[int, int]:
@@ -110,6 +153,7 @@ def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_aft
 
     parallelize(module, mesh, param_dtype=_param_dtype(cfg.model.dtype, device),
                 activation_checkpointing=cfg.model.activation_checkpointing,
+                vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
                 reshard_after_forward=reshard_after_forward)
 
 
@@ -149,6 +193,7 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
         module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == num_stages - 1,
                                           kernels=cfg.model.kernels.gdn)
         reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
+        _freeze(module, cfg)
         _parallelize(module, cfg, mesh, device, reshard_after_forward=reshard)
         _load(module, cfg, device)
         stages.append(pp_lib.ReduceGradStage(
@@ -168,8 +213,11 @@ def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Con
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, cfg.pipeline.reduce_grad_per_microbatch)
+        images = {}
+        if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
+            images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
         logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                       cu_seqlens=mb["cu_seqlens"].to(device))
+                       cu_seqlens=mb["cu_seqlens"].to(device), **images)
         loss = token_ce_sum(logits, mb["labels"].to(device)) / label_tokens.clamp(min=1)
         loss.backward()
         step_loss += loss.detach()
@@ -177,9 +225,6 @@ def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Con
 
 
 def run(cfg: Config, return_state: bool = False) -> RunResult:
-    from qwenft.data.loader import build_sft_data
-    from qwenft.data.tiny_chat import TRAIN_PATH
-    from qwenft.data.tokenizer import load_tokenizer
     from qwenft.distributed import pipeline as pp_lib
     from qwenft.models.loader import build_model
 
@@ -211,33 +256,35 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
              run_dir, world, layout.pp, layout.dp, layout.tp, num_microbatches, microbatch_size)
 
     torch.manual_seed(cfg.seed)
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
-    data = build_sft_data(
-        TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, seq_len=cfg.data.seq_len,
-        micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=layout.dp, seed=cfg.seed,
-        packing=cfg.data.packing, train_on=cfg.data.train_on, truncation=cfg.data.truncation,
-        on_bad_row=cfg.data.on_bad_row)
+    model_cfg = _model_config(cfg)
+    validate_tp(model_cfg.text, layout.tp)
+    if model_cfg.vision is not None and layout.pp > 1:
+        raise ValueError(f"mesh.pp={layout.pp} with a vision-language model ({cfg.model.path or cfg.model.name}): "
+                         f"images through pipeline stages are not supported yet; use mesh.pp=1")
+    tokenizer, data = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp)
+    _fit_vocab(cfg, model_cfg, len(tokenizer))
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
     log.info("data: %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s",
              data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
 
-    model_cfg = _model_config(cfg, len(tokenizer))
-    validate_tp(model_cfg.text, layout.tp)
     pipe = None
     if layout.pp > 1:
         pipe = _build_pipeline(cfg, model_cfg, mesh, layout, device, num_microbatches)
         modules = [stage.submod for stage in pipe.stages]
     else:
         model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
+        _freeze(model, cfg)
         _parallelize(model, cfg, mesh, device)
         _load(model, cfg, device)
         modules = [model]
-    params = [p for m in modules for p in m.parameters()]
-    n_params = sum(p.numel() for p in params)
-    log.info("model: %s, %.2fM parameters on this rank's stage(s)", cfg.model.path or cfg.model.name,
-             n_params / 1e6)
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for m in modules for p in m.parameters())
+    log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,
+             n_params / 1e6, sum(p.numel() for p in params) / 1e6)
+    flops_per_token = metrics_lib.flops_per_token(model_cfg.text, cfg.data.seq_len)
+    peak = metrics_lib.peak_flops(device)
 
     optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
                                 cfg.optim.eps, cfg.optim.fused)
@@ -284,6 +331,8 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
                 "label_tokens": int(label_tokens.item()), "epoch": data.epoch_progress,
                 "step_time_s": elapsed, "tokens_per_sec": tokens / elapsed,
                 "tokens_per_sec_per_gpu": tokens / elapsed / world,
+                "tflops_per_gpu": flops_per_token * tokens / elapsed / world / 1e12,
+                "mfu": flops_per_token * tokens / elapsed / world / peak if peak else None,
                 "peak_memory_gib": peak_memory_gib(device),
             })
         if progress is not None:

@@ -1,0 +1,78 @@
+"""Training throughput and memory of a recipe on GPU(s), through the real runner.
+
+    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt] recipe=NAME [overrides ...]
+    torchrun --nproc-per-node 2 scripts/bench.py recipe=NAME mesh.dp=2 ...
+
+Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
+reports, over the steps after the warm-up: median step time, tokens/s per GPU, TFLOP/s per GPU and MFU
+(Qwen3.5 FLOPs per token from qwenft.train.metrics.flops_per_token, the count metrics.jsonl uses), and the
+peak memory of every rank. `--profile` wraps the run in torch.profiler and writes the top CUDA kernels.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qwenft.cli import compose  # noqa: E402
+from qwenft.train.runner import run  # noqa: E402
+
+
+def summarize(run_dir: Path, warmup: int, peaks_gib: list[float]) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[warmup:] or rows[-1:]
+    step_s = statistics.median(r["step_time_s"] for r in timed)
+    out = {
+        "steps_timed": len(timed),
+        "step_time_s": step_s,
+        "tokens_per_sec_per_gpu": statistics.median(r["tokens_per_sec_per_gpu"] for r in timed),
+        "peak_memory_gib_per_rank": peaks_gib,
+        "final_loss": rows[-1]["loss"],
+    }
+    if "tflops_per_gpu" in rows[-1]:
+        out["tflops_per_gpu"] = statistics.median(r["tflops_per_gpu"] for r in timed)
+    if rows[-1].get("mfu") is not None:
+        out["mfu"] = statistics.median(r["mfu"] for r in timed)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default=None, help="write torch.profiler's top CUDA kernels here")
+    args, overrides = parser.parse_known_args()
+    cfg = compose(overrides + ["train.progress_bar=false"])
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            result = run(cfg)
+        if dist.get_rank() == 0:
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+            Path(args.profile).write_text(table)
+    else:
+        result = run(cfg)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0],
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    if dist.get_rank() == 0:
+        report = {"overrides": overrides, "world_size": dist.get_world_size(),
+                  "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  "torch": torch.__version__,
+                  **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks])}
+        print(json.dumps(report, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
