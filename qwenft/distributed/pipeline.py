@@ -311,13 +311,20 @@ def _summed_loss(stages, losses: list, device) -> torch.Tensor:
     return torch.zeros((), device=device)
 
 
+def _first_stage_args(stages, batch: PipelineBatch) -> tuple:
+    """Positional inputs only on the rank that holds stage 0: torch 2.11's PipelineStage refuses positional
+    args on later stages ("Can't supply input args for shape inference on non-first stage", seen on H200)."""
+    return (batch.input_ids,) if any(stage.is_first for stage in stages) else ()
+
+
 def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_tokens: torch.Tensor,
                dp_group, pp_group) -> torch.Tensor:
     """Forward + backward of all microbatches; returns the step loss summed over microbatches and dp ranks,
     on every rank (the last stage's value, all-reduced over pp)."""
     loss_fn.label_tokens = label_tokens
     losses: list = []
-    schedule.step(batch.input_ids, target=batch.labels, losses=losses, return_outputs=False, **batch.kwargs())
+    schedule.step(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
+                  **batch.kwargs())
     loss = _summed_loss(stages, losses, label_tokens.device)
     dist.all_reduce(loss, group=dp_group)
     dist.all_reduce(loss, group=pp_group)
@@ -333,7 +340,7 @@ def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_grou
     """
     losses: list = []
     with torch.no_grad():
-        schedule.eval(batch.input_ids, target=batch.labels, losses=losses, **batch.kwargs())
+        schedule.eval(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, **batch.kwargs())
     for stage in stages:  # FSDP may keep parameters unsharded after a forward without backward
         for m in stage.submod.modules():
             if isinstance(m, FSDPModule):
