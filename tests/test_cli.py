@@ -109,3 +109,13 @@ def test_torchrun_two_processes(tmp_path):
     rows = _metrics(run_dir)
     assert len(rows) == 3 and all(r["loss"] > 0 for r in rows)
     assert "dp 2" in (run_dir / "train.log").read_text()
+
+
+def test_self_launch_local_workers(tmp_path):
+    """Plain `qwenft train launcher.nproc_per_node=2` starts two workers itself (torch.distributed.run)."""
+    run_dir = tmp_path / "run"
+    out = qwenft("train", "recipe=tiny", "launcher.nproc_per_node=2", "train.max_steps=2", f"run_dir={run_dir}",
+                 "train.progress_bar=false", env={"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(_metrics(run_dir)) == 2
+    assert "world 2 = pp 1 x dp 2 x tp 1" in (run_dir / "train.log").read_text()
