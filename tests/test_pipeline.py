@@ -231,22 +231,26 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_torchrun_pp2_matches_one_process(tmp_path):
+@pytest.mark.parametrize("nproc, mesh", [(2, ["mesh.pp=2"]), (4, ["mesh.tp=2", "mesh.pp=2"])])
+def test_torchrun_matches_one_process(tmp_path, nproc, mesh):
+    """The issue's command, `torchrun --nproc-per-node N -m qwenft train recipe=tiny mesh...`, logs the losses
+    of one process."""
     args = ["train", "recipe=tiny", "train.max_steps=3", "data.seq_len=128", "train.progress_bar=false",
             "optim.lr=5e-4", "lr_scheduler.warmup_steps=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "qwenft", *args, f"run_dir={tmp_path / 'one'}"], cwd=REPO,
                          capture_output=True, text=True, timeout=600, env=env)
     assert one.returncode == 0, one.stderr[-3000:]
-    pp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                         "-m", "qwenft", *args, "mesh.pp=2", f"run_dir={tmp_path / 'pp'}"], cwd=REPO,
+    pp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                         "-m", "qwenft", *args, *mesh, f"run_dir={tmp_path / 'pp'}"], cwd=REPO,
                         capture_output=True, text=True, timeout=600, env=env)
     assert pp.returncode == 0, pp.stderr[-3000:]
     a, b = _losses(tmp_path / "pp"), _losses(tmp_path / "one")
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(y), (a, b)
-    assert "pp 2 x dp 1" in (tmp_path / "pp" / "train.log").read_text()
+    tp = 2 if "mesh.tp=2" in mesh else 1
+    assert f"pp 2 x dp 1 x tp {tp}" in (tmp_path / "pp" / "train.log").read_text()
 
 
 # ------------------------------------------------------------------ recipes
