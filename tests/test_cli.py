@@ -40,6 +40,7 @@ def test_reset_override_returns_schema_default():
     ("mesh=nope", "mesh='nope' is not a mesh option; choose one of default"),
     ("optim.lr=fast", "optim.lr"),
     ("mesh.tp=0", "mesh.tp=0 must be >= 1"),
+    ("train.epochs=2", "train.epochs=2.0 has no effect while train.max_steps=150 is set; add train.max_steps=null"),
 ])
 def test_bad_overrides_fail_with_one_line(override, message):
     with pytest.raises(ValueError) as e:  # ConfigError is a ValueError; schema checks raise ValueError

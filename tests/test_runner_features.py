@@ -60,6 +60,42 @@ def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
     assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
 
 
+def test_num_layers_keeps_the_first_layers_of_a_checkpoint(tmp_path, checkpoint):
+    """model.num_layers=2 with model.path trains the checkpoint's first 2 layers: step-1 loss equals
+    transformers' model truncated to those layers on the same batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from qwenft.data.loader import build_sft_data
+    from qwenft.data.tiny_chat import TRAIN_PATH
+
+    (loss,) = run_distributed(_first_step_loss, 1, [
+        f"model.path={checkpoint}", "model.num_layers=2", "train.max_steps=1", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "data.packing=pad", "data.seq_len=64", "model.kernels.gdn=torch",
+        "train.progress_bar=false", f"run_dir={tmp_path / 'run'}"])
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.num_hidden_layers, config.layer_types = 2, config.layer_types[:2]
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=torch.float32)
+    batch = next(iter(build_sft_data(TRAIN_PATH, AutoTokenizer.from_pretrained(checkpoint), seq_len=64,
+                                     micro_batch_size=2, packing="pad")))
+    with torch.no_grad():
+        logits = hf(input_ids=batch["input_ids"], use_cache=False).logits  # 2 GDN layers: no attention cache
+    mask = batch["labels"] != -100
+    reference = torch.nn.functional.cross_entropy(logits[mask], batch["labels"][mask])
+    assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
+
+
+def test_epochs_set_the_number_of_steps(tmp_path):
+    from qwenft.train.runner import run
+
+    def steps(rank, world_size, overrides):
+        return len(run(compose(overrides)).losses)
+
+    # the tiny set packs into 54 rows of 256 tokens: half an epoch of 8-row steps is ceil(27 / 8) = 4 steps
+    (n,) = run_distributed(steps, 1, ["train.max_steps=null", "train.epochs=0.5", "train.progress_bar=false",
+                                      f"run_dir={tmp_path / 'run'}"])
+    assert n == 4
+
+
 def test_model_path_without_tokenizer_fails_naming_the_key(tmp_path, checkpoint):
     weights_only = tmp_path / "weights"
     weights_only.mkdir()

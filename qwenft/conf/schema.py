@@ -184,6 +184,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"mesh.dp={cfg.mesh.dp} must be >= 1, or -1 to infer it from the world size")
     if cfg.train.max_steps is None and cfg.train.epochs is None:
         raise ValueError("train.max_steps and train.epochs are both null; set one of them")
+    if cfg.train.max_steps is not None and cfg.train.epochs is not None:
+        raise ValueError(f"train.epochs={cfg.train.epochs} has no effect while train.max_steps={cfg.train.max_steps} "
+                         f"is set; add train.max_steps=null")
+    if cfg.train.epochs is not None and cfg.train.epochs <= 0:
+        raise ValueError(f"train.epochs={cfg.train.epochs} must be > 0")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
         raise ValueError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null with train.epochs)")
     if cfg.lr_scheduler.warmup_steps < 0:

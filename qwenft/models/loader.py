@@ -140,11 +140,13 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
     cfg, shapes = _model_info(model)
     ckpt_cfg = config_from_hf_dir(ckpt_dir)  # also checks dir / config.json / model_type
     files = _checkpoint_files(ckpt_dir)
-    if ckpt_cfg.text.num_hidden_layers != cfg.text.num_hidden_layers or ckpt_cfg.text.hidden_size != cfg.text.hidden_size:
+    # A model may keep only the first layers of a checkpoint (model.num_layers), never more.
+    if ckpt_cfg.text.num_hidden_layers < cfg.text.num_hidden_layers or ckpt_cfg.text.hidden_size != cfg.text.hidden_size:
         raise ValueError(
             f"checkpoint {ckpt_dir} has {ckpt_cfg.text.num_hidden_layers} layers x hidden {ckpt_cfg.text.hidden_size}, "
             f"model has {cfg.text.num_hidden_layers} x {cfg.text.hidden_size}"
         )
+    dropped = {str(i) for i in range(cfg.text.num_hidden_layers, ckpt_cfg.text.num_hidden_layers)}
     prefix = adapter.detect_prefix(files)
     tied = cfg.tie_word_embeddings and "lm_head.weight" not in files
     sources = {n: adapter.hf_source(n, cfg.text, prefix, tied) for n in shapes}
@@ -158,6 +160,7 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
         k for k in files
         if k not in allowed and not k.startswith(adapter.IGNORED_HF_PREFIXES)
         and not (cfg.vision is None and k.startswith(adapter.VISUAL_PREFIX))
+        and not (k.startswith(prefix + "layers.") and k[len(prefix + "layers."):].split(".")[0] in dropped)
     }
     if unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} has {len(unexpected)} keys this model does not know: "

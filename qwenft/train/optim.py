@@ -21,7 +21,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str, min_lr
         return (step + 1) / warmup_steps
     if decay == "constant" or total_steps <= warmup_steps:
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))  # last step: min lr
     if decay == "linear":
         shape = 1.0 - progress
     else:

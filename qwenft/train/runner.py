@@ -233,6 +233,9 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     microbatch_size, num_microbatches = _microbatching(cfg, layout.dp)
     if layout.pp == 1:
+        if cfg.pipeline.schedule != "1f1b":
+            raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
+                             f"set mesh.pp > 1 or leave pipeline.schedule at 1f1b")
         for key in ("virtual_stages", "layers_per_stage", "stage_layers"):
             if getattr(cfg.pipeline, key) is not None:
                 raise ValueError(f"pipeline.{key}={getattr(cfg.pipeline, key)} is set but mesh.pp=1 (no pipeline); "
