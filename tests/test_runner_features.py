@@ -160,3 +160,32 @@ def test_train_tiny_vlm_with_frozen_vision_tower(tmp_path):
     vision = {n: p for n, p in init.named_parameters() if n.startswith("visual.")}
     assert vision and all(torch.equal(state[n], p.detach()) for n, p in vision.items())
     assert not torch.equal(state["layers.0.mlp.up_proj.weight"], init.layers["0"].mlp.up_proj.weight.detach())
+    # the exported VLM loads in transformers with every key (vision tower included)
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    hf, info = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "run" / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_export_from_pp2_run_loads_in_transformers(tmp_path):
+    """checkpoint.export_hf from a 2-stage pipeline run: transformers loads <run_dir>/hf (every stage's keys,
+    tokenizer included) and gives the logits of the trained parameters the runner returns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import named_config
+
+    run_dir = tmp_path / "run"
+    (losses, state), _ = run_distributed(_train_state, 2, [
+        "mesh.pp=2", "train.max_steps=2", "data.seq_len=64", "checkpoint.export_dtype=float32",
+        "model.kernels.gdn=torch", "train.progress_bar=false", f"run_dir={run_dir}"])
+    hf = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(run_dir / "hf").chat_template
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
+    native = build_model(cfg, kernels="torch", device="cpu")
+    native.load_state_dict(state)
+    ids = torch.randint(0, cfg.text.vocab_size, (2, 40))
+    with torch.no_grad():
+        ref, got = native(input_ids=ids), hf(input_ids=ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5

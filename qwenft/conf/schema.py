@@ -95,6 +95,14 @@ class PipelineConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # At the end of training, write the trained model as an HF checkpoint (safetensors + index + config.json
+    # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained.
+    export_hf: bool = True
+    export_dtype: str = "bfloat16"  # bfloat16 | float32
+
+
+@dataclass
 class LoggerConfig:
     wandb: bool = False
     wandb_project: str = "qwenft"
@@ -138,6 +146,7 @@ class Config:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
@@ -152,6 +161,7 @@ CHOICES = {
     "data.on_bad_row": ("skip", "error"),
     "optim.fused": ("auto", "true", "false"),
     "lr_scheduler.decay": ("cosine", "linear", "constant"),
+    "checkpoint.export_dtype": ("bfloat16", "float32"),
     "pipeline.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"),
 }
 

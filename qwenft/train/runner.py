@@ -86,7 +86,8 @@ def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
 
 
 def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int):
-    """(tokenizer, data stream): chat text, or chat with images when the model has a vision tower."""
+    """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
+    model has a vision tower."""
     common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
                   seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
                   truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
@@ -96,13 +97,14 @@ def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_s
         processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
                                    min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
         data = build_vlm_data(cfg.data.path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
-        return processor.tokenizer, data
+        return processor.tokenizer, data, [processor.tokenizer, processor.image_processor]
     from qwenft.data.loader import build_sft_data
     from qwenft.data.tiny_chat import TRAIN_PATH
     from qwenft.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
-    return tokenizer, build_sft_data(TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, **common)
+    data = build_sft_data(TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, **common)
+    return tokenizer, data, [tokenizer]
 
 
 def _freeze(module: torch.nn.Module, cfg: Config) -> dict[str, int]:
@@ -145,6 +147,46 @@ def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, 
         dist.all_gather_object(parts, out, group=pp_group)
         out = {k: v for part in parts for k, v in part.items()}
     return out
+
+
+def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, out_dir: Path, mesh,
+              dtype: torch.dtype) -> None:
+    """Write the trained model as an HF checkpoint + tokenizer files (collective; global rank 0 writes).
+
+    Each stage's parameters are gathered over its dp x tp ranks; only the stage's (dp 0, tp 0) rank keeps
+    them, and those ranks (one pp group) send them to rank 0, so no rank holds more than one stage on the
+    CPU except rank 0, which holds the model. Written to a temp dir and renamed, so `out_dir` is never half
+    written.
+    """
+    import shutil
+
+    from qwenft.models.loader import write_hf_checkpoint
+    from qwenft.models.qwen3_5 import adapter
+    from qwenft.models.qwen3_5.gdn import param_dtype
+
+    leader = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    state = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if leader:
+                state[name] = full.detach().to(param_dtype(name.rsplit(".", 1)[-1], dtype)).cpu()
+    if leader and mesh["pp"].size() > 1:
+        parts = [None] * mesh["pp"].size() if dist.get_rank() == 0 else None
+        dist.gather_object(state, parts, dst=0, group=mesh["pp"].get_group())
+        if parts is not None:
+            state = {k: v for part in parts for k, v in part.items()}
+    if dist.get_rank() == 0:
+        prefix = adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
+        tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+        write_hf_checkpoint(adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings),
+                            model_cfg, tmp)
+        for item in preprocessors:
+            item.save_pretrained(str(tmp))
+        if out_dir.exists():  # an earlier export of this run (e.g. before a requeue): replace it whole
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    dist.barrier()
 
 
 def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_after_forward: bool = True):
@@ -264,7 +306,7 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     if model_cfg.vision is not None and layout.pp > 1:
         raise ValueError(f"mesh.pp={layout.pp} with a vision-language model ({cfg.model.path or cfg.model.name}): "
                          f"images through pipeline stages are not supported yet; use mesh.pp=1")
-    tokenizer, data = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp)
+    tokenizer, data, preprocessors = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     max_steps = cfg.train.max_steps
     if max_steps is None:
@@ -346,6 +388,9 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     metrics.close()
     log.info("done: %d steps, final loss %.4f; metrics in %s", max_steps, result.losses[-1],
              run_dir / "metrics.jsonl")
+    if cfg.checkpoint.export_hf:
+        export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, getattr(torch, cfg.checkpoint.export_dtype))
+        log.info("exported the trained model (HF layout) to %s", run_dir / "hf")
     if return_state:
         result.state_dict = full_state_dict(modules, pp_group)
     if "TORCHELASTIC_RUN_ID" in os.environ or world > 1:
