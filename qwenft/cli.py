@@ -230,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch.distributed as dist
 
-        run(cfg)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            run(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return 0
     except ConfigError as e:
         print(f"qwenft: error: {e}", file=sys.stderr)

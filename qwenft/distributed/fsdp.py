@@ -32,8 +32,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
 def set_microbatch_grad_sync(model: nn.Module, is_last: bool, reduce_grad_per_microbatch: bool) -> None:
     """Gradient-accumulation policy for the microbatches of one optimizer step.
 
-    reduce_grad_per_microbatch=False: keep unsharded gradients (and parameters) across microbatches and
-    reduce-scatter once, after the last one: fewest collectives, but a full-size gradient accumulator.
+    reduce_grad_per_microbatch=False: keep unsharded gradients across microbatches and reduce-scatter once,
+    after the last one: fewest collectives, but a full-size gradient accumulator. Parameters also stay
+    unsharded from one microbatch's backward to the next one's forward (one all-gather saved each).
     True: reduce-scatter after every microbatch so gradients stay sharded: 1/dp of the memory, more
     collectives.
     """

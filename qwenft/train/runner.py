@@ -44,6 +44,8 @@ def _agree_run_dir(cfg: Config) -> Path:
 
 def _setup_logging(run_dir: Path, is_main: bool) -> None:
     log.setLevel(logging.INFO if is_main else logging.WARNING)
+    for handler in log.handlers:  # an earlier run in this process (tests) left its log file open
+        handler.close()
     log.handlers.clear()
     log.propagate = False
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
@@ -274,6 +276,8 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     microbatch_size, num_microbatches = _microbatching(cfg, layout.dp)
+    if cfg.mesh.sequence_parallel and layout.tp == 1:
+        raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
     if layout.pp == 1:
         if cfg.pipeline.schedule != "1f1b":
             raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
@@ -361,7 +365,7 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         else:
             step_loss = _accumulate(model, micro_batches, label_tokens, device, cfg)
             dist.all_reduce(step_loss, group=dp_mesh.get_group())
-        grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group)
+        grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group if layout.pp > 1 else None)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
