@@ -64,6 +64,60 @@ def test_pp4_equals_one_process(tmp_path, reference):
     _assert_same(results[0], reference)
 
 
+def test_vlm_pp2_equals_one_process(tmp_path):
+    """recipe=tiny_vlm under pp2 (1F1B, 4 microbatches of 2 rows): images reach stage 0 per microbatch (padded
+    per microbatch, padding dropped in the stage; M-RoPE position ids travel batch-first) and training matches
+    one process. GDN decay.A_log / decay.dt_bias (tiny, Adam-normalised steps) within 1e-4, the rest 1e-5."""
+    overrides = ["recipe=tiny_vlm", "train.max_steps=3", "data.seq_len=128", "optim.lr=5e-4",
+                 "lr_scheduler.warmup_steps=0", "model.kernels.gdn=torch", "train.progress_bar=false",
+                 "checkpoint.export_hf=false"]
+    (ref_losses, ref_state), = run_distributed(_train, 1, [*overrides, f"run_dir={tmp_path / 'ref'}"])
+    results = run_distributed(_train, 2, [*overrides, "mesh.pp=2", f"run_dir={tmp_path / 'pp2'}"])
+    assert any(name.startswith("visual.") for name in ref_state)
+    assert ref_losses[0] != ref_losses[-1]
+    for losses, state in results:
+        assert len(losses) == 3
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: loss {a} vs one process {b}"
+        assert state.keys() == ref_state.keys()
+        for name, ref in ref_state.items():
+            rtol = 1e-4 if name.endswith(("decay.A_log", "decay.dt_bias")) else 1e-5
+            err = (state[name] - ref).norm() / ref.norm().clamp(min=1e-12)
+            assert err < rtol, f"{name}: rel err {err:.2e}"
+
+
+def test_vlm_microbatch_images_padded_and_dropped():
+    """PipelineBatch + the schedule's dim-0 split + StageModel give each microbatch exactly its own images and
+    [3, B, T] positions, and a microbatch without images runs with pixel_values=None (same logits as the model)."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from qwenft.cli import compose
+    from qwenft.distributed.pipeline import PipelineBatch, build_stage_model
+    from qwenft.models.loader import init_random_weights
+    from qwenft.train.runner import _build_data, _model_config
+
+    cfg = compose(["recipe=tiny_vlm", "data.seq_len=128"])
+    model_cfg = _model_config(cfg)
+    _, data, _ = _build_data(cfg, model_cfg, 2, 0, 1)
+    batches = iter(data)
+    mbs = [next(batches) for _ in range(2)]
+    text_only = {**mbs[0], "input_ids": mbs[0]["input_ids"].clamp(min=model_cfg.image_token_id + 1),
+                 "pixel_values": mbs[0]["pixel_values"][:0], "image_grid_thw": mbs[0]["image_grid_thw"][:0]}
+    mbs.insert(1, text_only)
+    batch = PipelineBatch.from_microbatches(mbs, "cpu")
+    _, kwarg_chunks = split_args_kwargs_into_chunks((), batch.kwargs(), len(mbs))
+    stage = build_stage_model(model_cfg, range(model_cfg.text.num_hidden_layers), True, True, "torch")
+    init_random_weights(stage, seed=0, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for mb, ids, kw in zip(mbs, batch.input_ids.chunk(len(mbs)), kwarg_chunks):
+            images = {}
+            if len(mb["image_grid_thw"]):
+                images = {"pixel_values": mb["pixel_values"], "image_grid_thw": mb["image_grid_thw"]}
+            ref = super(type(stage), stage).forward(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
+                                                    cu_seqlens=mb["cu_seqlens"], **images)
+            assert torch.equal(stage(ids, **kw), ref)
+
+
 @pytest.fixture(scope="module")
 def tp2_reference(tmp_path_factory):
     """tp2 without pipelining: the same tensor-parallel reduction order as tp2 x pp2."""

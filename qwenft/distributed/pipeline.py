@@ -136,11 +136,15 @@ class StageModel(Qwen3_5Model):
     arrives positionally (token ids on the first stage, hidden states after), everything else as kwargs.
 
     cu_seqlens is rebuilt from `position_ids` on each stage, since its length varies per microbatch and
-    pipelining only sends fixed-shape activations. Images travel padded to a fixed size (`stack_images`):
-    `image_grid_thw` rows of zeros and `pixel_values` rows past the last real patch are dropped here.
+    pipelining only sends fixed-shape activations. M-RoPE position ids arrive batch-first, `[B, 3, T]`, so the
+    schedule's dim-0 split cuts batch rows, and are turned back into `[3, B, T]` here. Images travel padded to
+    a fixed size (`stack_images`): `image_grid_thw` rows of zeros and `pixel_values` rows past the last real
+    patch are dropped here, and a microbatch left without images gives the model `pixel_values=None`.
     """
 
     def forward(self, x, position_ids, pixel_values=None, image_grid_thw=None):
+        if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
+            position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
         cu_seqlens = cu_seqlens_from_position_ids(positions).to(x.device)
         if self.embed_tokens is None:
@@ -161,9 +165,10 @@ def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str) -> 
 
 def stack_images(pixel_values: list, image_grid_thw: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-microbatch images -> two tensors whose dim 0 splits evenly into microbatches (zero padding),
-    so a schedule can chunk them like the token tensors. `StageModel` drops the padding again."""
-    max_patches = max(p.shape[0] for p in pixel_values)
-    max_images = max(g.shape[0] for g in image_grid_thw)
+    so a schedule can chunk them like the token tensors. `StageModel` drops the padding again. At least
+    one (padding) row per microbatch, since torch's splitter refuses a dim 0 smaller than the chunk count."""
+    max_patches = max(1, max(p.shape[0] for p in pixel_values))
+    max_images = max(1, max(g.shape[0] for g in image_grid_thw))
     pv = torch.cat([torch.cat([p, p.new_zeros(max_patches - p.shape[0], *p.shape[1:])]) for p in pixel_values])
     grid = torch.cat([torch.cat([g, g.new_zeros(max_images - g.shape[0], 3)]) for g in image_grid_thw])
     return pv, grid
@@ -280,7 +285,9 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, 
 
 @dataclass
 class PipelineBatch:
-    """The microbatches of one step on one dp rank, stacked along dim 0 ([n * microbatch_size, seq_len])."""
+    """The microbatches of one step on one dp rank, stacked along dim 0 ([n * microbatch_size, seq_len]).
+    M-RoPE `position_ids` are stored batch-first, [n * microbatch_size, 3, seq_len]; images padded per
+    microbatch (`stack_images`)."""
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
@@ -295,7 +302,11 @@ class PipelineBatch:
             pv, grid = stack_images([mb["pixel_values"] for mb in microbatches],
                                     [mb["image_grid_thw"] for mb in microbatches])
             images = {"pixel_values": pv.to(device), "image_grid_thw": grid.to(device)}
-        return cls(cat("input_ids"), cat("position_ids"), cat("labels"), **images)
+        positions = [mb["position_ids"] for mb in microbatches]
+        if positions[0].dim() == 3:  # M-RoPE [3, B, T] -> [B, 3, T]: the schedule splits dim 0 into microbatches
+            positions = [p.transpose(0, 1) for p in positions]
+        position_ids = torch.cat(positions).contiguous().to(device)
+        return cls(cat("input_ids"), position_ids, cat("labels"), **images)
 
     def kwargs(self) -> dict:
         kw = {"position_ids": self.position_ids}

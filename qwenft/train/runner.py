@@ -307,9 +307,6 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     torch.manual_seed(cfg.seed)
     model_cfg = _model_config(cfg)
     validate_tp(model_cfg.text, layout.tp)
-    if model_cfg.vision is not None and layout.pp > 1:
-        raise ValueError(f"mesh.pp={layout.pp} with a vision-language model ({cfg.model.path or cfg.model.name}): "
-                         f"images through pipeline stages are not supported yet; use mesh.pp=1")
     tokenizer, data, preprocessors = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     max_steps = cfg.train.max_steps
