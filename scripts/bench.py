@@ -48,7 +48,8 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default=None, help="write torch.profiler's top CUDA kernels here")
     args, overrides = parser.parse_known_args()
-    cfg = compose(overrides + ["train.progress_bar=false"])
+    # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
+    cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
