@@ -100,6 +100,10 @@ class CheckpointConfig:
     # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained.
     export_hf: bool = True
     export_dtype: str = "bfloat16"  # bfloat16 | float32
+    # Sharded training checkpoints (model, optimizer, scheduler, data position, RNG) in <run_dir>/checkpoints
+    every_steps: int = 0  # save after every N optimizer steps; 0 = never
+    keep: int = 2  # keep the newest N checkpoints
+    resume: str = "auto"  # auto = the newest checkpoint in run_dir, if any | none | path to a step-NNNNNN dir
 
 
 @dataclass
@@ -212,5 +216,12 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"data.image.{key}={value} must be >= 1")
     if image.min_pixels and image.max_pixels and image.min_pixels > image.max_pixels:
         raise ValueError(f"data.image.min_pixels={image.min_pixels} is above data.image.max_pixels={image.max_pixels}")
+    if cfg.checkpoint.every_steps < 0:
+        raise ValueError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be >= 0 (0 = never)")
+    if cfg.checkpoint.keep < 1:
+        raise ValueError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")
+    if not cfg.checkpoint.resume:
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r} is not valid; "
+                         f"use auto, none or a path to a step-NNNNNN dir")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")

@@ -17,6 +17,7 @@ from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
 from qwenft.distributed.tensor_parallel import clip_grad_norm_, validate_tp
 from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.train import checkpoint as ckpt_lib
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.metrics import MetricsLogger, peak_memory_gib
 from qwenft.train.optim import build_optimizer, build_scheduler
@@ -345,12 +346,21 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
 
         progress = tqdm(total=max_steps, desc="train", dynamic_ncols=True)
 
+    ckpt_root = run_dir / "checkpoints"
+    start_step = 1
+    resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
+    if resume_from is not None:
+        start_step = ckpt_lib.load(resume_from, modules, optimizer, scheduler, data) + 1
+        log.info("resumed from %s; continuing at step %d", resume_from, start_step)
+        if progress is not None:
+            progress.update(start_step - 1)
+
     result = RunResult(run_dir=run_dir)
     batches = iter(data)
     for m in modules:
         m.train()
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-    for step in range(1, max_steps + 1):
+    for step in range(start_step, max_steps + 1):
         start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(num_microbatches)]
         label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(device)
@@ -384,11 +394,17 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            path = ckpt_lib.save(ckpt_root, step, modules, optimizer, scheduler, data, cfg.checkpoint.keep)
+            log.info("saved checkpoint %s", path)
     if progress is not None:
         progress.close()
     metrics.close()
-    log.info("done: %d steps, final loss %.4f; metrics in %s", max_steps, result.losses[-1],
-             run_dir / "metrics.jsonl")
+    if result.losses:
+        log.info("done: %d steps, final loss %.4f; metrics in %s", max_steps, result.losses[-1],
+                 run_dir / "metrics.jsonl")
+    else:
+        log.info("nothing to train: the checkpoint is at step %d >= train.max_steps=%d", start_step - 1, max_steps)
     if cfg.checkpoint.export_hf:
         export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, getattr(torch, cfg.checkpoint.export_dtype))
         log.info("exported the trained model (HF layout) to %s", run_dir / "hf")
