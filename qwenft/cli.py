@@ -13,7 +13,7 @@ from pathlib import Path
 from qwenft.conf.schema import Config, validate
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "logger", "launcher")
+GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "eval", "logger", "launcher")
 RECIPES_ENV = "QWENFT_RECIPES_DIR"
 
 USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]

@@ -81,6 +81,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward on one rank
     log_every: int = 1
     progress_bar: bool = True
+    on_nonfinite: str = "error"  # non-finite loss or grad norm: error | skip (the step, counted as skipped_steps)
 
 
 @dataclass
@@ -104,6 +105,13 @@ class CheckpointConfig:
     every_steps: int = 0  # save after every N optimizer steps; 0 = never
     keep: int = 2  # keep the newest N checkpoints
     resume: str = "auto"  # auto = the newest checkpoint in run_dir, if any | none | path to a step-NNNNNN dir
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # validation loss after every N optimizer steps and at the end; 0 = never
+    dataset: Optional[str] = None  # chat data like data.path; "tiny" = the shipped tiny_chat_val.jsonl
+    max_batches: Optional[int] = None  # micro batches per rank per validation; null = the whole set
 
 
 @dataclass
@@ -151,6 +159,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
@@ -166,6 +175,7 @@ CHOICES = {
     "optim.fused": ("auto", "true", "false"),
     "lr_scheduler.decay": ("cosine", "linear", "constant"),
     "checkpoint.export_dtype": ("bfloat16", "float32"),
+    "train.on_nonfinite": ("error", "skip"),
     "pipeline.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"),
 }
 
@@ -223,5 +233,12 @@ def validate(cfg: Config) -> None:
     if not cfg.checkpoint.resume:
         raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r} is not valid; "
                          f"use auto, none or a path to a step-NNNNNN dir")
+    if cfg.eval.every_steps < 0:
+        raise ValueError(f"eval.every_steps={cfg.eval.every_steps} must be >= 0 (0 = never)")
+    if cfg.eval.every_steps and cfg.eval.dataset is None:
+        raise ValueError(f"eval.every_steps={cfg.eval.every_steps} needs a validation set; set eval.dataset "
+                         f"(\"tiny\" or a path like data.path) or eval.every_steps=0")
+    if cfg.eval.max_batches is not None and cfg.eval.max_batches < 1:
+        raise ValueError(f"eval.max_batches={cfg.eval.max_batches} must be >= 1 (or null for the whole set)")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")

@@ -30,6 +30,8 @@ class RunResult:
     run_dir: Path
     losses: list[float] = field(default_factory=list)
     state_dict: dict | None = None  # full (unsharded) parameters after training, when asked for
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss (eval.every_steps)
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
 
 
 def default_run_dir(recipe: str) -> str:
@@ -88,9 +90,12 @@ def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
     model_cfg.text.vocab_size = tokenizer_size
 
 
-def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int):
+def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
-    model has a vision tower."""
+    model has a vision tower. `path` (default data.path) lets the validation set be read the same way."""
+    from qwenft.data.tiny_chat import TRAIN_PATH
+
+    path = path or (TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path)
     common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
                   seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
                   truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
@@ -99,15 +104,13 @@ def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_s
 
         processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
                                    min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
-        data = build_vlm_data(cfg.data.path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
+        data = build_vlm_data(path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
         return processor.tokenizer, data, [processor.tokenizer, processor.image_processor]
     from qwenft.data.loader import build_sft_data
-    from qwenft.data.tiny_chat import TRAIN_PATH
     from qwenft.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
-    data = build_sft_data(TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path, tokenizer, **common)
-    return tokenizer, data, [tokenizer]
+    return tokenizer, build_sft_data(path, tokenizer, **common), [tokenizer]
 
 
 def _freeze(module: torch.nn.Module, cfg: Config) -> dict[str, int]:
@@ -253,20 +256,82 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
     return Pipeline(stages, schedule, loss_fn)
 
 
+def _forward(model, mb: dict, device):
+    images = {}
+    if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
+        images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
+    return model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
+                 cu_seqlens=mb["cu_seqlens"].to(device), **images)
+
+
 def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Config) -> torch.Tensor:
     """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss."""
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, cfg.pipeline.reduce_grad_per_microbatch)
-        images = {}
-        if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
-            images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
-        logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                       cu_seqlens=mb["cu_seqlens"].to(device), **images)
+        logits = _forward(model, mb, device)
         loss = token_ce_sum(logits, mb["labels"].to(device)) / label_tokens.clamp(min=1)
         loss.backward()
         step_loss += loss.detach()
     return step_loss
+
+
+def _val_micro_batches(val_data, max_batches: int | None) -> list[dict]:
+    batches = list(val_data.eval_batches())
+    return batches if max_batches is None else batches[:max_batches]
+
+
+def _eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group) -> float:
+    """Mean token CE over the validation batches: CE summed over microbatches and dp ranks / label tokens."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model.eval()
+    ce = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for mb in val_batches:
+            labels = mb["labels"].to(device)
+            ce += token_ce_sum(_forward(model, mb, device), labels).double()
+            tokens += count_label_tokens(labels)
+    for m in model.modules():  # FSDP keeps the root's parameters unsharded after a forward without backward
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    model.train()
+    totals = torch.stack([ce, tokens])
+    dist.all_reduce(totals, group=dp_group)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _build_eval_schedule(pipe: Pipeline, cfg: Config, device, pp_group, num_microbatches: int):
+    """A forward-only schedule over new PipelineStages of the same stage modules (see pipeline_eval_loss)."""
+    from qwenft.distributed import pipeline as pp_lib
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
+    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, pp_lib.TokenCE())
+
+
+def _eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
+                         pp_group) -> float:
+    """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
+    from qwenft.distributed import pipeline as pp_lib
+
+    stages, schedule = eval_schedule
+    for s in stages:
+        s.submod.eval()
+    ce = torch.zeros((), device=device)
+    tokens = torch.zeros((), device=device)
+    for start in range(0, len(val_batches), num_microbatches):
+        group = val_batches[start:start + num_microbatches]
+        filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
+        group = group + [filler] * (num_microbatches - len(group))
+        batch = pp_lib.PipelineBatch.from_microbatches(group, device)
+        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group)
+        ce += group_ce
+        tokens += group_tokens
+    for s in stages:
+        s.submod.train()
+    return (ce / tokens.clamp(min=1)).item()
 
 
 def run(cfg: Config, return_state: bool = False) -> RunResult:
@@ -355,6 +420,24 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         if progress is not None:
             progress.update(start_step - 1)
 
+    val_batches, eval_schedule = None, None
+    if cfg.eval.every_steps:
+        from qwenft.data.tiny_chat import VAL_PATH
+
+        val_path = VAL_PATH if cfg.eval.dataset == "tiny" else cfg.eval.dataset
+        _, val_data, _ = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp, path=val_path)
+        val_batches = _val_micro_batches(val_data, cfg.eval.max_batches)
+        log.info("validation: %s, %d micro batches of %d per rank every %d steps",
+                 cfg.eval.dataset, len(val_batches), microbatch_size, cfg.eval.every_steps)
+        if pipe is not None:
+            eval_schedule = _build_eval_schedule(pipe, cfg, device, pp_group, num_microbatches)
+
+    def validate() -> float:
+        if pipe is not None:
+            return _eval_loss_pipelined(eval_schedule, val_batches, num_microbatches, device, dp_mesh.get_group(),
+                                        pp_group)
+        return _eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group())
+
     result = RunResult(run_dir=run_dir)
     batches = iter(data)
     for m in modules:
@@ -374,10 +457,20 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
             dist.all_reduce(step_loss, group=dp_mesh.get_group())
         grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group if layout.pp > 1 else None)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         loss_value = step_loss.item()
+        # loss and grad norm are reduced over every rank, so all ranks take the same branch
+        if math.isfinite(loss_value) and math.isfinite(grad_norm.item()):
+            optimizer.step()
+            scheduler.step()
+        elif cfg.train.on_nonfinite == "error":
+            raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, grad_norm="
+                             f"{grad_norm.item()}); lower optim.lr, keep optim.max_grad_norm > 0, or set "
+                             f"train.on_nonfinite=skip to skip such steps")
+        else:
+            result.skipped_steps += 1
+            log.warning("step %d skipped: non-finite loss=%s or grad_norm=%s (train.on_nonfinite=skip, %d skipped "
+                        "so far)", step, loss_value, grad_norm.item(), result.skipped_steps)
+        optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
         result.losses.append(loss_value)
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -389,8 +482,12 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
                 "tokens_per_sec_per_gpu": tokens / elapsed / world,
                 "tflops_per_gpu": flops_per_token * tokens / elapsed / world / 1e12,
                 "mfu": flops_per_token * tokens / elapsed / world / peak if peak else None,
-                "peak_memory_gib": peak_memory_gib(device),
+                "peak_memory_gib": peak_memory_gib(device), "skipped_steps": result.skipped_steps,
             })
+        if val_batches is not None and (step % cfg.eval.every_steps == 0 or step == max_steps):
+            result.val_losses[step] = val_loss = validate()
+            metrics.log({"step": step, "val_loss": val_loss})
+            log.info("step %d: val_loss %.4f", step, val_loss)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")

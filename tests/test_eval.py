@@ -1,0 +1,105 @@
+"""Validation loss (eval.*) against an independent single-process computation, and the non-finite guard."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_distributed
+from qwenft.cli import compose
+
+
+def _train(rank, world_size, overrides):
+    from qwenft.train.runner import run
+
+    result = run(compose(overrides), return_state=True)
+    return result.val_losses, result.state_dict, result.skipped_steps, result.losses
+
+
+def _overrides(tmp_path, name, *extra):
+    return ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "model.kernels.gdn=torch",
+            "train.progress_bar=false", "checkpoint.export_hf=false", "optim.lr=5e-4",
+            "lr_scheduler.warmup_steps=0", "train.global_batch_size=4", "train.micro_batch_size=1",
+            "eval.every_steps=2", "eval.dataset=tiny", f"run_dir={tmp_path / name}", *extra]
+
+
+def _independent_val_loss(state: dict) -> float:
+    """The trained parameters in a plain model, CE summed over the whole validation set / its label tokens."""
+    from qwenft.data.loader import build_sft_data
+    from qwenft.data.tiny_chat import VAL_PATH
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import named_config
+
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
+    model = build_model(cfg, kernels="torch", device="cpu").float()
+    model.load_state_dict(state)
+    data = build_sft_data(VAL_PATH, load_tokenizer("tiny"), seq_len=128, micro_batch_size=3, packing="pack")
+    ce, tokens = 0.0, 0
+    with torch.no_grad():
+        for mb in data.eval_batches():
+            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"])
+            ce += F.cross_entropy(logits.flatten(0, 1).double(), mb["labels"].flatten(), ignore_index=-100,
+                                  reduction="sum").item()
+            tokens += (mb["labels"] != -100).sum().item()
+    return ce / tokens
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    (result,) = run_distributed(_train, 1, _overrides(tmp_path_factory.mktemp("eval"), "one"))
+    return result
+
+
+def test_val_loss_equals_independent_computation(one_process):
+    val_losses, state, _, _ = one_process
+    assert sorted(val_losses) == [2, 3]  # every 2 steps and at the end
+    assert val_losses[2] != val_losses[3]
+    assert abs(val_losses[3] - _independent_val_loss(state)) < 1e-5
+
+
+def test_val_loss_in_metrics(tmp_path):
+    run_distributed(_train, 1, _overrides(tmp_path, "m", "train.max_steps=2", "eval.max_batches=2"))
+    records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [2] and math.isfinite(val[0]["val_loss"])
+    assert all(r["skipped_steps"] == 0 for r in records if "loss" in r)
+
+
+def test_dp2_val_loss_equals_one_process(tmp_path, one_process):
+    results = run_distributed(_train, 2, _overrides(tmp_path, "dp2"))
+    for val_losses, *_ in results:
+        for step, ref in one_process[0].items():
+            assert abs(val_losses[step] - ref) < 1e-6, (step, val_losses[step], ref)
+
+
+def test_pp2_val_loss_equals_one_process(tmp_path, one_process):
+    results = run_distributed(_train, 2, _overrides(tmp_path, "pp2", "mesh.pp=2"))
+    for val_losses, *_ in results:
+        for step, ref in one_process[0].items():
+            assert abs(val_losses[step] - ref) < 1e-5, (step, val_losses[step], ref)
+
+
+def test_every_steps_without_dataset_is_an_error():
+    with pytest.raises(Exception, match="eval.every_steps=2 needs a validation set; set eval.dataset"):
+        compose(["recipe=tiny", "eval.every_steps=2"])
+
+
+HUGE_LR = ["optim.lr=1e6", "optim.max_grad_norm=0", "train.max_steps=6", "eval.every_steps=0"]
+
+
+def test_nonfinite_error_raises_one_line(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_train, 1, _overrides(tmp_path, "err", *HUGE_LR))
+    line = next(ln for ln in str(info.value).splitlines() if ln.startswith("ValueError:"))
+    assert "ValueError: non-finite loss/grad norm at step " in line and "train.on_nonfinite=skip" in line
+
+
+def test_nonfinite_skip_keeps_params_finite(tmp_path):
+    _, state, skipped, losses = run_distributed(_train, 1, _overrides(tmp_path, "skip", *HUGE_LR,
+                                                                      "train.on_nonfinite=skip"))[0]
+    assert skipped >= 1 and sum(not math.isfinite(x) for x in losses) <= skipped
+    assert all(torch.isfinite(t).all() for t in state.values())
