@@ -143,11 +143,9 @@ def _microbatching(cfg: Config, dp: int) -> tuple[int, int]:
 
 def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, torch.Tensor]:
     """Unsharded CPU copies of every parameter of every pipeline stage, on every rank (collective)."""
-    out = {}
-    for module in modules:
-        for name, p in module.named_parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = t.detach().float().cpu().clone()
+    from qwenft.models.loader import full_native_state_dict
+
+    out = {name: t.float().clone() for module in modules for name, t in full_native_state_dict(module).items()}
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         parts = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, out, group=pp_group)

@@ -226,7 +226,6 @@ class GatedDeltaNet(nn.Module):
         v = conv(self.v_proj(x), local(self.conv_v)).view(b, t, -1, self.head_v_dim)
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         beta = self.b_proj(x).sigmoid()
-        fp = torch.promote_types(x.dtype, torch.float32)
         g = self.decay(self.a_proj(x))
         rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
