@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qwenft.checkpoint import dcp as ckpt_lib
+from qwenft.checkpoint.hf_export import export_hf, full_state_dict
 from qwenft.conf.schema import Config
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
 from qwenft.distributed.tensor_parallel import clip_grad_norm_, validate_tp
 from qwenft.train.loss import count_label_tokens, token_ce_sum
-from qwenft.train import checkpoint as ckpt_lib
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.metrics import MetricsLogger, peak_memory_gib
 from qwenft.train.optim import build_optimizer, build_scheduler
@@ -139,58 +140,6 @@ def _microbatching(cfg: Config, dp: int) -> tuple[int, int]:
             f"pipeline.num_microbatches={cfg.pipeline.num_microbatches} but train.global_batch_size="
             f"{cfg.train.global_batch_size} / dp={dp} / {key}={size} = {count}; set it to {count} or null")
     return size, count
-
-
-def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of every parameter of every pipeline stage, on every rank (collective)."""
-    from qwenft.models.loader import full_native_state_dict
-
-    out = {name: t.float().clone() for module in modules for name, t in full_native_state_dict(module).items()}
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        parts = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(parts, out, group=pp_group)
-        out = {k: v for part in parts for k, v in part.items()}
-    return out
-
-
-def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, out_dir: Path, mesh,
-              dtype: torch.dtype) -> None:
-    """Write the trained model as an HF checkpoint + tokenizer files (collective; global rank 0 writes).
-
-    Each stage's parameters are gathered over its dp x tp ranks; only the stage's (dp 0, tp 0) rank keeps
-    them, and those ranks (one pp group) send them to rank 0, so no rank holds more than one stage on the
-    CPU except rank 0, which holds the model. Written to a temp dir and renamed, so `out_dir` is never half
-    written.
-    """
-    import shutil
-
-    from qwenft.models.loader import write_hf_checkpoint
-    from qwenft.models.qwen3_5 import adapter
-    from qwenft.models.qwen3_5.gdn import param_dtype
-
-    leader = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-    state = {}
-    for module in modules:
-        for name, p in module.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            if leader:
-                state[name] = full.detach().to(param_dtype(name.rsplit(".", 1)[-1], dtype)).cpu()
-    if leader and mesh["pp"].size() > 1:
-        parts = [None] * mesh["pp"].size() if dist.get_rank() == 0 else None
-        dist.gather_object(state, parts, dst=0, group=mesh["pp"].get_group())
-        if parts is not None:
-            state = {k: v for part in parts for k, v in part.items()}
-    if dist.get_rank() == 0:
-        prefix = adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
-        tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-        write_hf_checkpoint(adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings),
-                            model_cfg, tmp)
-        for item in preprocessors:
-            item.save_pretrained(str(tmp))
-        if out_dir.exists():  # an earlier export of this run (e.g. before a requeue): replace it whole
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    dist.barrier()
 
 
 def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_after_forward: bool = True):
