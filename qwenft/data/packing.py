@@ -53,7 +53,7 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """int32 offsets of segment starts over the flattened `[B, T]` positions, plus the end `B*T`."""
     flat = position_ids.reshape(-1)
     starts = torch.nonzero(flat == 0).flatten()
-    return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
 
 
 def collate(rows: list[tuple[list[int], list[int], list[int]]]) -> dict[str, torch.Tensor]:
