@@ -1,7 +1,8 @@
 """Sharded checkpoints resume exactly: a run stopped at step 2 and resumed trains steps 3-4 to the same
-losses as a run that never stopped (fp32, CPU)."""
+losses as a run that never stopped (fp32, CPU), on the same mesh and on others (pp and tp included)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -13,6 +14,13 @@ def _train(rank, world_size, overrides):
     from qwenft.train.runner import run
 
     return run(compose(overrides)).losses
+
+
+def _train_state(rank, world_size, overrides):
+    from qwenft.train.runner import run
+
+    result = run(compose(overrides), return_state=True)
+    return result.losses, result.state_dict if rank == 0 else None
 
 
 def _overrides(run_dir, max_steps, *extra):
@@ -30,10 +38,16 @@ def _logged_losses(run_dir) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory):
+    """dp2, 4 steps, checkpoints after steps 2 and 4. Tests copy what they break."""
     run_dir = tmp_path_factory.mktemp("a") / "run"
     run_distributed(_train, 2, _overrides(run_dir, 4))
-    return _logged_losses(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return _logged_losses(uninterrupted_run)
 
 
 def test_resume_on_the_same_mesh_is_bit_identical(tmp_path, uninterrupted):
@@ -60,12 +74,119 @@ def test_resume_on_another_mesh(tmp_path, uninterrupted):
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
-def test_corrupt_checkpoint_is_a_one_line_error(tmp_path):
-    broken = tmp_path / "checkpoints" / "step-000002"
-    broken.mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("step-000002\n")
-    with pytest.raises(RuntimeError, match="incomplete or corrupt") as info:
-        run_distributed(_train, 1, _overrides(tmp_path, 2))
-    assert str(broken) in str(info.value)
-    with pytest.raises(RuntimeError, match="does not exist"):
+def _value_error(info) -> str:
+    """The one ValueError line a rank reported (run_distributed wraps it with the rank's traceback)."""
+    return next(line for line in str(info.value).splitlines() if line.startswith("ValueError: "))
+
+
+def _assert_unchanged(root, before: dict) -> None:
+    """Every file as it was; train.log may only have grown (the failed attempt logs its start)."""
+    after = _files(root)
+    log = root / "train.log"
+    assert after.pop(log).startswith(before[log])
+    assert after == {p: b for p, b in before.items() if p != log}
+
+
+def _files(root) -> dict:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
+    """latest names a step dir without .metadata (a crash mid-copy, a deleted file): one line naming the key,
+    the path and what is valid; the run dir, its config.yaml included, is left exactly as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, run_dir)
+    (run_dir / "checkpoints" / "step-000004" / ".metadata").unlink()
+    before = _files(run_dir)
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_train, 1, _overrides(run_dir, 6))
+    line = _value_error(info)
+    assert f"checkpoint.resume=auto: {run_dir / 'checkpoints' / 'step-000004'} is incomplete or corrupt (no " \
+           f".metadata)" in line and "or auto or none" in line, line
+    _assert_unchanged(run_dir, before)
+    with pytest.raises(RuntimeError, match="does not exist; give a step-NNNNNN dir, or auto or none"):
         run_distributed(_train, 1, _overrides(tmp_path / "other", 2, f"checkpoint.resume={tmp_path / 'nope'}"))
+
+
+def test_checkpoint_of_another_model_is_refused_before_loading(tmp_path, uninterrupted_run):
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, run_dir)
+    before = _files(run_dir)
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_train, 1, _overrides(run_dir, 6, "model.num_layers=2"))
+    line = _value_error(info)
+    assert "checkpoint.resume=auto: " in line and "was saved from another model (" in line, line
+    assert "text.num_hidden_layers=4 there, 2 here" in line and "checkpoint.resume=none" in line, line
+    _assert_unchanged(run_dir, before)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_keep_best_keeps_the_lowest_val_loss_checkpoint(tmp_path):
+    """A checkpoint every step, keep=1, keep_best: what is left is the last one and the one with the lowest
+    val_loss in metrics.jsonl (lr 3e-2 overshoots after step 3, so the best is not the last)."""
+    run_dir = tmp_path / "run"
+    run_distributed(_train, 1, [
+        "recipe=tiny", "train.max_steps=5", "data.seq_len=64", "model.kernels.gdn=torch", "train.progress_bar=false",
+        "checkpoint.export_hf=false", "optim.lr=3e-2", "lr_scheduler.warmup_steps=0", "lr_scheduler.decay=constant",
+        "train.global_batch_size=2", "train.micro_batch_size=1", "eval.every_steps=1", "eval.dataset=tiny",
+        "eval.max_batches=2", "checkpoint.every_steps=1", "checkpoint.keep=1", "checkpoint.keep_best=true",
+        f"run_dir={run_dir}"])
+    val = {r["step"]: r["val_loss"] for r in _metrics(run_dir) if "val_loss" in r}
+    best = min(val, key=val.get)
+    assert sorted(val) == [1, 2, 3, 4, 5] and best not in (1, 5), val
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "best").read_text().strip() == f"step-{best:06d}"
+    assert (ckpts / "latest").read_text().strip() == "step-000005"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best", "latest", f"step-{best:06d}", "step-000005"]
+    assert json.loads((ckpts / f"step-{best:06d}" / "checkpoint.json").read_text())["val_loss"] == val[best]
+
+
+def test_keep_best_needs_a_val_loss_at_every_checkpoint():
+    for extra in ([], ["eval.every_steps=3", "eval.dataset=tiny"]):
+        with pytest.raises(ValueError, match="checkpoint.keep_best=true needs a val_loss at every checkpoint: "
+                                             "checkpoint.every_steps=2 must be > 0 and a multiple of eval.every_steps"):
+            compose(["checkpoint.keep_best=true", "checkpoint.every_steps=2", *extra])
+
+
+def test_async_save_resumes_identically(tmp_path, uninterrupted):
+    """checkpoint.async_save: training is unchanged, both checkpoints complete with `latest` on the last, and
+    resuming from step 2 trains steps 3-4 bit-identically to the run that never stopped."""
+    run_dir = tmp_path / "run"
+    run_distributed(_train, 2, _overrides(run_dir, 4, "checkpoint.async_save=true"))
+    assert _logged_losses(run_dir) == uninterrupted
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000002", "step-000004"]
+    assert (ckpts / "latest").read_text().strip() == "step-000004"
+    resumed = run_distributed(_train, 2, _overrides(tmp_path / "resumed", 4, "checkpoint.async_save=true",
+                                                    f"checkpoint.resume={ckpts / 'step-000002'}"))[0]
+    assert resumed == [uninterrupted[3], uninterrupted[4]]
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2_interleaved(tmp_path_factory):
+    """4 steps on tp2 x pp2 with two stages per rank (interleaved 1F1B: rank 0 holds stages 0 and 2), saving
+    after steps 2 and 4; the trained parameters for the export test."""
+    run_dir = tmp_path_factory.mktemp("tp2pp2") / "run"
+    results = run_distributed(_train_state, 4, _overrides(
+        run_dir, 4, "mesh.tp=2", "mesh.pp=2", "pipeline.schedule=interleaved_1f1b", "checkpoint.export_hf=false"))
+    return run_dir, _logged_losses(run_dir), results[0][1]
+
+
+@pytest.mark.parametrize("nproc, mesh", [
+    (4, ["mesh.dp=4"]),
+    (1, []),
+    (2, ["mesh.pp=2", "pipeline.schedule=zbv"]),  # V placement: rank 0 holds stages 0 and 3
+])
+def test_resume_tp2_pp2_checkpoint_on_another_mesh(tmp_path, tp2_pp2_interleaved, nproc, mesh):
+    """A checkpoint of tp2 x pp2 (interleaved stages) resumes on dp4, one process and pp2 with another stage
+    placement: the steps after it train to the uninterrupted run's losses."""
+    run_dir, uninterrupted, _ = tp2_pp2_interleaved
+    step2 = run_dir / "checkpoints" / "step-000002"
+    losses = run_distributed(_train, nproc, _overrides(tmp_path / "run", 4, f"checkpoint.resume={step2}", *mesh))[0]
+    assert len(losses) == 2
+    for got, step in zip(losses, (3, 4)):
+        assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
+

@@ -1,31 +1,60 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint) and exact resume.
+"""Sharded training checkpoints (torch.distributed.checkpoint) and exact resume, on any mesh.
 
 Layout under <run_dir>/checkpoints/:
-    step-000010/        model + optimizer, one DCP shard file per rank plus `.metadata`; extra.pt (rank 0):
-                        step, scheduler, data stream position and RNG state
+    step-000010/        model + optimizer: one DCP shard file per rank plus `.metadata`;
+                        extra.pt (rank 0): step, scheduler, data stream position, RNG state;
+                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export)
     latest              the name of the newest complete step dir, written last
+    best                checkpoint.keep_best: the step dir with the lowest val_loss, never rotated away
 
-DCP stores each tensor by its parameter name with its global shape, so a checkpoint saved on one mesh
-loads on another (dp2 -> dp1); DCP reshards on load.
+Every tensor is stored under the whole model's parameter name (`layers.17.mlp.up_proj.weight`, and
+`state.<name>.exp_avg` for AdamW) with its global shape, whatever the mesh: pipeline stages keep the
+model's layer indices, TP/FSDP shards are DTensors DCP reassembles, and the optimizer state is flattened by
+name. So a checkpoint saved on one mesh (tp2 x pp2, interleaved stages, ...) loads on any other.
 """
 
+import dataclasses
+import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 EXTRA = "extra.pt"
+META = "checkpoint.json"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position
 
 
-def _model_for_dcp(modules: list[torch.nn.Module]) -> torch.nn.Module:
-    """get_state_dict takes one module. Several pipeline stages on one rank go in a ModuleList, which
-    prefixes their names with the local stage index: such a checkpoint resumes only on the same pipeline
-    layout."""
-    return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+class _Stages(nn.Module):
+    """Several pipeline stages of one rank as one module with the whole model's parameter names: their decoder
+    layers (keyed by model-wide index) in one `layers` dict, embeddings/vision/norm/head from the stage that
+    has them. Only for state dicts (no forward): a ModuleList would prefix names with the local stage index,
+    which ties a checkpoint to its pipeline layout."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for stage in stages:
+            assert not list(stage.parameters(recurse=False)), "stage modules hold parameters only in children"
+            for name, child in stage.named_children():
+                if name == "layers":
+                    assert not set(child.keys()) & set(self.layers.keys()), "stages share a layer"
+                    self.layers.update(child)
+                elif child is not None and next(child.parameters(), None) is not None:
+                    assert name not in self._modules, f"two stages hold {name}"
+                    self.add_module(name, child)
+
+
+def _native_view(modules: list[nn.Module]) -> nn.Module:
+    return modules[0] if len(modules) == 1 else _Stages(modules)
 
 
 def _rng_state() -> dict:
@@ -35,65 +64,167 @@ def _rng_state() -> dict:
     return state
 
 
-def save(ckpt_root: Path, step: int, modules: list[torch.nn.Module], optimizer, scheduler, data,
-         keep: int) -> Path:
-    """Write step-<step> (collective): to a temp dir, renamed when complete; then `latest`; then prune to
-    the newest `keep` dirs. A crash at any point leaves `latest` naming a complete checkpoint."""
-    name = f"step-{step:06d}"
-    tmp, final = ckpt_root / f".{name}.tmp", ckpt_root / name
-    if dist.get_rank() == 0:
-        if tmp.exists():  # left by a crash mid-save
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(_model_for_dcp(modules), optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    if dist.get_rank() == 0:
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "data": data.state_dict(),
-                    "rng": _rng_state()}, tmp / EXTRA)
-        if final.exists():  # the same step saved before a requeue: replace it whole
-            shutil.rmtree(final)
-        tmp.rename(final)
-        latest_tmp = ckpt_root / ".latest.tmp"
-        latest_tmp.write_text(name + "\n")
-        os.replace(latest_tmp, ckpt_root / "latest")
-        for old in sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old)
-    dist.barrier()
-    return final
+def _write_pointer(root: Path, name: str, target: str) -> None:
+    tmp = root / f".{name}.tmp"
+    tmp.write_text(target + "\n")
+    os.replace(tmp, root / name)
 
 
-def find(resume: str, ckpt_root: Path) -> Path | None:
-    """The checkpoint dir that `checkpoint.resume` names, or None to start fresh."""
-    if resume == "none":
+def read_pointer(root: Path, name: str) -> str | None:
+    """The step dir name in `latest` or `best`, None when there is no such pointer."""
+    path = root / name
+    return path.read_text().strip() if path.is_file() else None
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / META).read_text())
+
+
+def model_config_from_meta(meta: dict):
+    """The qwenft ModelConfig a checkpoint was saved from."""
+    from qwenft.models.qwen3_5.configs import ModelConfig, TextConfig
+
+    d = meta["model_config"]
+    return ModelConfig(**{**d, "text": TextConfig(**d["text"])})
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_model_config(path: Path, model_config, resume: str) -> None:
+    """Refuse (before anything is loaded) a checkpoint of another model: DCP would fail on the first shape that
+    disagrees, or load silently where none does (another layer_types, rope_theta, ...)."""
+    saved = _flat(read_meta(path)["model_config"])
+    now = _flat(json.loads(json.dumps(dataclasses.asdict(model_config))))  # lists and tuples as JSON has them
+    diff = [f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+    if diff:
+        more = f" (+{len(diff) - 3} more)" if len(diff) > 3 else ""
+        raise ValueError(f"checkpoint.resume={resume}: {path} was saved from another model ({'; '.join(diff[:3])}"
+                         f"{more}); resume with the model.* and data.tokenizer it was trained with, or set "
+                         f"checkpoint.resume=none")
+
+
+def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume", valid: str = "auto or none") -> Path | None:
+    """The checkpoint dir that `key=value` names (auto: `latest`, None when there is none yet; none: None; else
+    a step dir), checked to be complete. Reads only files, so it can run before anything is built or written."""
+    if value == "none":
         return None
-    if resume == "auto":
-        latest = ckpt_root / "latest"
-        if not latest.exists():
+    if value == "auto":
+        name = read_pointer(ckpt_root, "latest")
+        if name is None:
             return None
-        path = ckpt_root / latest.read_text().strip()
+        path = ckpt_root / name
     else:
-        path = Path(resume)
+        path = Path(value)
         if not path.is_dir():
-            raise ValueError(f"checkpoint.resume={resume} does not exist; give a step-NNNNNN dir, auto or none")
-    if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
-        raise ValueError(f"checkpoint {path} is incomplete or corrupt (no .metadata or {EXTRA}); "
-                         f"point checkpoint.resume at another step dir or set checkpoint.resume=none")
+            raise ValueError(f"{key}={value} does not exist; give a step-NNNNNN dir, or {valid}")
+    missing = [f for f in (".metadata", EXTRA, META) if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"{key}={value}: {path} is incomplete or corrupt (no {', '.join(missing)}); give another "
+                         f"step-NNNNNN dir, or {valid}")
     return path
 
 
-def load(path: Path, modules: list[torch.nn.Module], optimizer, scheduler, data) -> int:
-    """Restore model, optimizer, scheduler, data position and RNG from `path` (collective); returns the
-    step the checkpoint was taken after."""
-    model = _model_for_dcp(modules)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(path / EXTRA, weights_only=True)
-    scheduler.load_state_dict(extra["scheduler"])
-    data.load_state_dict(extra["data"])
-    torch.set_rng_state(extra["rng"]["cpu"])
-    if "cuda" in extra["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    return extra["step"]
+@dataclass
+class _Pending:
+    name: str
+    val_loss: float | None
+    future: object = None  # dcp.async_save's future; None once a synchronous save returned
+
+
+class Checkpointer:
+    """Saves and loads one run's train state; with `async_save`, a save's files are written in the background
+    while training goes on, and `latest` (and `best`) name it only once all of them are on disk."""
+
+    def __init__(self, root: Path, modules: list[nn.Module], optimizer, scheduler, data, model_config,
+                 keep: int, keep_best: bool = False, async_save: bool = False):
+        self.root, self.optimizer, self.scheduler, self.data = root, optimizer, scheduler, data
+        self.model = _native_view(modules)
+        self.model_config = model_config
+        self.keep, self.keep_best = keep, keep_best
+        self.pending: _Pending | None = None
+        # DCP's background writer runs collectives; on the training group they would interleave with the
+        # training step's. A CPU group of its own also serves NCCL runs (async_save needs gloo).
+        self.async_group = dist.new_group(backend="gloo") if async_save else None
+
+    def _state(self) -> dict:
+        return {"model": get_model_state_dict(self.model, options=_OPTIONS),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS)}
+
+    def save(self, step: int, val_loss: float | None = None) -> Path:
+        """Write step-<step> (collective) to a temp dir; `wait` renames it and updates the pointers. Synchronous
+        saves wait here; async ones at the next save or `wait()`. Returns the final path."""
+        self.wait()
+        name = f"step-{step:06d}"
+        tmp = self.root / f".{name}.tmp"
+        if dist.get_rank() == 0:
+            if tmp.exists():  # left by a crash mid-save
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        state = self._state()
+        if dist.get_rank() == 0:
+            torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
+                        "rng": _rng_state()}, tmp / EXTRA)
+            meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config)}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+        self.pending = _Pending(name, val_loss)
+        if self.async_group is not None:
+            self.pending.future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self.wait()
+        return self.root / name
+
+    def wait(self) -> None:
+        """Finish the save in flight (collective): once this rank's shards are written (rank 0's future also
+        covers `.metadata`, written after every rank reported its shards), rank 0 renames the temp dir, then
+        writes `latest`, then `best`, then deletes checkpoints beyond `keep`."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        if pending.future is not None:
+            pending.future.result()
+        if dist.get_rank() == 0:
+            self._publish(pending.name, pending.val_loss)
+        dist.barrier()
+
+    def _publish(self, name: str, val_loss: float | None) -> None:
+        tmp, final = self.root / f".{name}.tmp", self.root / name
+        if final.exists():  # the same step saved before a requeue: replace it whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _write_pointer(self.root, "latest", name)
+        best = read_pointer(self.root, "best")
+        if self.keep_best and val_loss is not None:
+            if best is None or not (self.root / best).is_dir() or val_loss < read_meta(self.root / best)["val_loss"]:
+                _write_pointer(self.root, "best", name)
+                best = name
+        steps = sorted(p.name for p in self.root.glob("step-*") if p.is_dir())
+        for old in steps[:-self.keep]:
+            if old != best or not self.keep_best:
+                shutil.rmtree(self.root / old)
+
+    def load(self, path: Path) -> int:
+        """Restore model, optimizer, scheduler, data position and RNG from `path` (collective); returns the
+        step the checkpoint was taken after."""
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"], options=_OPTIONS)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS)
+        extra = torch.load(path / EXTRA, weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.data.load_state_dict(extra["data"])
+        torch.set_rng_state(extra["rng"]["cpu"])
+        if "cuda" in extra["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["rng"]["cuda"])
+        return extra["step"]
+

@@ -102,8 +102,10 @@ class CheckpointConfig:
     export_hf: bool = True
     export_dtype: str = "bfloat16"  # bfloat16 | float32
     # Sharded training checkpoints (model, optimizer, scheduler, data position, RNG) in <run_dir>/checkpoints
-    every_steps: int = 0  # save after every N optimizer steps; 0 = never
+    every_steps: int = 0  # save after every N optimizer steps and after the last; 0 = no training checkpoints
     keep: int = 2  # keep the newest N checkpoints
+    keep_best: bool = False  # also keep the checkpoint with the lowest val_loss (`best`); needs eval.every_steps
+    async_save: bool = False  # write checkpoints in the background while training continues
     resume: str = "auto"  # auto = the newest checkpoint in run_dir, if any | none | path to a step-NNNNNN dir
 
 
@@ -230,6 +232,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be >= 0 (0 = never)")
     if cfg.checkpoint.keep < 1:
         raise ValueError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1")
+    if cfg.checkpoint.keep_best:
+        ckpt_every, eval_every = cfg.checkpoint.every_steps, cfg.eval.every_steps
+        if not ckpt_every or not eval_every or ckpt_every % eval_every:
+            raise ValueError(f"checkpoint.keep_best=true needs a val_loss at every checkpoint: checkpoint.every_steps="
+                             f"{ckpt_every} must be > 0 and a multiple of eval.every_steps={eval_every} (> 0)")
     if not cfg.checkpoint.resume:
         raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r} is not valid; "
                          f"use auto, none or a path to a step-NNNNNN dir")

@@ -307,11 +307,10 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
 
     run_dir = _agree_run_dir(cfg)
     is_main = rank == 0
+    ckpt_root = run_dir / "checkpoints"
+    resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)  # a bad checkpoint fails before any write
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        from qwenft.cli import to_yaml
-
-        (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
     dist.barrier()
     _setup_logging(run_dir, is_main)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
@@ -322,6 +321,12 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     validate_tp(model_cfg.text, layout.tp)
     tokenizer, data, preprocessors = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
+    if resume_from is not None:
+        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume)
+    if is_main:  # after the checks, so a failed resume leaves the run's config.yaml as it was
+        from qwenft.cli import to_yaml
+
+        (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
@@ -358,11 +363,12 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
 
         progress = tqdm(total=max_steps, desc="train", dynamic_ncols=True)
 
-    ckpt_root = run_dir / "checkpoints"
+    checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
+                                         cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
+                                         async_save=cfg.checkpoint.async_save)
     start_step = 1
-    resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
     if resume_from is not None:
-        start_step = ckpt_lib.load(resume_from, modules, optimizer, scheduler, data) + 1
+        start_step = checkpointer.load(resume_from) + 1
         log.info("resumed from %s; continuing at step %d", resume_from, start_step)
         if progress is not None:
             progress.update(start_step - 1)
@@ -438,9 +444,11 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-            path = ckpt_lib.save(ckpt_root, step, modules, optimizer, scheduler, data, cfg.checkpoint.keep)
-            log.info("saved checkpoint %s", path)
+        saved = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == max_steps)
+        if saved:
+            path = checkpointer.save(step, result.val_losses.get(step))
+            log.info("%s checkpoint %s", "saving (async)" if cfg.checkpoint.async_save else "saved", path)
+    checkpointer.wait()
     if progress is not None:
         progress.close()
     metrics.close()
