@@ -23,6 +23,8 @@ commands:
   show      print the resolved config of a recipe after overrides
   slurm     write an sbatch script for launcher.nodes nodes and submit it (--dry-run: print it); docs/slurm.md
   recipes   list recipes, one line each
+  export    {{export_usage}}
+            a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; docs/checkpointing.md
 
 overrides (Hydra syntax): a.b=v sets a key, group=option picks a config group option, ~a.b resets a key.
 config groups: {{groups}}
@@ -154,7 +156,8 @@ def to_yaml(cfg: Config) -> str:
 
 
 def _help() -> str:
-    return USAGE.format(groups="; ".join(f"{g}={{{','.join(o)}}}" for g, o in group_options().items()),
+    return USAGE.format(export_usage=EXPORT_USAGE.removeprefix("qwenft export "),
+                        groups="; ".join(f"{g}={{{','.join(o)}}}" for g, o in group_options().items()),
                         recipes=", ".join(list_recipes()))
 
 
@@ -197,6 +200,93 @@ def _slurm(args: list[str]) -> int:
     return 0
 
 
+EXPORT_USAGE = ("qwenft export run_dir=DIR out=DIR [checkpoint=latest|best|STEP_DIR] [dtype=bfloat16|float32] "
+                "[tokenizer=DIR]")
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The resolved config a `qwenft train` run wrote to its run dir."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"run_dir={run_dir} has no config.yaml; give the run dir of a qwenft train run")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+
+
+def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
+    """checkpoint=latest|best|STEP_DIR (a path, or a step dir name under the run's checkpoints/) -> its path."""
+    from qwenft.checkpoint import dcp
+
+    if value in ("latest", "best"):
+        name = dcp.read_pointer(ckpt_root, value)
+        if name is None:
+            how = "checkpoint.keep_best=true" if value == "best" else "checkpoint.every_steps=N"
+            raise ConfigError(f"checkpoint={value}: there is no {ckpt_root / value} (the run saved no such checkpoint; "
+                              f"train with {how}, or give checkpoint=STEP_DIR)")
+        return ckpt_root / name
+    if value in ("auto", "none"):
+        raise ConfigError(f"checkpoint={value} is not valid; choose latest, best or a step-NNNNNN dir")
+    path = Path(value) if Path(value).is_dir() or not (ckpt_root / value).is_dir() else ckpt_root / value
+    return dcp.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")
+
+
+def _export(args: list[str]) -> int:
+    """`qwenft export`: a run's DCP checkpoint, saved on any mesh, as an HF checkpoint written by one CPU
+    process through the same writer as checkpoint.export_hf. Every input is checked before anything is read
+    or written, and an existing non-empty `out` is refused."""
+    import torch
+
+    from qwenft.checkpoint import dcp, hf_export
+    from qwenft.data.tokenizer import TOKENIZER_FILES
+    from qwenft.train.runner import load_preprocessors
+
+    opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in opts:
+            raise ConfigError(f"export does not take {arg!r}; usage: {EXPORT_USAGE}")
+        opts[key] = value
+    missing = [key for key in ("run_dir", "out") if not opts[key]]
+    if missing:
+        raise ConfigError(f"export needs {' and '.join(f'{k}=DIR' for k in missing)}; usage: {EXPORT_USAGE}")
+    run_dir, out = Path(opts["run_dir"]), Path(opts["out"])
+    cfg = load_run_config(run_dir)
+    dtype = opts["dtype"] or cfg.checkpoint.export_dtype
+    if dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"dtype={dtype!r} is not valid; choose one of bfloat16, float32")
+    path = _export_checkpoint(run_dir / "checkpoints", opts["checkpoint"])
+    hf_export.check_out_dir(out)
+    model_cfg = dcp.model_config_from_meta(dcp.read_meta(path))
+    source, key = next(((v, k) for k, v in (("tokenizer", opts["tokenizer"]), ("data.tokenizer", cfg.data.tokenizer),
+                                             ("model.path", cfg.model.path)) if v), (None, None))
+    if source is not None and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        where = "" if key == "tokenizer" else f" (from {run_dir / 'config.yaml'})"
+        raise ConfigError(f"{key}={source}{where} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) to export "
+                          f"with the model; pass tokenizer=DIR, a dir with the run's tokenizer")
+    _, _, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None, source)
+    state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype))
+    hf_export.write_hf(state, model_cfg, preprocessors, out)
+    print(f"exported {path} ({dtype}) to {out}")
+    return 0
+
+
+def _plan(args: list[str]) -> int:
+    """`qwenft plan`: every rank's memory for the recipe's mesh, as a table (or JSON with --json; plan.json=PATH
+    writes it too). Keys only `train` needs (data.path, ...) may stay unset."""
+    import json
+
+    from qwenft.train import plan
+
+    cfg = compose([a for a in args if a != "--json"], missing_ok=True)
+    plans = plan.predict(cfg)
+    report = plan.to_json(plans, cfg)
+    if cfg.plan.json:
+        Path(cfg.plan.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1) if "--json" in args else plan.format_table(plans, cfg))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -213,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command == "slurm":
             return _slurm(args)
+        if command == "export":
+            return _export(args)
         if command not in ("train", "show"):
-            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, recipes")
+            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, export, recipes")
         cfg = compose(args, missing_ok=command == "show")
         if command == "show":
             print(to_yaml(cfg), end="")

@@ -190,3 +190,72 @@ def test_resume_tp2_pp2_checkpoint_on_another_mesh(tmp_path, tp2_pp2_interleaved
     for got, step in zip(losses, (3, 4)):
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
+
+def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_interleaved, capsys):
+    """`qwenft export` of the tp2 x pp2 run's last checkpoint, on this one process: transformers loads it, and
+    its logits are those of the parameters the run trained."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qwenft.cli import main
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import named_config
+
+    run_dir, _, state = tp2_pp2_interleaved
+    out = tmp_path / "hf"
+    assert main(["export", f"run_dir={run_dir}", f"out={out}", "dtype=float32"]) == 0, capsys.readouterr().err
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
+    native = build_model(cfg, kernels="torch", device="cpu")
+    native.load_state_dict(state)
+    ids = torch.randint(0, cfg.text.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, got = native(input_ids=ids), hf(input_ids=ids).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _fake_run(tmp_path, source_run, **config):
+    """A run dir with source_run's config.yaml (keys changed as given) and its checkpoints."""
+    from omegaconf import OmegaConf
+
+    run_dir = tmp_path / "fake_run"
+    run_dir.mkdir()
+    cfg = OmegaConf.load(source_run / "config.yaml")
+    for key, value in config.items():
+        OmegaConf.update(cfg, key, value)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    (run_dir / "checkpoints").symlink_to(source_run / "checkpoints")
+    return run_dir
+
+
+EXPORT_ERRORS = {
+    "out_not_empty": "out={out} exists and is not empty; give a new or empty directory",
+    "no_tokenizer": "data.tokenizer={tokenizer} (from {run_dir}/config.yaml) has no tokenizer files (tokenizer.json, "
+                    "tokenizer_config.json, vocab.json, tokenizer.model) to export with the model; pass tokenizer=DIR",
+    "no_best": "checkpoint=best: there is no {run_dir}/checkpoints/best (the run saved no such checkpoint; train with "
+               "checkpoint.keep_best=true, or give checkpoint=STEP_DIR)",
+    "bad_dtype": "dtype='float16' is not valid; choose one of bfloat16, float32",
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_ERRORS)
+def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, uninterrupted_run, capsys, case):
+    from qwenft.cli import main
+
+    out, tokenizer, run_dir = tmp_path / "hf", tmp_path / "empty_tokenizer", uninterrupted_run
+    if case == "out_not_empty":
+        out.mkdir()
+        (out / "mine.txt").write_text("keep me")
+    if case == "no_tokenizer":
+        tokenizer.mkdir()
+        run_dir = _fake_run(tmp_path, uninterrupted_run, **{"data.tokenizer": str(tokenizer)})
+    args = {"no_best": ["checkpoint=best"], "bad_dtype": ["dtype=float16"]}.get(case, [])
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(["export", f"run_dir={run_dir}", f"out={out}", *args]) == 2
+    err = capsys.readouterr().err
+    message = EXPORT_ERRORS[case]
+    assert err.count("\n") == 1 and message.format(out=out, tokenizer=tokenizer, run_dir=run_dir) in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert out.exists() == (case == "out_not_empty")

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,3 +229,18 @@ class Checkpointer:
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
         return extra["step"]
 
+
+def load_model_state(path: Path, model_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's parameters from a checkpoint of any mesh, on this one CPU process, in `dtype` (GDN's
+    A_log/dt_bias stay fp32): full tensors under their native names, without the optimizer state (DCP reads
+    only the keys asked for)."""
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.gdn import param_dtype
+
+    meta_model = build_model(model_config, kernels="torch", device="meta")
+    state = {name: torch.empty(p.shape, dtype=param_dtype(name.rsplit(".", 1)[-1], dtype))
+             for name, p in meta_model.named_parameters()}
+    with warnings.catch_warnings():  # one process without a process group is what `qwenft export` means to do
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    return state

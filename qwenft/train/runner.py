@@ -91,6 +91,21 @@ def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
     model_cfg.text.vocab_size = tokenizer_size
 
 
+def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> tuple:
+    """(tokenizer, VLM processor or None, what an HF export saves next to the weights) from `source`; default
+    data.tokenizer, else model.path, else the built-in tiny tokenizer (tiny_vlm's processor for a VLM)."""
+    source = source or cfg.data.tokenizer or cfg.model.path or ("tiny_vlm" if vision else "tiny")
+    if vision:
+        from qwenft.data.vlm import load_processor
+
+        processor = load_processor(source, min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
+        return processor.tokenizer, processor, [processor.tokenizer, processor.image_processor]
+    from qwenft.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    return tokenizer, None, [tokenizer]
+
+
 def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
     model has a vision tower. `path` (default data.path) lets the validation set be read the same way."""
@@ -100,18 +115,16 @@ def _build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_s
     common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
                   seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
                   truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
-    if model_cfg.vision is not None:
-        from qwenft.data.vlm import build_vlm_data, load_processor
+    tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
+    if processor is not None:
+        from qwenft.data.vlm import build_vlm_data
 
-        processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
-                                   min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
         data = build_vlm_data(path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
-        return processor.tokenizer, data, [processor.tokenizer, processor.image_processor]
-    from qwenft.data.loader import build_sft_data
-    from qwenft.data.tokenizer import load_tokenizer
+    else:
+        from qwenft.data.loader import build_sft_data
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.path or "tiny")
-    return tokenizer, build_sft_data(path, tokenizer, **common), [tokenizer]
+        data = build_sft_data(path, tokenizer, **common)
+    return tokenizer, data, preprocessors
 
 
 def _freeze(module: torch.nn.Module, cfg: Config) -> dict[str, int]:
