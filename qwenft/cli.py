@@ -4,6 +4,7 @@ import difflib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -163,13 +164,24 @@ def _help() -> str:
 
 def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
+    from qwenft.launch import signals
     from qwenft.train.runner import default_run_dir
 
     run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
     args = [a for a in overrides if not a.startswith("run_dir=")] + [f"run_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "qwenft.launch.torchrun", "--standalone",
            f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train", *args]
-    return subprocess.call(cmd)
+    signals.clear_marker(Path(run_dir))
+    proc = subprocess.Popen(cmd)
+    # SIGTERM/SIGUSR1 here reach the workers as SIGTERM through torchrun (it forwards SIGTERM, not SIGUSR1)
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signal.SIGTERM)) for s in signals.SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    # torchrun exits 1 whatever its workers' exit code; the marker says they stopped on a signal
+    return signals.EXIT_PREEMPTED if code and signals.preempted(Path(run_dir)) else code
 
 
 def _slurm(args: list[str]) -> int:
@@ -318,16 +330,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.launcher.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
             return _launch_local_workers(cfg, args)
+        from qwenft.launch import signals
         from qwenft.train.runner import run
 
         import torch.distributed as dist
 
         try:
-            run(cfg)
+            result = run(cfg)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        return 0
+        return signals.EXIT_PREEMPTED if result.preempted else 0
     except ConfigError as e:
         print(f"qwenft: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
-"""`qwenft slurm` against a real SLURM (slurmctld + two slurmds on this host), the script's key lines, the
-one-line errors, and `env_from_slurm` inside a real srun step."""
+"""`qwenft slurm` against a real SLURM (slurmctld + two slurmds on this host): a 2-node job, a preempted job that
+requeues itself and resumes, secrets kept out of every file; the script's key lines, the one-line errors, and
+`env_from_slurm` inside a real srun step."""
 
+import hashlib
 import json
 import math
 import os
@@ -53,14 +55,18 @@ def test_dry_run_script_lines(tmp_path, capsys, monkeypatch):
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=04:00:00",
                  "#SBATCH --qos=high", "#SBATCH --job-name=ft", f"#SBATCH --output={tmp_path}/run/slurm-%j.out",
-                 "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue", "#SBATCH --exclusive", "#SBATCH --export=ALL",
-                 "export NCCL_DEBUG=WARN", "export HF_TOKEN", "trap on_usr1 USR1"):
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --exclusive", "#SBATCH --export=ALL",
+                 "export NCCL_DEBUG=WARN", "export HF_TOKEN", "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120",
+                 f"run_dir={tmp_path}/run", "resume=auto",
+                 'if [ -f "$run_dir/preempted" ]; then', '  if [ "${SLURM_RESTART_COUNT:-0}" -lt 10 ]; then',
+                 '    scontrol requeue "$SLURM_JOB_ID"', "  exit 75"):
         assert line in script.splitlines(), line
-    assert "hf_secret_value" not in script
+    assert 'rm -f "$run_dir/preempted"' in script and "hf_secret_value" not in script
     assert "--container-image='nvcr.io#nvidia/pytorch:25.01-py3'" in script
     assert "--container-mounts=/data:/data,/ckpt:/ckpt" in script
     assert "--nproc-per-node=8" in script and '--rdzv-endpoint="$head_addr:$port"' in script
-    assert f"run_dir={tmp_path}/run" in script and "mesh.tp=4" in script
+    assert '"run_dir=$run_dir" "checkpoint.resume=$resume" || status=$?' in script and "mesh.tp=4" in script
+    assert "-m qwenft.launch.torchrun --nnodes" in script  # torchrun that leaves SIGUSR1 to the workers
     assert "# qwenft slurm: recipe tiny, 4 node(s) x 8 process(es) = world 32" in script
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
@@ -72,6 +78,17 @@ def test_dry_run_cpu_nodes_and_defaults(capsys):
     assert re.search(r"run_dir=/\S+/outputs/tiny/\d{8}-\d{6}", script)  # absolute: the job's dir is fixed
 
 
+def test_dry_run_resume_path_only_on_the_first_start(capsys):
+    """checkpoint.resume=<dir> starts the job from that checkpoint; a requeued start continues from its own."""
+    script = _dry_run(capsys, "launcher.gpus_per_node=0", "checkpoint.resume=/ckpt/run1/checkpoints/step-000100")
+    lines = script.splitlines()
+    assert "resume=/ckpt/run1/checkpoints/step-000100  # checkpoint.resume; a requeued start continues from this " \
+           "run's latest" in lines
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$run_dir/checkpoints/latest" ]; then resume=auto; fi' \
+           in lines
+    assert "checkpoint.resume=/ckpt" not in script.split("srun ", 1)[1]  # only through $resume
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["launcher.nodes=0"], "launcher.nodes=0 must be >= 1"),
     (["launcher.nodes=1", "launcher.gpus_per_node=6", "mesh.tp=4"],
@@ -81,12 +98,22 @@ def test_dry_run_cpu_nodes_and_defaults(capsys):
     (["launcher.gpus_per_node=8", "launcher.nproc_per_node=4"],
      "launcher.nproc_per_node=4 disagrees with launcher.gpus_per_node=8"),
     (["+launcher.env.WANDB_API_KEY=abc"], "launcher.env.WANDB_API_KEY has a value; secrets are passed by name"),
+    (["launcher.max_requeues=-1"], "launcher.max_requeues=-1 must be >= 0"),
 ])
 def test_bad_input_one_line_errors(overrides, message, capsys):
     code = main(["slurm", "recipe=tiny", "--dry-run", *overrides])
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("command", ["show", "train"])
+def test_secret_values_refused_by_every_command(command, capsys):
+    """`qwenft train` and `show` write or print the config too: a secret's value never gets that far."""
+    code = main([command, "recipe=tiny", "+launcher.env.db_password=hunter2"])
+    captured = capsys.readouterr()
+    assert code == 2 and "launcher.env.db_password has a value; secrets are passed by name only" in captured.err
+    assert "hunter2" not in captured.out and captured.err.strip().count("\n") == 0
 
 
 def test_missing_sbatch(tmp_path, capsys, monkeypatch):
@@ -115,12 +142,17 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+SECRETS = {"HF_TOKEN": "hf_qwenft_test_secret_1", "WANDB_API_KEY": "wandb_qwenft_test_secret_2"}
+
+
 def test_two_node_job_completes(cluster, tmp_path):
+    """Also: secrets listed by name reach the job from the submitting shell and no file in the run dir."""
     run_dir = tmp_path / "run"
     start = time.monotonic()
     out = qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0",
                  "launcher.nproc_per_node=1", "train.max_steps=3", "train.progress_bar=false",
-                 f"run_dir={run_dir}", env={**cluster.env, "OMP_NUM_THREADS": "1"})
+                 "launcher.env={HF_TOKEN: null, WANDB_API_KEY: null}", "launcher.setup=['printenv HF_TOKEN | sha256sum']",
+                 f"run_dir={run_dir}", env={**cluster.env, "OMP_NUM_THREADS": "1", **SECRETS})
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     state, exit_code = cluster.wait_job(job_id, timeout=240)
@@ -132,6 +164,12 @@ def test_two_node_job_completes(cluster, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     assert (run_dir / "slurm.sh").exists() and "nodes: 2" in (run_dir / "config.yaml").read_text()
     assert "rendezvous 127.0.0.1:" in log  # the head node's NodeAddr, not its unresolvable name
+    assert hashlib.sha256(SECRETS["HF_TOKEN"].encode() + b"\n").hexdigest() in log  # the job has the value
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"slurm.sh", "config.yaml", f"slurm-{job_id}.out", "train.log"} <= {p.name for p in files}
+    for path in files:
+        data = path.read_bytes()
+        assert not any(value.encode() in data for value in SECRETS.values()), path
 
 
 def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
@@ -152,29 +190,37 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     assert lines == [f"rank {r} world 4 sum 10" for r in range(4)], out.stdout
 
 
-def test_usr1_requeues_into_the_same_run_dir(cluster, tmp_path):
-    """--signal's SIGUSR1 reaches the batch shell, whose trap requeues the job (launcher.max_requeues=1);
-    the second start trains in the same run dir. (Without checkpoint resume it starts from step 1 again.)"""
-    run_dir = tmp_path / "run"
-    out = qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0", "launcher.max_requeues=1",
-                 "train.max_steps=3", "train.progress_bar=false", f"run_dir={run_dir}",
-                 env={**cluster.env, "OMP_NUM_THREADS": "1"})
+def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
+    """SIGUSR1 to the job's steps (what --signal=USR1@N sends before the time limit): the workers save a
+    checkpoint and stop, the script requeues the job, and the second start resumes from that checkpoint and
+    completes; metrics.jsonl covers every step."""
+    run_dir, max_steps = tmp_path / "run", 30
+    start = time.monotonic()
+    out = qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0", f"train.max_steps={max_steps}",
+                 "checkpoint.every_steps=3", "checkpoint.export_hf=false", "data.seq_len=128", "model.kernels.gdn=torch",
+                 "train.progress_bar=false", f"run_dir={run_dir}", env={**cluster.env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     log = run_dir / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 60
-    while not (log.exists() and "restart 0, rendezvous" in log.read_text()):
-        assert time.monotonic() < deadline, cluster.logs()
-        time.sleep(0.5)
-    cluster.run("scancel", "--signal=USR1", "--batch", job_id)  # what --signal=B:USR1@120 sends
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert time.monotonic() < deadline and cluster.job_state(job_id)[0] in ("PENDING", "RUNNING"), \
+            (log.read_text() if log.exists() else "") + cluster.logs()
+        time.sleep(0.1)
+    cluster.run("scancel", "--signal=USR1", job_id)  # the steps, not the batch shell: as --signal=USR1@N
     while "Restarts=1" not in cluster.run("scontrol", "-o", "show", "job", job_id):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.5)
     state = cluster.wait_job(job_id, timeout=180, release_held=True)
     text = log.read_text()
     assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
-    assert "qwenft: SIGUSR1, requeueing job" in text and "restart 1, rendezvous" in text
-    assert [r["step"] for r in _metrics(run_dir)][-3:] == [1, 2, 3]
+    print(f"preempted 2-node job {job_id}: submit to COMPLETED in {time.monotonic() - start:.0f} s")
+    stopped_at = int(re.search(r"qwenft: preempted \(step (\d+), SIGUSR1, checkpoint \S+\); requeueing job", text)[1])
+    assert 3 <= stopped_at < max_steps and "restart 1, rendezvous" in text
+    assert f"continuing at step {stopped_at + 1}" in (run_dir / "train.log").read_text()
+    rows = [r for r in _metrics(run_dir) if "loss" in r]
+    assert {r["step"] for r in rows} == set(range(1, max_steps + 1)) and all(math.isfinite(r["loss"]) for r in rows)
+    assert not (run_dir / "preempted").exists()
 
 
 def test_slurm_launcher_option(capsys):

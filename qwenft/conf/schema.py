@@ -4,6 +4,7 @@ Plain dataclasses, so components can take them without importing Hydra or OmegaC
 composed YAML into `Config`, which rejects unknown keys and wrong types before anything is built.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -137,14 +138,14 @@ class LauncherConfig:
     cpus_per_task: Optional[int] = None  # CPUs per node task (the node's torchrun and its workers)
     container_image: Optional[str] = None  # pyxis: srun --container-image
     container_mounts: list = field(default_factory=list)  # pyxis: srun --container-mounts, "src:dst" each
-    env: Optional[dict] = None  # exported in the job; *_KEY/*_TOKEN/*SECRET* by name only (null)
+    env: Optional[dict] = None  # exported in the job; secrets (SECRET_NAME) by name only (null)
     setup: list = field(default_factory=list)  # shell lines before srun: module load, source .venv/bin/activate
     sbatch_extra: list = field(default_factory=list)  # extra #SBATCH options, e.g. "--exclusive"
     python: Optional[str] = None  # interpreter on the nodes; default: this one (or `python` in a container)
     master_port: Optional[int] = None  # c10d rendezvous port on the first node; default 20000 + job id % 20000
-    signal_seconds: int = 120  # SIGUSR1 to the batch shell this long before the time limit
+    signal_seconds: int = 120  # SIGUSR1 to the workers this long before the time limit: checkpoint and stop
     requeue: bool = True  # sbatch --requeue: SLURM may requeue the job after preemption or node failure
-    max_requeues: int = 0  # on SIGUSR1 the job requeues itself up to this many times (needs resume to pay off)
+    max_requeues: int = 10  # a preempted job (checkpoint saved) requeues itself while SLURM_RESTART_COUNT < this
 
 
 @dataclass
@@ -165,6 +166,10 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
+
+# launcher.env names whose values never go into a file (script, config): they travel by name from the
+# submitting shell (sbatch --export=ALL). HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD, ...
+SECRET_NAME = re.compile(r"(_KEY|_TOKEN)$|SECRET|PASSWORD", re.IGNORECASE)
 
 CHOICES = {
     "mesh.backend": ("auto", "nccl", "gloo"),
@@ -206,6 +211,10 @@ def validate(cfg: Config) -> None:
     for key in ("gpus_per_node", "signal_seconds", "max_requeues"):
         if getattr(cfg.launcher, key) < 0:
             raise ValueError(f"launcher.{key}={getattr(cfg.launcher, key)} must be >= 0")
+    for name, value in (cfg.launcher.env or {}).items():
+        if SECRET_NAME.search(str(name)) and value is not None:
+            raise ValueError(f"launcher.env.{name} has a value; secrets are passed by name only: export {name} in "
+                             f"the shell that runs qwenft and set launcher.env.{name}=null")
     if cfg.mesh.dp == 0 or cfg.mesh.dp < -1:
         raise ValueError(f"mesh.dp={cfg.mesh.dp} must be >= 1, or -1 to infer it from the world size")
     if cfg.train.max_steps is None and cfg.train.epochs is None:

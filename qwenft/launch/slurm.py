@@ -3,6 +3,10 @@
 The script runs one task per node; `srun` starts torchrun on every node, and the torchruns meet by c10d
 rendezvous on the first node's address. That address is the first node's NodeAddr from `scontrol show
 node`, not its name: node names need not resolve (they don't on test clusters with fake nodes).
+
+Preemption (docs/slurm.md): `--signal=USR1@N` sends SIGUSR1 to every process of the srun step N seconds before
+the time limit; the workers save a checkpoint and write `<run_dir>/preempted` (qwenft/launch/signals.py), and
+the script, once srun has returned, requeues the job, which resumes from `latest` in the same run dir.
 """
 
 import os
@@ -12,12 +16,13 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Mapping
 
+from qwenft.launch.signals import EXIT_PREEMPTED, MARKER
+
 if TYPE_CHECKING:
     from qwenft.conf.schema import Config
 
-# Environment variables whose values never go into a script: they travel by name from the submitting shell.
-SECRET_NAME = re.compile(r"(_KEY|_TOKEN)$|SECRET", re.IGNORECASE)
 MASTER_PORT_BASE = 20000
+SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
 def procs_per_node(cfg: "Config") -> int:
@@ -46,17 +51,12 @@ def check(cfg: "Config") -> int:
     if mesh.dp != -1 and mesh.tp * mesh.pp * mesh.dp != world:
         raise ValueError(f"{ranks}, but mesh.tp={mesh.tp} x mesh.pp={mesh.pp} x mesh.dp={mesh.dp} = "
                          f"{mesh.tp * mesh.pp * mesh.dp}; set mesh.dp=-1 to infer it")
-    for name, value in (launcher.env or {}).items():
-        if SECRET_NAME.search(str(name)) and value is not None:
-            raise ValueError(
-                f"launcher.env.{name} has a value; secrets are passed by name only: export {name} in the "
-                f"shell that runs qwenft slurm and set launcher.env.{name}=null")
     return world
 
 
 def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> str:
-    """The sbatch script. `overrides` are the user's, passed on to `qwenft train` with run_dir fixed, so a
-    requeued job writes to (and, once resume exists, resumes from) the same dir."""
+    """The sbatch script. `overrides` are the user's, passed on to `qwenft train` with run_dir fixed and
+    checkpoint.resume=auto on a requeued start, so a requeued job resumes from the same dir's `latest`."""
     launcher = cfg.launcher
     procs = procs_per_node(cfg)
     world = check(cfg)
@@ -72,7 +72,7 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
         if value is not None:
             sbatch.append(f"--{key.replace('_', '-')}={value}")
     sbatch += [f"--chdir={workdir}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
-               "--export=ALL", f"--signal=B:USR1@{launcher.signal_seconds}"]
+               "--export=ALL", f"--signal=USR1@{launcher.signal_seconds}"]
     if launcher.requeue:
         sbatch.append("--requeue")
     sbatch += list(launcher.sbatch_extra)
@@ -88,6 +88,9 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
         for name, value in env.items():
             lines.append(f"export {name}" if value is None else f"export {name}={q(str(value))}")
         lines.append("")
+    if SHUTDOWN_TIMEOUT not in env:
+        lines += ["# how long torchrun lets its workers save after it forwards a SIGTERM (torch 2.11 ignores it: 30 s)",
+                  f"export {SHUTDOWN_TIMEOUT}={launcher.signal_seconds}", ""]
     lines += list(launcher.setup)
     port = launcher.master_port or f"$(({MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_BASE}))"
     lines += [
@@ -98,17 +101,13 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
         f"port={port}",
         'echo "qwenft: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, restart ${SLURM_RESTART_COUNT:-0}, '
         'rendezvous $head_addr:$port"',
+        f"run_dir={q(run_dir)}",
+        *_resume_lines(cfg.checkpoint.resume),
         "",
-        "# SIGUSR1 (--signal: the time limit is near) requeues the job into the same run dir, up to",
-        f"# launcher.max_requeues={launcher.max_requeues} times (training resumes once checkpoint resume exists)",
-        "on_usr1() {",
-        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {launcher.max_requeues} ]; then',
-        '    echo "qwenft: SIGUSR1, requeueing job $SLURM_JOB_ID"; scontrol requeue "$SLURM_JOB_ID"',
-        "  else",
-        f'    echo "qwenft: SIGUSR1, not requeueing (launcher.max_requeues={launcher.max_requeues})"',
-        "  fi",
-        "}",
-        "trap on_usr1 USR1",
+        "# --signal sends SIGUSR1 to the srun step (torchrun ignores it, the workers save and stop); this shell",
+        "# only sees it from `scancel --signal=USR1 --full` or a B: signal, and must not die of it",
+        "trap 'echo \"qwenft: SIGUSR1 reached the batch shell (ignored; the workers act on their own)\"' USR1",
+        f'rm -f "$run_dir/{MARKER}"  # an earlier start\'s: only this start\'s preemption requeues the job',
         "",
     ]
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
@@ -118,22 +117,38 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
         srun += [f"--container-image={q(launcher.container_image)}", f"--container-workdir={q(workdir)}"]
         if launcher.container_mounts:
             srun.append(f"--container-mounts={q(','.join(launcher.container_mounts))}")
-    torchrun = [q(python), "-m", "torch.distributed.run", '--nnodes="$SLURM_JOB_NUM_NODES"',
+    torchrun = [q(python), "-m", "qwenft.launch.torchrun", '--nnodes="$SLURM_JOB_NUM_NODES"',
                 f"--nproc-per-node={procs}", "--rdzv-backend=c10d", '--rdzv-endpoint="$head_addr:$port"',
                 '--rdzv-id="$SLURM_JOB_ID"', "--max-restarts=0"]
-    train = ["-m", "qwenft", "train", *(q(o) for o in overrides if not o.startswith("run_dir=")),
-             q(f"run_dir={run_dir}")]
-    lines.append(" \\\n    ".join([" ".join(srun), " ".join(torchrun), " ".join(train)]) + " &")
+    train = ["-m", "qwenft", "train",
+             *(q(o) for o in overrides if not o.startswith(("run_dir=", "checkpoint.resume="))),
+             '"run_dir=$run_dir"', '"checkpoint.resume=$resume"']
+    lines.append("status=0")
+    lines.append(" \\\n    ".join([" ".join(srun), " ".join(torchrun), " ".join(train)]) + " || status=$?")
     lines += [
-        "# srun runs in the background so the USR1 trap fires at once (bash defers traps during a",
-        "# foreground command); a trap interrupts `wait`, so wait again until srun has exited",
-        "srun_pid=$!",
-        "status=0",
-        'wait "$srun_pid" || status=$?',
-        'while kill -0 "$srun_pid" 2>/dev/null; do status=0; wait "$srun_pid" || status=$?; done',
+        "# torchrun exits 1 when its workers stopped on a signal; the marker they write tells it from a failure",
+        f'if [ -f "$run_dir/{MARKER}" ]; then',
+        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {launcher.max_requeues} ]; then',
+        f'    echo "qwenft: preempted ($(cat "$run_dir/{MARKER}")); requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "  fi",
+        f'  echo "qwenft: preempted; not requeueing after ${{SLURM_RESTART_COUNT:-0}} restarts '
+        f'(launcher.max_requeues={launcher.max_requeues})"',
+        f"  exit {EXIT_PREEMPTED}",
+        "fi",
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _resume_lines(resume: str) -> list[str]:
+    """`resume=...` for the train command: the user's checkpoint.resume on the first start, this run's own
+    `latest` once the job was requeued (when it has one)."""
+    if resume == "auto":
+        return ["resume=auto"]
+    return [f"resume={shlex.quote(resume)}  # checkpoint.resume; a requeued start continues from this run's latest",
+            'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$run_dir/checkpoints/latest" ]; then resume=auto; fi']
 
 
 def missing_secrets(cfg: "Config", environ: Mapping[str, str] | None = None) -> list[str]:

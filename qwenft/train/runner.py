@@ -18,6 +18,7 @@ from qwenft.conf.schema import Config
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
 from qwenft.distributed.tensor_parallel import clip_grad_norm_, validate_tp
+from qwenft.launch import signals
 from qwenft.train.loss import count_label_tokens, token_ce_sum
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.metrics import MetricsLogger, peak_memory_gib
@@ -33,6 +34,7 @@ class RunResult:
     state_dict: dict | None = None  # full (unsharded) parameters after training, when asked for
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss (eval.every_steps)
     skipped_steps: int = 0  # steps skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
+    preempted: str | None = None  # the signal that stopped the run after a checkpoint (docs/checkpointing.md)
 
 
 def default_run_dir(recipe: str) -> str:
@@ -295,6 +297,11 @@ def _eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatche
 
 
 def run(cfg: Config, return_state: bool = False) -> RunResult:
+    with signals.StopOnSignal() as stop:
+        return _run(cfg, return_state, stop)
+
+
+def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResult:
     from qwenft.distributed import pipeline as pp_lib
     from qwenft.models.loader import build_model
 
@@ -324,6 +331,7 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
     resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)  # a bad checkpoint fails before any write
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        signals.clear_marker(run_dir)
     dist.barrier()
     _setup_logging(run_dir, is_main)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
@@ -461,10 +469,23 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
         if saved:
             path = checkpointer.save(step, result.val_losses.get(step))
             log.info("%s checkpoint %s", "saving (async)" if cfg.checkpoint.async_save else "saved", path)
+        result.preempted = stop.agreed(device)
+        if result.preempted:
+            if not saved:
+                path = checkpointer.save(step)
+            checkpointer.wait()  # checkpoint.async_save: complete before the marker names it
+            if is_main:
+                signals.write_marker(run_dir, step, result.preempted, path)
+            dist.barrier()  # no rank exits (and lets torchrun stop the others) before the marker exists
+            log.info("%s: stopped after step %d with checkpoint %s; exit code %d, resume with "
+                     "checkpoint.resume=auto", result.preempted, step, path, signals.EXIT_PREEMPTED)
+            break
     checkpointer.wait()
     if progress is not None:
         progress.close()
     metrics.close()
+    if result.preempted:
+        return result
     if result.losses:
         log.info("done: %d steps, final loss %.4f; metrics in %s", max_steps, result.losses[-1],
                  run_dir / "metrics.jsonl")
