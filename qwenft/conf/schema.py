@@ -28,7 +28,7 @@ class KernelsConfig:
 class ModelConfig:
     name: str = "tiny"  # named size from qwenft.models.qwen3_5.configs; ignored when path is set
     path: Optional[str] = None  # HF checkpoint dir: config.json, weights and tokenizer come from it
-    dtype: str = "auto"  # auto = bf16 params on CUDA, fp32 on CPU | float32 | bfloat16
+    dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU | float32 | bfloat16
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     activation_checkpointing: bool = False
     num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
@@ -36,6 +36,9 @@ class ModelConfig:
     freeze_projector: Optional[bool] = None  # VLM: the tower's merger; null = follow freeze_vision
     freeze_language: bool = False  # VLM: no gradient for the text decoder (adapter-style runs)
     vision_activation_checkpointing: bool = False
+    # CE of the lm_head over this many tokens at a time (logits recomputed in the backward), so the
+    # [tokens, vocab] logits never exist whole; 0 = off (docs/performance.md, "Memory options")
+    ce_chunk_tokens: int = 0
 
 
 @dataclass
@@ -65,6 +68,10 @@ class OptimConfig:
     eps: float = 1e-8
     fused: str = "auto"  # auto = fused AdamW on CUDA | true | false
     max_grad_norm: float = 1.0  # global-norm clipping; 0 = off
+    state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (4 bytes per parameter less)
+    # trained weights (and their gradients): float32 | bfloat16 = no fp32 master copy, stochastically
+    # rounded updates (6 bytes per parameter less); docs/performance.md, "Memory options"
+    master_dtype: str = "float32"
 
 
 @dataclass
@@ -180,6 +187,8 @@ CHOICES = {
     "data.truncation": ("truncate_right", "drop"),
     "data.on_bad_row": ("skip", "error"),
     "optim.fused": ("auto", "true", "false"),
+    "optim.state_dtype": ("float32", "bfloat16"),
+    "optim.master_dtype": ("float32", "bfloat16"),
     "lr_scheduler.decay": ("cosine", "linear", "constant"),
     "checkpoint.export_dtype": ("bfloat16", "float32"),
     "train.on_nonfinite": ("error", "skip"),
@@ -258,3 +267,20 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval.max_batches={cfg.eval.max_batches} must be >= 1 (or null for the whole set)")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")
+    _validate_memory_options(cfg)
+
+
+def _validate_memory_options(cfg: Config) -> None:
+    if cfg.model.ce_chunk_tokens < 0:
+        raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} must be >= 0 (0 = off)")
+    if cfg.model.ce_chunk_tokens and cfg.mesh.tp > 1 and cfg.mesh.vocab_parallel:
+        raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} needs the whole lm_head on each rank, "
+                         f"but mesh.vocab_parallel=true shards it over mesh.tp={cfg.mesh.tp}; set "
+                         f"mesh.vocab_parallel=false or model.ce_chunk_tokens=0")
+    if cfg.optim.master_dtype == "bfloat16" and cfg.model.dtype == "float32":
+        raise ValueError("model.dtype='float32' would compute with fp32 copies of the bf16 weights that "
+                         "optim.master_dtype=bfloat16 keeps; set model.dtype=auto or bfloat16")
+    low = [f"optim.{k}=bfloat16" for k in ("state_dtype", "master_dtype") if getattr(cfg.optim, k) == "bfloat16"]
+    if low and cfg.optim.fused == "true":
+        raise ValueError(f"optim.fused=true is torch's fused AdamW, which has no bf16 state or stochastic rounding "
+                         f"({', '.join(low)}); set optim.fused=auto")

@@ -7,15 +7,19 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
-               reshard_after_forward: bool = True) -> None:
-    """Shard every decoder layer and the root; gradients are reduced in fp32 and summed, not averaged.
+               reshard_after_forward: bool = True, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Shard every decoder layer and the root; gradients are reduced in `reduce_dtype` and summed, not averaged.
 
     The loss is already divided by the label tokens of the whole global batch (qwenft.train.loss), so the
     default 1/dp averaging of FSDP would count data parallel ranks twice.
+
+    `reduce_dtype` is also the dtype gradients accumulate in over the microbatches of a step while sync is off
+    (FSDP keeps an unsharded accumulator in it): fp32 costs 4 bytes per parameter there even with bf16 weights,
+    bf16 (with bf16 weights, optim.master_dtype=bfloat16) keeps gradients in bf16 throughout.
     """
     from qwenft.models.qwen3_5.gdn import Decay
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in model.modules():  # GDN's decay parameters stay fp32 in a bf16 model (gdn.Decay)
         if isinstance(module, Decay):

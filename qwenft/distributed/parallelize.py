@@ -22,8 +22,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
-                activation_checkpointing: bool = False, vocab_parallel: bool = True,
-                sequence_parallel: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+                reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                vocab_parallel: bool = True, sequence_parallel: bool = False,
+                reshard_after_forward: bool = True) -> nn.Module:
     """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then FSDP2 over mesh["dp"].
 
     `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
@@ -35,5 +36,5 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward)
+    apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     return model

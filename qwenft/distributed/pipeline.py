@@ -140,27 +140,30 @@ class StageModel(Qwen3_5Model):
     schedule's dim-0 split cuts batch rows, and are turned back into `[3, B, T]` here. Images travel padded to
     a fixed size (`stack_images`): `image_grid_thw` rows of zeros and `pixel_values` rows past the last real
     patch are dropped here, and a microbatch left without images gives the model `pixel_values=None`.
+    `labels` reach every stage when the head computes the loss itself (`ce_chunk_tokens`); only the last
+    stage uses them.
     """
 
-    def forward(self, x, position_ids, pixel_values=None, image_grid_thw=None):
+    def forward(self, x, position_ids, pixel_values=None, image_grid_thw=None, labels=None):
         if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
             position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
         cu_seqlens = cu_seqlens_from_position_ids(positions).to(x.device)
         if self.embed_tokens is None:
-            return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens)
+            return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens, labels=labels)
         if image_grid_thw is not None:
             image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]
             pixel_values = pixel_values[: int(image_grid_thw.prod(-1).sum())] if len(image_grid_thw) else None
             image_grid_thw = image_grid_thw if len(image_grid_thw) else None
         return super().forward(input_ids=x, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                               pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+                               pixel_values=pixel_values, image_grid_thw=image_grid_thw, labels=labels)
 
 
-def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str) -> StageModel:
+def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str, ce_chunk_tokens: int = 0) -> StageModel:
     """Like `qwenft.models.loader.build_model`, on meta, as a `StageModel` (same parameter names)."""
     with torch.device("meta"):
-        return StageModel(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels)
+        return StageModel(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
+                          ce_chunk_tokens=ce_chunk_tokens)
 
 
 def stack_images(pixel_values: list, image_grid_thw: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,15 +267,21 @@ def grad_bytes(module: nn.Module) -> dict[str, int]:
 
 class TokenCE:
     """Pipeline loss: token CE summed over one microbatch / the label tokens of the whole global batch
-    (set `label_tokens` before each step), so schedules run with scale_grads=False."""
+    (set `label_tokens` before each step), so schedules run with scale_grads=False.
 
-    def __init__(self):
+    `ce_in_model=True` (`model.ce_chunk_tokens`): the last stage was given the labels and returns the CE sum
+    itself (chunked, never the whole logits), so only the division is left here.
+    """
+
+    def __init__(self, ce_in_model: bool = False):
         self.label_tokens = torch.ones(())
+        self.ce_in_model = ce_in_model
 
-    def __call__(self, logits, labels):
+    def __call__(self, output, labels):
         from qwenft.train.loss import token_ce_sum
 
-        return token_ce_sum(logits, labels) / self.label_tokens.clamp(min=1)
+        ce = output if self.ce_in_model else token_ce_sum(output, labels)
+        return ce / self.label_tokens.clamp(min=1)
 
 
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
@@ -308,8 +317,11 @@ class PipelineBatch:
         position_ids = torch.cat(positions).contiguous().to(device)
         return cls(cat("input_ids"), position_ids, cat("labels"), **images)
 
-    def kwargs(self) -> dict:
+    def kwargs(self, labels: bool = False) -> dict:
+        """Stage kwargs; `labels=True` adds the labels, for a last stage that computes the loss itself."""
         kw = {"position_ids": self.position_ids}
+        if labels:
+            kw["labels"] = self.labels
         if self.pixel_values is not None:
             kw.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
         return kw
@@ -335,23 +347,25 @@ def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_t
     loss_fn.label_tokens = label_tokens
     losses: list = []
     schedule.step(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
-                  **batch.kwargs())
+                  **batch.kwargs(labels=loss_fn.ce_in_model))
     loss = _summed_loss(stages, losses, label_tokens.device)
     dist.all_reduce(loss, group=dp_group)
     dist.all_reduce(loss, group=pp_group)
     return loss
 
 
-def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_group) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_group,
+                       ce_in_model: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward-only pass of a batch: (summed token CE, label tokens), both summed over dp ranks, on every rank.
 
     `schedule` should be one built for evaluation only (its own stages over the same modules, `build_schedule`
     with a `TokenCE` whose label_tokens stays 1): flipping a training schedule between step() and eval()
-    makes torch redo its stage set-up on every switch.
+    makes torch redo its stage set-up on every switch. `ce_in_model` as that TokenCE's.
     """
     losses: list = []
     with torch.no_grad():
-        schedule.eval(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, **batch.kwargs())
+        schedule.eval(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
+                      **batch.kwargs(labels=ce_in_model))
     for stage in stages:  # FSDP may keep parameters unsharded after a forward without backward
         for m in stage.submod.modules():
             if isinstance(m, FSDPModule):

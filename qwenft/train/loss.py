@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from qwenft.models.linear_ce import IGNORE_INDEX
 
 
 def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,177 @@
-"""AdamW and the warmup + decay learning-rate schedule."""
+"""AdamW (torch's, or `LowPrecisionAdamW` for bf16 state / bf16 weights) and the warmup + decay lr schedule."""
 
 import math
 
 import torch
 
 
-def build_optimizer(params, lr: float, weight_decay: float, betas, eps: float, fused: str) -> torch.optim.AdamW:
+def build_optimizer(params, lr: float, weight_decay: float, betas, eps: float, fused: str,
+                    state_dtype: str = "float32", seed: int = 0) -> torch.optim.Optimizer:
+    """torch's AdamW (fused on CUDA) for fp32 state and fp32 parameters; `LowPrecisionAdamW` when the moments
+    are bf16 (`optim.state_dtype`) or a parameter is (`optim.master_dtype`)."""
     params = [p for p in params if p.requires_grad]
+    if state_dtype != "float32" or any(p.dtype == torch.bfloat16 for p in params):
+        if fused == "true":
+            raise ValueError(f"optim.fused=true is torch's fused AdamW, which has no bf16 state or stochastic "
+                             f"rounding (optim.state_dtype={state_dtype}, bf16 parameters); set optim.fused=auto")
+        return LowPrecisionAdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                 state_dtype=getattr(torch, state_dtype), seed=seed)
     on_cuda = any(p.device.type == "cuda" for p in params)
     use_fused = on_cuda if fused == "auto" else fused == "true"
     if use_fused and not on_cuda:
         raise ValueError("optim.fused=true needs CUDA parameters; use optim.fused=auto or false on CPU")
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                              fused=use_fused or None, foreach=None if use_fused else True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 / TP DTensor's local shard (shares storage: in-place updates land in the DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _chunks(tensors: list[torch.Tensor], size: int) -> list[tuple[torch.Tensor, ...]]:
+    """Matching views of same-shape `tensors` of at most `size` elements each (the whole tensors unless all
+    are contiguous)."""
+    numel = tensors[0].numel()
+    if numel <= size or not all(t.is_contiguous() for t in tensors):
+        return [tuple(tensors)]
+    flats = [t.view(-1) for t in tensors]
+    return [tuple(f[i:i + size] for f in flats) for i in range(0, numel, size)]
+
+
+def _seed(*parts: int) -> int:
+    h = 0
+    for part in parts:  # splitmix64-style mixing: distinct (seed, step, param, chunk) -> unrelated streams
+        h = (h ^ (part + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) * 0xBF58476D1CE4E5B9 % 2**64
+    return h % 2**63
+
+
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator) -> None:
+    """Write fp32 `src` into bf16 `dst`, rounding up or down at random with the probability that makes the
+    result unbiased (E[dst] = src): add 16 random bits below bf16's last mantissa bit, then truncate.
+    Round-to-nearest drops every update smaller than half a bf16 ulp (2^-9..2^-8 of the weight): AdamW steps of
+    lr = 1e-5 on weights of 0.02, where half an ulp is 6e-5, would all be lost. `src` is used as scratch."""
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator)
+    bits = src.view(torch.int32)
+    bits.add_(noise).bitwise_and_(-65536)  # sign-magnitude: the carry rounds the magnitude up
+    dst.copy_(src)  # exact: the low 16 bits are zero
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW whose moments may be stored in bf16 (`state_dtype`) and whose bf16 parameters get their update
+    with stochastic rounding, so no fp32 master copy is needed.
+
+    Each step computes in fp32: parameters, gradients and moments are upcast, updated with the formulas of
+    torch.optim.AdamW (foreach, decoupled weight decay), and written back in their own dtypes: bf16 moments
+    and bf16 parameters rounded stochastically (`stochastic_rounding=False`: to nearest), fp32 ones as they
+    are. With fp32 parameters and fp32 state it computes exactly what torch's foreach AdamW does.
+
+    Works on FSDP2 / TP DTensor parameters through their local shards. The work is foreach over views of at
+    most `chunk_numel` elements at a time, so the fp32 temporaries stay under 6 x 4 x `chunk_numel` bytes (0.8 GB
+    at 2^25) even for a 248,320 x 5120 embedding. The random bits of each chunk come from a generator seeded by
+    (seed, step, parameter index, chunk), not the global RNG: identical replicas (tensor parallel ranks
+    holding a replicated norm weight) round identically, and a resumed run rounds as the original did.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 *, state_dtype: torch.dtype = torch.float32, stochastic_rounding: bool = True, seed: int = 0,
+                 chunk_numel: int = 2**25):
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"optim.state_dtype={state_dtype} is not valid; choose float32 or bfloat16")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = seed
+        self.chunk_numel = chunk_numel
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device].manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            batch, batch_numel = [], 0
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype,
+                                                           memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = state["step"].item()
+                # as torch's foreach AdamW: Python-float bias corrections per parameter
+                step_size = (lr / (1 - beta1**step)) * -1
+                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+                parts = _chunks([_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])],
+                                self.chunk_numel)
+                for chunk_id, views in enumerate(parts):
+                    if batch and batch_numel + views[0].numel() > self.chunk_numel:
+                        self._update(batch, group)
+                        batch, batch_numel = [], 0
+                    batch.append((views, step_size, bias_correction2_sqrt, _seed(self.seed, int(step), index, chunk_id)))
+                    batch_numel += views[0].numel()
+            if batch:
+                self._update(batch, group)
+        return loss
+
+    def _update(self, batch: list, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        params, grads, exp_avgs, exp_avg_sqs = (list(ts) for ts in zip(*(views for views, *_ in batch)))
+        step_sizes = [b[1] for b in batch]
+        bias_correction2_sqrts = [b[2] for b in batch]
+        # fp32 work tensors; an fp32 tensor is its own work tensor (.float() returns it), updated in place
+        params32, exp_avgs32, exp_avg_sqs32 = ([t.float() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs))
+        grads32 = [g.float() for g in grads]
+        if weight_decay != 0:
+            torch._foreach_mul_(params32, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs32, grads32, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs32, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs32, grads32, grads32, 1 - beta2)
+        del grads32
+        denom = torch._foreach_sqrt(exp_avg_sqs32)
+        torch._foreach_div_(denom, bias_correction2_sqrts)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params32, exp_avgs32, denom, step_sizes)
+        del denom
+        for (views, _, _, seed), work in zip(batch, zip(params32, exp_avgs32, exp_avg_sqs32)):
+            for i, (dst, src) in enumerate(zip((views[0], views[2], views[3]), work)):
+                if dst is src:
+                    continue
+                if self.stochastic_rounding and dst.dtype == torch.bfloat16:
+                    stochastic_round_(dst, src, self._generator(src.device, seed + i))
+                else:
+                    dst.copy_(src)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then the moments back in `state_dtype`: torch casts every loaded state tensor to its
+        parameter's dtype, which would turn bf16 moments of fp32 weights into fp32 (or round fp32 moments of
+        bf16 weights to bf16)."""
+        moments = {pid: {k: v for k, v in s.items() if k != "step"} for pid, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(ids, params))
+        for pid, values in moments.items():
+            p = by_id[pid]
+            for key, value in values.items():
+                self.state[p][key] = value.to(device=p.device, dtype=self.state_dtype)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float) -> float:

@@ -64,10 +64,17 @@ def _setup_logging(run_dir: Path, is_main: bool) -> None:
         log.addHandler(file)
 
 
-def _param_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def _param_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """Compute dtype (FSDP's param_dtype); auto = bf16 on CUDA or with bf16 master weights, else fp32."""
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cfg.optim.master_dtype == "bfloat16" else torch.float32
+    return getattr(torch, cfg.model.dtype)
+
+
+def _master_dtype(cfg: Config) -> torch.dtype:
+    """Dtype the trained weights are stored and updated in (optim.master_dtype); GDN's A_log/dt_bias stay fp32.
+    Their gradients are reduced and kept in it too: fp32, or bf16 for 8 bytes per parameter with bf16 state."""
+    return getattr(torch, cfg.optim.master_dtype)
 
 
 def _model_config(cfg: Config):
@@ -161,7 +168,7 @@ def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_aft
     """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> FSDP2."""
     from qwenft.distributed.parallelize import parallelize
 
-    parallelize(module, mesh, param_dtype=_param_dtype(cfg.model.dtype, device),
+    parallelize(module, mesh, param_dtype=_param_dtype(cfg, device), reduce_dtype=_master_dtype(cfg),
                 activation_checkpointing=cfg.model.activation_checkpointing,
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
                 reshard_after_forward=reshard_after_forward)
@@ -171,9 +178,9 @@ def _load(module: torch.nn.Module, cfg: Config, device) -> None:
     from qwenft.models.loader import init_random_weights, load_hf_weights
 
     if cfg.model.path:
-        load_hf_weights(module, cfg.model.path, device=device, dtype=torch.float32)
+        load_hf_weights(module, cfg.model.path, device=device, dtype=_master_dtype(cfg))
     else:
-        init_random_weights(module, seed=cfg.seed, device=device, dtype=torch.float32)
+        init_random_weights(module, seed=cfg.seed, device=device, dtype=_master_dtype(cfg))
 
 
 @dataclass
@@ -201,7 +208,8 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
     stages = []
     for i in pp_lib.stage_ids_for_rank(pp_mesh.get_local_rank(), layout.pp, virtual, name in pp_lib.V_SHAPED):
         module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == num_stages - 1,
-                                          kernels=cfg.model.kernels.gdn)
+                                          kernels=cfg.model.kernels.gdn,
+                                          ce_chunk_tokens=cfg.model.ce_chunk_tokens).to_dtype(_master_dtype(cfg))
         reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
         _freeze(module, cfg)
         _parallelize(module, cfg, mesh, device, reshard_after_forward=reshard)
@@ -209,7 +217,7 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
         stages.append(pp_lib.ReduceGradStage(
             module, i, num_stages, device, group=pp_mesh.get_group(),
             reduce_grad_per_microbatch=cfg.pipeline.reduce_grad_per_microbatch, reshard=reshard))
-    loss_fn = pp_lib.TokenCE()
+    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
     try:
         schedule = pp_lib.build_schedule(name, stages, num_microbatches, loss_fn)
     except ValueError as e:
@@ -218,12 +226,21 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
     return Pipeline(stages, schedule, loss_fn)
 
 
-def _forward(model, mb: dict, device):
+def _forward(model, mb: dict, device, **kwargs):
     images = {}
     if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
         images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
     return model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                 cu_seqlens=mb["cu_seqlens"].to(device), **images)
+                 cu_seqlens=mb["cu_seqlens"].to(device), **images, **kwargs)
+
+
+def _ce_sum(model, mb: dict, device, ce_in_model: bool) -> torch.Tensor:
+    """Token CE summed over a microbatch's labels: from the logits, or (model.ce_chunk_tokens > 0) computed by
+    the model's head itself, chunk by chunk, without the whole logits."""
+    labels = mb["labels"].to(device)
+    if ce_in_model:
+        return _forward(model, mb, device, labels=labels)
+    return token_ce_sum(_forward(model, mb, device), labels)
 
 
 def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Config) -> torch.Tensor:
@@ -231,8 +248,7 @@ def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Con
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, cfg.pipeline.reduce_grad_per_microbatch)
-        logits = _forward(model, mb, device)
-        loss = token_ce_sum(logits, mb["labels"].to(device)) / label_tokens.clamp(min=1)
+        loss = _ce_sum(model, mb, device, cfg.model.ce_chunk_tokens > 0) / label_tokens.clamp(min=1)
         loss.backward()
         step_loss += loss.detach()
     return step_loss
@@ -243,7 +259,7 @@ def _val_micro_batches(val_data, max_batches: int | None) -> list[dict]:
     return batches if max_batches is None else batches[:max_batches]
 
 
-def _eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group) -> float:
+def _eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_in_model: bool) -> float:
     """Mean token CE over the validation batches: CE summed over microbatches and dp ranks / label tokens."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -252,9 +268,8 @@ def _eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group) -> 
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     with torch.no_grad():
         for mb in val_batches:
-            labels = mb["labels"].to(device)
-            ce += token_ce_sum(_forward(model, mb, device), labels).double()
-            tokens += count_label_tokens(labels)
+            ce += _ce_sum(model, mb, device, ce_in_model).double()
+            tokens += count_label_tokens(mb["labels"]).to(device)
     for m in model.modules():  # FSDP keeps the root's parameters unsharded after a forward without backward
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -270,11 +285,12 @@ def _build_eval_schedule(pipe: Pipeline, cfg: Config, device, pp_group, num_micr
     from torch.distributed.pipelining import PipelineStage
 
     stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
-    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, pp_lib.TokenCE())
+    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
+    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
 
 
 def _eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
-                         pp_group) -> float:
+                         pp_group, ce_in_model: bool) -> float:
     """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
     from qwenft.distributed import pipeline as pp_lib
 
@@ -288,7 +304,7 @@ def _eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatche
         filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
         group = group + [filler] * (num_microbatches - len(group))
         batch = pp_lib.PipelineBatch.from_microbatches(group, device)
-        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group)
+        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
         ce += group_ce
         tokens += group_tokens
     for s in stages:
@@ -359,7 +375,8 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
         pipe = _build_pipeline(cfg, model_cfg, mesh, layout, device, num_microbatches)
         modules = [stage.submod for stage in pipe.stages]
     else:
-        model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta")
+        model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta", dtype=_master_dtype(cfg),
+                            ce_chunk_tokens=cfg.model.ce_chunk_tokens)
         _freeze(model, cfg)
         _parallelize(model, cfg, mesh, device)
         _load(model, cfg, device)
@@ -372,7 +389,7 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
     peak = metrics_lib.peak_flops(device)
 
     optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
-                                cfg.optim.eps, cfg.optim.fused)
+                                cfg.optim.eps, cfg.optim.fused, state_dtype=cfg.optim.state_dtype, seed=cfg.seed)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)
     wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None
@@ -409,8 +426,8 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
     def validate() -> float:
         if pipe is not None:
             return _eval_loss_pipelined(eval_schedule, val_batches, num_microbatches, device, dp_mesh.get_group(),
-                                        pp_group)
-        return _eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group())
+                                        pp_group, cfg.model.ce_chunk_tokens > 0)
+        return _eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group(), cfg.model.ce_chunk_tokens > 0)
 
     result = RunResult(run_dir=run_dir)
     batches = iter(data)

@@ -12,6 +12,7 @@ from torch import nn
 from .attention import GatedAttention, RMSNorm, RotaryEmbedding
 from .configs import FULL_ATTENTION, ModelConfig, TextConfig
 from .gdn import GatedDeltaNet, param_dtype, positions_in_document
+from ..linear_ce import LMHead
 
 
 class MLP(nn.Module):
@@ -56,7 +57,7 @@ class Qwen3_5Model(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids=None, embed: bool = True, head: bool = True,
-                 kernels: str = "torch"):
+                 kernels: str = "torch", ce_chunk_tokens: int = 0):
         super().__init__()
         t = cfg.text
         self.cfg = cfg
@@ -73,7 +74,7 @@ class Qwen3_5Model(nn.Module):
         self.rotary = RotaryEmbedding(t)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels) for i in ids})
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
-        self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False) if head else None
+        self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens) if head else None
         self.tie_weights()
 
     def tie_weights(self):
@@ -93,11 +94,14 @@ class Qwen3_5Model(nn.Module):
         return self
 
     def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,
-                pixel_values=None, image_grid_thw=None, inputs_embeds=None) -> torch.Tensor:
+                pixel_values=None, image_grid_thw=None, inputs_embeds=None, labels=None) -> torch.Tensor:
         """First stage: `input_ids` [B, T] (or `inputs_embeds` [B, T, H], replacing the embedding lookup);
         later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
         row, or per document when `cu_seqlens` (int32 offsets into the flattened B*T) is given.
-        Returns logits [B, T, V] when this module has the head, else hidden states."""
+        Returns logits [B, T, V] when this module has the head, else hidden states. With `labels` [B, T]
+        (-100 = no loss) the head returns instead the fp32 CE summed over labelled tokens, `ce_chunk_tokens`
+        tokens at a time so the whole logits never exist (`qwenft.models.linear_ce.LMHead`). Stages without
+        the head ignore `labels`."""
         if self.embed_tokens is not None and hidden_states is None:
             if inputs_embeds is None:
                 if input_ids is None:
@@ -127,4 +131,4 @@ class Qwen3_5Model(nn.Module):
             h = layer(h, rope, cu_seqlens)
         if self.lm_head is None:
             return h
-        return self.lm_head(self.norm(h))
+        return self.lm_head(self.norm(h), labels=labels)

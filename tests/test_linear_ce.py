@@ -1,0 +1,140 @@
+"""Chunked linear cross-entropy (model.ce_chunk_tokens) against the whole-logits CE (fp32, CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwenft.models.linear_ce import chunked_linear_ce_sum
+from qwenft.models.loader import build_model, init_random_weights
+from qwenft.models.qwen3_5.configs import named_config
+from qwenft.train.loss import token_ce_sum
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _inputs(n=37, hidden=24, vocab=1000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * 0.3
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[::3] = -100  # tokens without a label
+    return h, w, labels
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 64])
+def test_loss_and_grads_equal_whole_logits(chunk):
+    h, w, labels = _inputs()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w_ref.t()).float(), labels, ignore_index=-100, reduction="sum")
+    (ref * 0.7).backward()  # a non-unit upstream gradient (the runner divides by the label count)
+
+    h_c, w_c = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = chunked_linear_ce_sum(h_c, w_c, labels, chunk)
+    (out * 0.7).backward()
+
+    assert abs(out.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    assert rel_err(h_c.grad, h_ref.grad) < 1e-6
+    assert rel_err(w_c.grad, w_ref.grad) < 1e-6
+    assert (h_c.grad[::3] == 0).all()  # no gradient from unlabelled tokens
+
+
+def test_all_tokens_ignored_gives_zero_loss_and_grads():
+    h, w, labels = _inputs()
+    labels[:] = -100
+    h.requires_grad_()
+    w.requires_grad_()
+    out = chunked_linear_ce_sum(h, w, labels, 8)
+    out.backward()
+    assert out.item() == 0 and not h.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_labels_path_equals_logits_path(tied):
+    """Qwen3_5Model(ce_chunk_tokens=N)(..., labels=) gives the CE sum and every parameter's gradient of the
+    logits path (full logits + token_ce_sum). In fp64, so that the comparison of the deepest parameters is not
+    drowned in fp32 noise (in fp32 GDN's A_log grads of the two paths differ by up to 8e-5 from rounding)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(named_config("tiny"), tie_word_embeddings=tied)
+    ref_model, model = (init_random_weights(build_model(cfg, kernels="torch", device="meta", ce_chunk_tokens=chunk),
+                                            seed=3, device="cpu", dtype=torch.float64) for chunk in (0, 48))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.text.vocab_size, (2, 80), generator=gen)
+    labels = torch.randint(0, cfg.text.vocab_size, (2, 80), generator=gen)
+    labels[:, :20] = -100
+
+    ref = token_ce_sum(ref_model(input_ids=ids), labels)
+    ref.backward()
+    out = model(input_ids=ids, labels=labels)
+    out.backward()
+    assert out.dtype == torch.float32  # the CE is fp32 like token_ce_sum's, whatever the compute dtype
+    assert abs(out.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, ref_grads[name].grad) < 1e-6, name
+
+
+def _tiny_batch(cfg):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.text.vocab_size, (2, 80), generator=gen)
+    labels = torch.randint(0, cfg.text.vocab_size, (2, 80), generator=gen)
+    labels[:, :20] = -100
+    return ids, labels
+
+
+def _fsdp_chunked_grads(rank, world_size):
+    """FSDP2 over 2 ranks with lm_head as its own unit: the head's forward all-gathers its weight, so the
+    chunked CE sees the whole vocabulary. Same batch on both ranks: FSDP's mean of the grads is the grad."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = named_config("tiny")
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build_model(cfg, kernels="torch", device="meta", dtype=torch.float64, ce_chunk_tokens=48)
+    fully_shard(model.lm_head, mesh=mesh)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    init_random_weights(model, seed=3, device="cpu", dtype=torch.float64)
+    ids, labels = _tiny_batch(cfg)
+    out = model(input_ids=ids, labels=labels)
+    out.backward()
+    return out.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_fsdp_sharded_head_equals_one_process():
+    from distributed import run_distributed
+
+    cfg = named_config("tiny")
+    ref_model = init_random_weights(build_model(cfg, kernels="torch", device="meta"), seed=3, device="cpu",
+                                    dtype=torch.float64)
+    ids, labels = _tiny_batch(cfg)
+    ref = token_ce_sum(ref_model(input_ids=ids), labels)
+    ref.backward()
+    for loss, grads in run_distributed(_fsdp_chunked_grads, 2):
+        assert abs(loss - ref.item()) <= 1e-6 * abs(ref.item())
+        for name, p in ref_model.named_parameters():
+            assert rel_err(grads[name], p.grad) < 1e-6, name
+
+
+def test_vocab_sharded_weight_is_refused():
+    """A DTensor lm_head (vocab_parallel TP) is refused with the keys to change."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from distributed import run_distributed
+
+    def body(rank, world):
+        mesh = init_device_mesh("cpu", (world,))
+        h, w, labels = _inputs()
+        w = distribute_tensor(w, mesh, [Shard(0)])
+        with pytest.raises(ValueError, match="mesh.vocab_parallel=false or model.ce_chunk_tokens=0"):
+            chunked_linear_ce_sum(h, w, labels, 8)
+        return True
+
+    assert run_distributed(body, 1) == [True]
