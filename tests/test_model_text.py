@@ -157,3 +157,15 @@ def test_named_sizes_build_the_released_transformers_config(size):
     assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (q, kv, 256)
     assert (hf.linear_num_key_heads, hf.linear_num_value_heads) == (gdn_k, gdn_v)
     assert (hf.hidden_size, hf.vocab_size, hf.tie_word_embeddings) == (hidden, 248320, tied)
+
+
+def test_attention_kernel_choice():
+    from qwenft.models.qwen3_5.attention import resolve_attention_kernel
+
+    cpu = torch.device("cpu")
+    assert resolve_attention_kernel("auto", True, cpu) == "sdpa"  # flash varlen is CUDA-only
+    assert resolve_attention_kernel("sdpa", True, cpu) == "sdpa"
+    with pytest.raises(ValueError, match="model.kernels.attention=flash_varlen needs CUDA"):
+        resolve_attention_kernel("flash_varlen", True, cpu)
+    with pytest.raises(ValueError, match="model.kernels.attention='bogus'; valid"):
+        resolve_attention_kernel("bogus", True, cpu)

@@ -22,6 +22,8 @@ class MeshConfig:
 @dataclass
 class KernelsConfig:
     gdn: str = "auto"  # auto | fla | torch  (auto = fla on CUDA when importable)
+    # packed full attention: auto = flash_varlen on CUDA (torch >= 2.10), else sdpa (dense block mask)
+    attention: str = "auto"
 
 
 @dataclass
@@ -182,6 +184,7 @@ CHOICES = {
     "mesh.backend": ("auto", "nccl", "gloo"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.kernels.gdn": ("auto", "fla", "torch"),
+    "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),
     "data.truncation": ("truncate_right", "drop"),

@@ -1,8 +1,11 @@
 """Gated full attention, Qwen3.5's RMSNorm and (M-)RoPE.
 
-Packed batches (cu_seqlens) attend block-diagonally; the mask is built in `attend`, the one seam where a
-varlen flash kernel can replace SDPA on GPU.
+Packed batches (cu_seqlens) attend block-diagonally: on CUDA through torch's varlen flash kernel, which
+never forms a mask; elsewhere (and with `model.kernels.attention=sdpa`) through SDPA with a dense
+block-diagonal causal mask.
 """
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .configs import TextConfig
+from .varlen import varlen_info
+
+ATTENTION_KERNELS = ("auto", "sdpa", "flash_varlen")
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
@@ -94,17 +100,64 @@ def document_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Ten
     return (torch.searchsorted(cu_seqlens.to(torch.long), flat, right=True) - 1).view(batch, seqlen)
 
 
-def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """Causal attention (GQA) -> [B, H, T, D]; block-diagonal causal when documents are packed."""
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device) -> str:
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"model.kernels.attention={kernel!r}; valid: {list(ATTENTION_KERNELS)}")
+    if kernel == "flash_varlen" and (device.type != "cuda" or _varlen_attn() is None):
+        raise ValueError(f"model.kernels.attention=flash_varlen needs CUDA and torch >= 2.10 (have "
+                         f"{device.type}, torch {torch.__version__}); use auto or sdpa")
+    if kernel == "auto":
+        return "flash_varlen" if packed and device.type == "cuda" and _varlen_attn() is not None else "sdpa"
+    return kernel
+
+
+def _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Packed causal attention with torch's varlen flash kernel -> [B, T, H, D]. Its keywords changed across
+    torch 2.10-2.12 (is_causal -> window_size, scale, enable_gqa), so they are picked from its signature."""
+    varlen_attn = _varlen_attn()
+    B, H, T, D = q_bhtd.shape
+    q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q_bhtd, k_bhtd, v_bhtd))
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - D**-0.5) > 1e-12:
+        raise ValueError(f"this torch's varlen_attn takes no scale (need {scale}); use model.kernels.attention=sdpa")
+    info = varlen_info(cu_seqlens)
+    cu = info.cu_seqlens.to(torch.int32)
+    out = varlen_attn(q, k, v, cu, cu, info.max_len, info.max_len, **kwargs)
+    return out.view(B, T, H, D)
+
+
+def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None, kernel: str = "auto") -> torch.Tensor:
+    """Causal attention (GQA) -> [B, T, H, D]; block-diagonal causal when documents are packed."""
     if cu_seqlens is None:
-        return F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
+    if resolve_attention_kernel(kernel, True, q_bhtd.device) == "flash_varlen":
+        return _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale, cu_seqlens)
     B, _, T, _ = q_bhtd.shape
     doc = document_ids(cu_seqlens, B, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=q_bhtd.device).tril()
     mask = (doc[:, :, None] == doc[:, None, :]) & causal  # [B, T, T]
-    return F.scaled_dot_product_attention(
-        q_bhtd, k_bhtd, v_bhtd, attn_mask=mask[:, None], scale=scale, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 class GatedAttention(nn.Module):
@@ -114,8 +167,11 @@ class GatedAttention(nn.Module):
     each head's query and gate rows together. Head counts come from weight shapes, so TP-local shards work.
     """
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, cfg: TextConfig, kernel: str = "auto"):
         super().__init__()
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"model.kernels.attention={kernel!r}; valid: {list(ATTENTION_KERNELS)}")
+        self.kernel = kernel
         self.head_dim = cfg.head_dim
         hd, bias = cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd * 2, bias=bias)
@@ -134,6 +190,6 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, hd**-0.5, cu_seqlens).transpose(1, 2).reshape(B, T, -1)
+        out = attend(q, k, v, hd**-0.5, cu_seqlens, self.kernel).reshape(B, T, -1)
         out = out * torch.sigmoid(gate_bthd.reshape(B, T, -1))
         return self.o_proj(out)

@@ -14,6 +14,7 @@ from torch import nn
 
 from .attention import local
 from .configs import TextConfig
+from .varlen import varlen_info
 
 KERNELS = ("auto", "fla", "torch")
 # Parameters kept in fp32 whatever the model dtype: the decay exp(-exp(A_log) * softplus(a + dt_bias)) is
@@ -141,13 +142,19 @@ def _torch_delta_rule(q, k, v, g, beta, cu_seqlens):
     return torch.cat(segs, dim=1)
 
 
+def _fla_varlen_kwargs(cu_seqlens) -> dict:
+    if cu_seqlens is None:
+        return {"cu_seqlens": None}
+    info = varlen_info(cu_seqlens)
+    return {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu}
+
+
 def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     out, _ = chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=True, **_fla_varlen_kwargs(cu_seqlens),
     )
     return out
 
@@ -155,10 +162,8 @@ def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
 def _fla_conv(x_btc, weight_c1k, cu_seqlens):
     from fla.modules.convolution import causal_conv1d
 
-    out, _ = causal_conv1d(
-        x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu",
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long),
-    )
+    out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu",
+                           **_fla_varlen_kwargs(cu_seqlens))
     return out
 
 

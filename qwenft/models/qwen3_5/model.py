@@ -27,11 +27,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int, kernels: str):
+    def __init__(self, cfg: TextConfig, layer_id: int, kernels: str, attention_kernel: str = "auto"):
         super().__init__()
         self.layer_type = cfg.layer_types[layer_id]
         if self.layer_type == FULL_ATTENTION:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, attention_kernel)
         else:
             self.linear_attn = GatedDeltaNet(cfg, kernels)
         self.mlp = MLP(cfg)
@@ -57,7 +57,7 @@ class Qwen3_5Model(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids=None, embed: bool = True, head: bool = True,
-                 kernels: str = "torch", ce_chunk_tokens: int = 0):
+                 kernels: str = "torch", ce_chunk_tokens: int = 0, attention_kernel: str = "auto"):
         super().__init__()
         t = cfg.text
         self.cfg = cfg
@@ -72,7 +72,7 @@ class Qwen3_5Model(nn.Module):
 
             self.visual = build_vision(cfg)
         self.rotary = RotaryEmbedding(t)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels) for i in ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels, attention_kernel) for i in ids})
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
         self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens) if head else None
         self.tie_weights()
