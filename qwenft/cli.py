@@ -14,7 +14,8 @@ from pathlib import Path
 from qwenft.conf.schema import Config, validate
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "eval", "logger", "launcher")
+GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "eval", "logger", "launcher",
+          "plan")
 RECIPES_ENV = "QWENFT_RECIPES_DIR"
 
 USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]
@@ -24,6 +25,7 @@ commands:
   show      print the resolved config of a recipe after overrides
   slurm     write an sbatch script for launcher.nodes nodes and submit it (--dry-run: print it); docs/slurm.md
   recipes   list recipes, one line each
+  plan      per-rank GPU memory of the recipe's whole mesh, planned on this machine (--json: as JSON)
   export    {{export_usage}}
             a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; docs/checkpointing.md
 
@@ -317,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             return _slurm(args)
         if command == "export":
             return _export(args)
+        if command == "plan":
+            return _plan(args)
         if command not in ("train", "show"):
-            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, export, recipes")
+            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, export, plan, recipes")
         cfg = compose(args, missing_ok=command == "show")
         if command == "show":
             print(to_yaml(cfg), end="")

@@ -1,16 +1,19 @@
 """Training throughput and memory of a recipe on GPU(s), through the real runner.
 
-    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt] recipe=NAME [overrides ...]
+    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt] [--plan] recipe=NAME [overrides ...]
     torchrun --nproc-per-node 2 scripts/bench.py recipe=NAME mesh.dp=2 ...
 
 Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
 reports, over the steps after the warm-up: median step time, tokens/s per GPU, TFLOP/s per GPU and MFU
 (Qwen3.5 FLOPs per token from qwenft.train.metrics.flops_per_token, the count metrics.jsonl uses), and the
 peak memory of every rank. `--profile` wraps the run in torch.profiler and writes the top CUDA kernels.
+`--plan` adds `qwenft plan`'s predicted peak of every rank (qwenft.train.plan), to compare with the measured one.
 """
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -42,14 +45,27 @@ def summarize(run_dir: Path, warmup: int, peaks_gib: list[float]) -> dict:
     return out
 
 
+def predicted_peaks(cfg) -> list[float]:
+    """`qwenft plan`'s peak (GiB) of every rank, planned for this run's world size (before it starts: the plan
+    plays every rank on a fake process group of its own)."""
+    from qwenft.train.plan import GIB, predict
+
+    if cfg.mesh.dp == -1:  # the plan takes mesh.dp=-1 as 1; here the world size says what it is
+        dp = int(os.environ.get("WORLD_SIZE", 1)) // (cfg.mesh.tp * cfg.mesh.pp)
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp))
+    return [round(p.total_bytes / GIB, 2) for p in predict(cfg)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default=None, help="write torch.profiler's top CUDA kernels here")
+    parser.add_argument("--plan", action="store_true", help="also report qwenft plan's predicted peak per rank")
     args, overrides = parser.parse_known_args()
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
+    planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -69,6 +85,8 @@ def main():
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "torch": torch.__version__,
                   **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks])}
+        if planned is not None:
+            report["planned_peak_gib_per_rank"] = planned
         print(json.dumps(report, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))

@@ -158,6 +158,14 @@ class LauncherConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`qwenft plan` (docs/performance.md, "Memory planner")."""
+    gpu_memory_gib: float = 139.0  # flag ranks whose planned peak is above this (H200: about 139 GiB usable)
+    json: Optional[str] = None  # also write the plan as JSON to this path
+    image_patches: Optional[int] = None  # VLM: vision patches per sequence; null = every token an image token
+
+
+@dataclass
 class Config:
     recipe: str = "tiny"
     description: str = ""
@@ -174,6 +182,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 # launcher.env names whose values never go into a file (script, config): they travel by name from the
@@ -270,6 +279,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval.max_batches={cfg.eval.max_batches} must be >= 1 (or null for the whole set)")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")
+    if cfg.plan.gpu_memory_gib <= 0:
+        raise ValueError(f"plan.gpu_memory_gib={cfg.plan.gpu_memory_gib} must be > 0")
+    if cfg.plan.image_patches is not None and cfg.plan.image_patches < 1:
+        raise ValueError(f"plan.image_patches={cfg.plan.image_patches} must be >= 1 (or null)")
     _validate_memory_options(cfg)
 
 

@@ -64,5 +64,7 @@ def init_process_group(backend: str = "auto") -> None:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
 
 
-def build_mesh(layout: Layout) -> DeviceMesh:
-    return init_device_mesh(device_type(), (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+def build_mesh(layout: Layout, device: str | None = None) -> DeviceMesh:
+    """The (pp, dp, tp) mesh on `device` (default: cuda when available, else cpu)."""
+    return init_device_mesh(device or device_type(), (layout.pp, layout.dp, layout.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))

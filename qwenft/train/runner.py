@@ -190,32 +190,78 @@ class Pipeline:
     loss_fn: object
 
 
-def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatches: int) -> Pipeline:
-    """This rank's stages (built on meta, parallelized, loaded) and the schedule that runs them."""
+def check_mesh_keys(cfg: Config, layout) -> None:
+    """Mesh and pipeline keys that contradict the layout; raised before anything is built."""
+    if cfg.mesh.sequence_parallel and layout.tp == 1:
+        raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
+    if layout.pp == 1:
+        if cfg.pipeline.schedule != "1f1b":
+            raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
+                             f"set mesh.pp > 1 or leave pipeline.schedule at 1f1b")
+        for key in ("virtual_stages", "layers_per_stage", "stage_layers"):
+            if getattr(cfg.pipeline, key) is not None:
+                raise ValueError(f"pipeline.{key}={getattr(cfg.pipeline, key)} is set but mesh.pp=1 (no pipeline); "
+                                 f"set mesh.pp > 1 or pipeline.{key}=null")
+
+
+def stage_split(cfg: Config, model_cfg, layout) -> tuple[int, list[list[int]]]:
+    """(pipeline stages per pp rank, layer indices of every stage) for mesh.pp > 1."""
     from qwenft.distributed import pipeline as pp_lib
 
     name = cfg.pipeline.schedule
     virtual = cfg.pipeline.virtual_stages or pp_lib.default_virtual_stages(name)
     pp_lib.check_virtual_stages(name, virtual)
-    num_stages = layout.pp * virtual
     if model_cfg.tie_word_embeddings:
         raise ValueError(f"model {cfg.model.path or cfg.model.name} ties lm_head to the embeddings, which "
                          f"mesh.pp={layout.pp} puts on different stages; use mesh.pp=1")
-    layers = pp_lib.split_layers(model_cfg.text.num_hidden_layers, num_stages, model_cfg.vision is not None,
+    layers = pp_lib.split_layers(model_cfg.text.num_hidden_layers, layout.pp * virtual, model_cfg.vision is not None,
                                  cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
-    log.info("pipeline: %s, %d stages, layers per stage %s", name, num_stages, [len(ls) for ls in layers])
-    pp_mesh = mesh["pp"]
-    stages = []
-    for i in pp_lib.stage_ids_for_rank(pp_mesh.get_local_rank(), layout.pp, virtual, name in pp_lib.V_SHAPED):
-        module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == num_stages - 1,
+    return virtual, layers
+
+
+def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[int, torch.nn.Module]]:
+    """This rank's share of the model as (pipeline stage index, module) pairs: the whole model at pp = 1, else
+    its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded.
+    `qwenft plan` builds every rank's share through here as well (qwenft.train.plan)."""
+    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.models.loader import build_model
+
+    if layout.pp == 1:
+        model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
+                            device="meta", dtype=_master_dtype(cfg),
+                            ce_chunk_tokens=cfg.model.ce_chunk_tokens)
+        _freeze(model, cfg)
+        _parallelize(model, cfg, mesh, device)
+        return [(0, model)]
+    name = cfg.pipeline.schedule
+    virtual, layers = stage_split(cfg, model_cfg, layout)
+    reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
+    out = []
+    for i in pp_lib.stage_ids_for_rank(mesh["pp"].get_local_rank(), layout.pp, virtual, name in pp_lib.V_SHAPED):
+        module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == len(layers) - 1,
                                           kernels=cfg.model.kernels.gdn,
+                                          attention_kernel=cfg.model.kernels.attention,
                                           ce_chunk_tokens=cfg.model.ce_chunk_tokens).to_dtype(_master_dtype(cfg))
-        reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
         _freeze(module, cfg)
         _parallelize(module, cfg, mesh, device, reshard_after_forward=reshard)
+        out.append((i, module))
+    return out
+
+
+def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatches: int) -> Pipeline:
+    """This rank's stages (built on meta, parallelized, loaded) and the schedule that runs them."""
+    from qwenft.distributed import pipeline as pp_lib
+
+    name = cfg.pipeline.schedule
+    _, layers = stage_split(cfg, model_cfg, layout)
+    num_stages = len(layers)
+    log.info("pipeline: %s, %d stages, layers per stage %s", name, num_stages, [len(ls) for ls in layers])
+    reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
+    stages = []
+    for i, module in build_modules(cfg, model_cfg, mesh, layout, device):
         _load(module, cfg, device)
         stages.append(pp_lib.ReduceGradStage(
-            module, i, num_stages, device, group=pp_mesh.get_group(),
+            module, i, num_stages, device, group=mesh["pp"].get_group(),
             reduce_grad_per_microbatch=cfg.pipeline.reduce_grad_per_microbatch, reshard=reshard))
     loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
     try:
@@ -319,22 +365,12 @@ def run(cfg: Config, return_state: bool = False) -> RunResult:
 
 def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResult:
     from qwenft.distributed import pipeline as pp_lib
-    from qwenft.models.loader import build_model
 
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     microbatch_size, num_microbatches = _microbatching(cfg, layout.dp)
-    if cfg.mesh.sequence_parallel and layout.tp == 1:
-        raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
-    if layout.pp == 1:
-        if cfg.pipeline.schedule != "1f1b":
-            raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
-                             f"set mesh.pp > 1 or leave pipeline.schedule at 1f1b")
-        for key in ("virtual_stages", "layers_per_stage", "stage_layers"):
-            if getattr(cfg.pipeline, key) is not None:
-                raise ValueError(f"pipeline.{key}={getattr(cfg.pipeline, key)} is set but mesh.pp=1 (no pipeline); "
-                                 f"set mesh.pp > 1 or pipeline.{key}=null")
+    check_mesh_keys(cfg, layout)
     mesh = build_mesh(layout)
     dp_mesh = mesh["dp"]
     dp_rank = dp_mesh.get_local_rank()
@@ -375,10 +411,7 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
         pipe = _build_pipeline(cfg, model_cfg, mesh, layout, device, num_microbatches)
         modules = [stage.submod for stage in pipe.stages]
     else:
-        model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, device="meta", dtype=_master_dtype(cfg),
-                            ce_chunk_tokens=cfg.model.ce_chunk_tokens)
-        _freeze(model, cfg)
-        _parallelize(model, cfg, mesh, device)
+        [(_, model)] = build_modules(cfg, model_cfg, mesh, layout, device)
         _load(model, cfg, device)
         modules = [model]
     params = [p for m in modules for p in m.parameters() if p.requires_grad]

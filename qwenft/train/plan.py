@@ -1,0 +1,458 @@
+"""`qwenft plan`: GPU memory per rank of a recipe, from every rank's real share of the model; no GPU needed.
+
+    plans = predict(cfg)                  # one RankPlan per rank of mesh.tp x mesh.pp x mesh.dp
+    print(format_table(plans, cfg))
+
+Each rank's share is built the way `qwenft train` builds it (`runner.build_modules`: pipeline stage split,
+tensor parallel plan, activation checkpointing, FSDP2 `fully_shard`), on the meta device, in this one process
+playing every rank in turn on a fake process group. Parameters, gradients and optimizer state are read from
+those modules: local DTensor shards, FSDP's padded shards, its units and its mixed-precision dtypes.
+Activations and logits are estimated per token from the model's dims (`layer_activation_bytes`), times the
+microbatches a rank holds under the schedule (`microbatches_in_flight`). docs/performance.md ("Memory
+planner") says what is counted, how it compares with measured peaks, and where it is approximate.
+"""
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from qwenft.conf.schema import Config
+from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
+
+GIB = 2**30
+GDN_CHUNK = 64  # fla's chunk size: the delta rule keeps a [chunk] row of A per token and value head
+
+
+@dataclass
+class RankPlan:
+    """Bytes one rank holds at its peak, by kind. Both settings of the gradient knob
+    (pipeline.reduce_grad_per_microbatch) and of activation checkpointing are given; `total` is the peak for
+    the config's own settings (the larger of the loss moment and the end of a backward, see `_rank_plan`)."""
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    stages: list[int]
+    layers: int
+    params: int  # elements of the parameter shards this rank stores
+    params_owned: int  # the same, counting tensor-parallel replicas on tp rank 0 only (sums to the model's size)
+    trainable: int
+    param_bytes: int  # sharded parameters in their storage dtype, FSDP's padding included
+    unsharded_bytes: dict  # compute-dtype parameters FSDP holds all-gathered: knob_off (all), knob_on (in flight)
+    grad_bytes: dict  # knob_off: full-size unsharded accumulator (reduce dtype); knob_on: sharded gradients
+    grad_in_flight_bytes: dict  # compute-dtype gradients alive during a backward (FSDP root + one layer)
+    optimizer_bytes: int
+    activation_bytes: dict  # ac_off, ac_on: all microbatches in flight (+ one layer's recompute with AC)
+    logits_bytes: int  # lm_head logits + cross-entropy (the rank holding the last stage)
+    microbatches_in_flight: int
+    peaks: dict = field(default_factory=dict)  # {"knob_off"|"knob_on": {"ac_off"|"ac_on": bytes}}
+    total_bytes: int = 0
+
+
+# ---------------------------------------------------------------- activation estimate (per token)
+
+def layer_activation_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes: int = 2,
+                           sequence_parallel: bool = False) -> float:
+    """Bytes autograd keeps per token for one decoder layer without activation checkpointing, on one tp rank.
+
+    Counted tensor by tensor from the code, for the GPU kernels: flash attention, varlen or SDPA's (keeps q, k, v,
+    output, log-sum-exp) and fla's GatedDeltaNet (keeps its conv inputs, l2-normalised q and k per value head,
+    v, g, beta and A). A CPU forward of a 27B-shaped attention layer keeps 365,352 B/token by
+    saved-tensor hooks; this gives 364,640 (tests/test_plan.py checks the attention layer against such a count).
+    """
+    c, H, F = compute_bytes, t.hidden_size, t.intermediate_size // tp
+    norms = 2 * 8 * H / (tp if sequence_parallel else 1)  # 2 RMSNorms: fp32 input copy + fp32 normalised
+    mlp = c * H + 4 * c * F  # input; gate, silu(gate), up, gate*up (down_proj input)
+    if kind == FULL_ATTENTION:
+        q, kv, d = t.num_attention_heads // tp, t.num_key_value_heads // tp, t.head_dim
+        mixer = (c * H  # q/k/v_proj input
+                 + 8 * (q + kv) * d  # q_norm, k_norm: fp32 input copy + normalised output
+                 + c * (q + 2 * kv) * d  # attention inputs after rotary: q, k, v
+                 + c * q * d + 4 * q  # attention output, log-sum-exp
+                 + 3 * c * q * d)  # sigmoid(gate), output reshaped, gated product (o_proj input)
+    else:
+        nk, nv = t.linear_num_key_heads // tp, t.linear_num_value_heads // tp
+        dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
+        mixer = (c * H  # q/k/v/z/a/b_proj input
+                 + c * (2 * nk * dk + nv * dv)  # causal conv inputs
+                 + c * nv * (2 * dk + dv)  # delta rule: l2-normalised q, k repeated per value head; v
+                 + nv * (4 + c + 8 + c * GDN_CHUNK)  # g (fp32), beta, q/k rstd (fp32), A
+                 + 3 * 4 * nv * dv  # gated norm: fp32 input copy, fp32 z, silu(z)
+                 + 3 * c * nv * dv  # normalised (cast back), weighted, gated output (out_proj input)
+                 + 16 * nv)  # decay: a and the softplus input, fp32
+    return norms + mlp + mixer
+
+
+def vision_activation_bytes(vision: dict, compute_bytes: int = 2, checkpointing: bool = False) -> float:
+    """Bytes per image patch for the vision tower (ViT blocks: 2 LayerNorms, attention, GELU MLP; merger).
+    With `checkpointing` (model.vision_activation_checkpointing) each block keeps its input only, plus one
+    block's activations while it is recomputed."""
+    c, h, i = compute_bytes, vision["hidden_size"], vision["intermediate_size"]
+    block = c * (8 * h + 2 * i)  # norm1 in/out, q, k, v, attention out, norm2 in/out, fc1 out, act out
+    merger = 3 * c * h
+    if checkpointing:
+        return vision["depth"] * c * h + block + merger
+    return vision["depth"] * block + merger
+
+
+def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, virtual: int, n: int) -> int:
+    """Forward chunks (one stage x one microbatch) whose activations a pp rank holds at its peak, from the
+    warm-up counts of torch's schedules (torch.distributed.pipelining, 2.13). pp = 1: gradient accumulation
+    runs one microbatch at a time. zbv / dualpipev: 2 x pp is an upper bound."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return n
+    if schedule == "1f1b":
+        return min(n, pp - pp_rank)
+    if schedule == "looped_bfs":
+        return virtual * n
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        per_hop = 2 if schedule == "interleaved_1f1b" else 1
+        return min(virtual * n, (virtual - 1) * pp + per_hop * (pp - 1 - pp_rank) + 1)
+    return min(2 * n, 2 * pp)
+
+
+def logits_bytes(vocab: int, tokens: int, compute_bytes: int, *, vocab_parallel: bool, pipelined: bool,
+                 ce_chunk_tokens: int = 0) -> tuple[int, int]:
+    """(peak while the loss of one microbatch is computed, bytes kept until its backward) of the lm_head
+    logits and the fp32 cross-entropy. `vocab` is this rank's share of the vocabulary; `pipelined`: a
+    pipeline stage keeps its output (the logits) for the backward."""
+    c = compute_bytes
+    held_logits = c if pipelined else 0
+    if ce_chunk_tokens:  # qwenft.models.linear_ce: one chunk's logits at a time; keeps a log-sum-exp per token
+        return (c + 8) * vocab * min(ce_chunk_tokens, tokens) + 4 * tokens, 4 * tokens
+    if vocab_parallel:  # loss._VocabParallelCE: fp32 copy and shifted copy, then the softmax it keeps
+        return (c + 8) * vocab * tokens, (4 + held_logits) * vocab * tokens
+    fp32_copy = 4 if c < 4 else 0
+    forward = c + fp32_copy + 4  # logits, fp32 copy, log-softmax
+    backward = 12 + held_logits  # log-softmax, its gradient, the gradient of its input
+    return max(forward, backward) * vocab * tokens, (4 + held_logits) * vocab * tokens
+
+
+# ---------------------------------------------------------------- what FSDP holds
+
+@dataclass
+class _Param:
+    """One FSDP-managed parameter of a rank as FSDP holds it (sizes in elements)."""
+    unit: tuple  # (stage, "root" | "layers.<i>"): the FSDP unit that all-gathers it
+    storage: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    local: int  # this rank's shard
+    padded: int  # the shard with FSDP's dim-0 padding: what is allocated
+    unsharded: int  # after the all-gather (tensor-parallel local); padded_unsharded with FSDP's padding
+    padded_unsharded: int
+    unsharded_grad: int  # the gradient autograd gives the unsharded parameter (see _fsdp_params)
+    trainable: bool
+    tp_replica: bool  # the same values on every tp rank
+
+
+def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import Replicate
+
+    # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
+    # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
+    embedding = getattr(module, "embed_tokens", None)
+    out = []
+    for name, m in module.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        unit = (stage, ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root")
+        # No public accessor for FSDP's parameter groups yet (torch 2.13); pipeline.reduce_scatter_now uses them too.
+        for group in fully_shard.state(m)._fsdp_param_groups:
+            policy, dp = group.mp_policy, group.mesh_info.shard_mesh_size
+            for fp in group.fsdp_params:
+                p = fp.sharded_param
+                compute = policy.param_dtype if policy.param_dtype and p.dtype.is_floating_point else p.dtype
+                names = p.device_mesh.mesh_dim_names or ()
+                tp_replica = "tp" not in names or isinstance(p.placements[names.index("tp")], Replicate)
+                padded, unsharded = math.prod(fp.padded_sharded_param_size), math.prod(fp._orig_size)
+                replicated_grad = not tp_replica and embedding is not None and p is embedding.weight
+                out.append(_Param(unit, p.dtype, compute, policy.reduce_dtype or compute, p.to_local().numel(),
+                                  padded, unsharded, padded * dp,
+                                  unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
+                                  p.requires_grad, tp_replica))
+    return out
+
+
+def _nbytes(n: int, dtype: torch.dtype) -> int:
+    return n * dtype.itemsize
+
+
+# ---------------------------------------------------------------- one rank
+
+@dataclass
+class _Context:
+    """What every rank of the plan shares."""
+    cfg: Config
+    model_cfg: object
+    layout: object  # qwenft.distributed.mesh.Layout
+    microbatch_size: int
+    num_microbatches: int
+    virtual: int  # pipeline stages per pp rank
+    compute_bytes: int  # element size of activations: FSDP's param dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.microbatch_size * self.cfg.data.seq_len
+
+
+def _stage_activations(ctx: _Context, module) -> tuple[float, float, float]:
+    """One microbatch through one stage: (AC off, AC on, the biggest layer's activations)."""
+    t, c, tp, sp = ctx.model_cfg.text, ctx.compute_bytes, ctx.layout.tp, ctx.cfg.mesh.sequence_parallel
+    layers = [layer_activation_bytes(t, layer.layer_type, tp, c, sp) * ctx.tokens for layer in module.layers.values()]
+    boundary = 2 * c * t.hidden_size * ctx.tokens  # the stage's input and output hidden states
+    inputs = len(layers) * c * t.hidden_size * ctx.tokens / (tp if sp else 1)  # what checkpointed layers keep
+    vision_off, vision_on = _vision_activations(ctx, module)
+    return sum(layers) + boundary + vision_off, inputs + boundary + vision_on, max(layers, default=0.0)
+
+
+def _vision_activations(ctx: _Context, module) -> tuple[float, float]:
+    """(AC off, AC on) vision tower activations of one microbatch; 0 without a tower or when it is frozen.
+    Patches per sequence: plan.image_patches, else every token an image token (seq_len x merge^2)."""
+    from qwenft.models.freeze import VISION_PROJECTOR
+
+    visual, vision = getattr(module, "visual", None), ctx.model_cfg.vision
+    if visual is None:
+        return 0.0, 0.0
+    patches = (ctx.cfg.plan.image_patches or ctx.cfg.data.seq_len * vision["spatial_merge_size"] ** 2)
+    patches *= ctx.microbatch_size
+    trained = {n.startswith(f"{VISION_PROJECTOR}.") for n, p in visual.named_parameters() if p.requires_grad}
+    c = ctx.compute_bytes
+    if False in trained:  # the tower's blocks train, not only its merger
+        checkpointed = ctx.cfg.model.vision_activation_checkpointing
+        return (vision_activation_bytes(vision, c) * patches,
+                vision_activation_bytes(vision, c, checkpointing=checkpointed) * patches)
+    merger = 3 * c * vision["hidden_size"] * patches if trained else 0.0
+    return merger, merger
+
+
+def _logits(ctx: _Context, modules, chunks: int) -> tuple[int, int, int]:
+    """On a rank holding the last stage, (logits + CE at the loss of one microbatch plus what the other
+    microbatches in flight keep, what those others keep, the logits as lm_head writes them); else zeros."""
+    if not any(m.lm_head is not None for _, m in modules):
+        return 0, 0, 0
+    cfg, t, tp, pp = ctx.cfg, ctx.model_cfg.text, ctx.layout.tp, ctx.layout.pp
+    vocab_parallel = tp > 1 and cfg.mesh.vocab_parallel
+    vocab = -(-t.vocab_size // tp) if vocab_parallel else t.vocab_size
+    peak, held = logits_bytes(vocab, ctx.tokens, ctx.compute_bytes, vocab_parallel=vocab_parallel,
+                              pipelined=pp > 1, ce_chunk_tokens=cfg.model.ce_chunk_tokens)
+    if pp == 1 or cfg.pipeline.schedule in ("1f1b", "zbv", "dualpipev"):
+        head_chunks = 1  # the last stage runs each microbatch's backward right after its forward
+    elif cfg.pipeline.schedule in ("gpipe", "looped_bfs"):
+        head_chunks = ctx.num_microbatches
+    else:
+        head_chunks = -(-chunks // ctx.virtual)
+    others = held * (head_chunks - 1)
+    written = 0 if cfg.model.ce_chunk_tokens else ctx.compute_bytes * vocab * ctx.tokens
+    return peak + others, others, written
+
+
+def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
+    cfg, pp = ctx.cfg, ctx.layout.pp
+    params = [p for stage, module in modules for p in _fsdp_params(stage, module)]
+    trained = [p for p in params if p.trainable]
+    units = defaultdict(lambda: {"params": 0, "grads": 0, "cast_grads": 0})
+    for p in params:
+        unit = units[p.unit]
+        unit["params"] += _nbytes(p.padded_unsharded, p.compute)
+        if p.trainable:
+            unit["grads"] += _nbytes(p.unsharded_grad, p.compute)
+            if p.compute != p.reduce:
+                unit["cast_grads"] += _nbytes(p.unsharded_grad, p.compute)
+    roots = [u for key, u in units.items() if key[1] == "root"]
+    layers = sorted((u for key, u in units.items() if key[1] != "root"), key=lambda u: -u["params"])
+    # Knob off: every unit stays all-gathered from its first backward to the step's reduce-scatter. On: the
+    # root (embeddings, head, vision tower) while the stage runs, plus the layer running and the prefetched one.
+    unsharded = {"knob_off": sum(u["params"] for u in units.values()),
+                 "knob_on": sum(u["params"] for u in roots + layers[:2])}
+    # Compute-dtype gradients alive in a backward: the root's until its post-backward, one layer's at a time.
+    # Knob off with compute == reduce dtype, autograd adds them straight into the accumulator.
+    grads_in_flight = {knob: sum(u[key] for u in roots) + max((u[key] for u in layers), default=0)
+                       for knob, key in (("knob_off", "cast_grads"), ("knob_on", "grads"))}
+    grads = {"knob_off": sum(_nbytes(p.unsharded_grad, p.reduce) for p in trained),
+             "knob_on": sum(_nbytes(p.padded, p.storage) for p in trained)}
+    state_dtype = getattr(torch, cfg.optim.state_dtype)
+    # AdamW: two moments per trained element in optim.state_dtype and a 4-byte step count per tensor
+    optimizer = sum(2 * _nbytes(p.local, state_dtype) + 4 for p in trained)
+    param_bytes = sum(_nbytes(p.padded, p.storage) for p in params)
+
+    per_stage = [_stage_activations(ctx, m) for _, m in modules]
+    chunk = {"ac_off": sum(s[0] for s in per_stage) / len(per_stage),
+             "ac_on": sum(s[1] for s in per_stage) / len(per_stage)}
+    recompute = {"ac_off": 0.0, "ac_on": max(s[2] for s in per_stage)}  # AC: one layer re-run in the backward
+    chunks = microbatches_in_flight(cfg.pipeline.schedule, pp, coords["pp"], ctx.virtual, ctx.num_microbatches)
+    logits, logits_of_others, logits_written = _logits(ctx, modules, chunks)
+
+    peaks = {}
+    for knob in ("knob_off", "knob_on"):
+        base = param_bytes + optimizer + grads[knob]
+        # Knob off under a pipeline nothing is resharded within a step; otherwise FSDP has resharded every unit
+        # by the time the loss is computed, and holds the root and two layers while the forward runs.
+        kept = unsharded["knob_off"] if knob == "knob_off" and pp > 1 else 0
+        forward_gathered = kept or unsharded["knob_on"]
+        peaks[knob] = {}
+        for ac in ("ac_off", "ac_on"):
+            loss_moment = (base + chunks * chunk[ac]
+                           + max(forward_gathered + logits_written + logits_of_others, kept + logits))
+            backward_end = (base + unsharded[knob] + grads_in_flight[knob] + (chunks - 1) * chunk[ac]
+                            + recompute[ac] + logits_of_others)
+            peaks[knob][ac] = round(max(loss_moment, backward_end))
+    knob = "knob_on" if cfg.pipeline.reduce_grad_per_microbatch else "knob_off"
+    return RankPlan(
+        rank=rank, pp_rank=coords["pp"], dp_rank=coords["dp"], tp_rank=coords["tp"],
+        stages=[s for s, _ in modules], layers=sum(len(m.layers) for _, m in modules),
+        params=sum(p.local for p in params),
+        params_owned=sum(p.local for p in params if not p.tp_replica or coords["tp"] == 0),
+        trainable=sum(p.local for p in trained), param_bytes=param_bytes, unsharded_bytes=unsharded,
+        grad_bytes=grads, grad_in_flight_bytes=grads_in_flight, optimizer_bytes=optimizer,
+        activation_bytes={ac: round(chunks * chunk[ac] + recompute[ac]) for ac in chunk},
+        logits_bytes=round(logits), microbatches_in_flight=chunks, peaks=peaks,
+        total_bytes=peaks[knob]["ac_on" if cfg.model.activation_checkpointing else "ac_off"])
+
+
+# ---------------------------------------------------------------- every rank
+
+def resolve_plan_layout(cfg: Config):
+    """The layout planned: mesh.tp x mesh.pp x mesh.dp, with mesh.dp=-1 (take what the world leaves) as 1."""
+    from qwenft.distributed.mesh import resolve_layout
+
+    dp = 1 if cfg.mesh.dp == -1 else cfg.mesh.dp
+    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp)
+
+
+def predict(cfg: Config) -> list[RankPlan]:
+    """The memory of every rank of `cfg` on GPUs (model.dtype=auto: bf16 compute), in rank order.
+
+    Builds each rank's share through `runner.build_modules` on a fake process group ("fake" backend), one rank
+    at a time, in this process; needs no GPU and no process group of its own."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from qwenft.distributed.mesh import build_mesh
+    from qwenft.distributed.tensor_parallel import validate_tp
+    from qwenft.train import runner
+
+    if dist.is_initialized():
+        raise RuntimeError("predict plays every rank on a fake process group of its own; call it outside a "
+                           "distributed run")
+    layout = resolve_plan_layout(cfg)
+    runner.check_mesh_keys(cfg, layout)
+    microbatch_size, num_microbatches = runner._microbatching(cfg, layout.dp)
+    model_cfg = runner._model_config(cfg)
+    validate_tp(model_cfg.text, layout.tp)
+    virtual = runner.stage_split(cfg, model_cfg, layout)[0] if layout.pp > 1 else 1
+    device = torch.device("cuda")  # what the plan is for; nothing is allocated on it
+    ctx = _Context(cfg, model_cfg, layout, microbatch_size, num_microbatches, virtual,
+                   runner._param_dtype(cfg, device).itemsize)
+    plans = []
+    for rank in range(layout.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+        try:
+            mesh = build_mesh(layout, device="cpu")
+            coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+            plans.append(_rank_plan(ctx, rank, coords, runner.build_modules(cfg, model_cfg, mesh, layout, device)))
+        finally:
+            dist.destroy_process_group()
+            _forget_fake_meshes()
+    return plans
+
+
+def _forget_fake_meshes() -> None:
+    """Drop DTensor's sharding-propagation caches (Python and C++). Their keys compare meshes by shape and names
+    only, so an entry made on the fake group would hand a later real mesh of the same shape the fake one's
+    process groups ("Could not resolve the process group registered under the name ..."). torch offers this
+    clearing as a debug helper only (2.13)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+# ---------------------------------------------------------------- output
+
+_NUMBERS = ("layers", "params", "param_bytes", "unsharded_bytes", "grad_bytes", "grad_in_flight_bytes",
+            "optimizer_bytes", "activation_bytes", "logits_bytes", "microbatches_in_flight", "peaks", "total_bytes")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8"."""
+    parts, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            parts.append(f"{start}-{prev}" if prev > start else str(start))
+            start = cur
+    return ",".join(parts)
+
+
+def _settings(cfg: Config) -> tuple[str, str]:
+    return ("knob_on" if cfg.pipeline.reduce_grad_per_microbatch else "knob_off",
+            "ac_on" if cfg.model.activation_checkpointing else "ac_off")
+
+
+def format_table(plans: list[RankPlan], cfg: Config) -> str:
+    """A table of GiB per group of ranks with identical numbers, with a header naming the setup."""
+    from qwenft.train import runner
+
+    layout, limit = resolve_plan_layout(cfg), cfg.plan.gpu_memory_gib
+    unit, size = ("GiB", GIB) if max(p.total_bytes for p in plans) >= GIB else ("MiB", 2**20)
+    knob, ac = _settings(cfg)
+    microbatch_size, n = runner._microbatching(cfg, layout.dp)
+    device = torch.device("cuda")
+    dtypes = (f"params {cfg.optim.master_dtype}, compute {runner._param_dtype(cfg, device)}, AdamW state "
+              f"{cfg.optim.state_dtype}").replace("torch.", "")
+    dp_note = " (mesh.dp=-1 planned as 1)" if cfg.mesh.dp == -1 else ""
+    lines = [
+        f"qwenft plan {cfg.recipe}: {layout.world_size} rank{'s' if layout.world_size > 1 else ''} = "
+        f"pp {layout.pp} x dp {layout.dp} x tp {layout.tp}"
+        f"{dp_note}; {'schedule ' + cfg.pipeline.schedule + ', ' if layout.pp > 1 else ''}{n} microbatches of "
+        f"{microbatch_size} x {cfg.data.seq_len} tokens per step",
+        f"{dtypes}; pipeline.reduce_grad_per_microbatch={knob == 'knob_on'}, "
+        f"model.activation_checkpointing={ac == 'ac_on'}; {unit} per rank, limit plan.gpu_memory_gib={limit:g}",
+        "",
+    ]
+    head = ["ranks", "stage", "layers", "params", "param", "gathered", "grad knob off", "grad knob on", "optim",
+            "act AC off", "act AC on", "logits", "total", ""]
+    groups: dict = {}
+    for plan in plans:
+        key = tuple(str(getattr(plan, k)) for k in _NUMBERS) + (str(plan.stages),)
+        groups.setdefault(key, []).append(plan)
+    rows = []
+    for members in groups.values():
+        p = members[0]
+        gib = lambda b: f"{b / size:.2f}"  # noqa: E731
+        mark = lambda text, on: text + ("*" if on else "")  # noqa: E731
+        rows.append([
+            _ranges([m.rank for m in members]), ",".join(map(str, p.stages)), str(p.layers),
+            f"{p.params / 1e9:.3f}B" if p.params >= 1e8 else f"{p.params / 1e6:.3f}M",
+            gib(p.param_bytes), gib(p.unsharded_bytes[knob]),
+            mark(gib(p.grad_bytes["knob_off"]), knob == "knob_off"), mark(gib(p.grad_bytes["knob_on"]), knob == "knob_on"),
+            gib(p.optimizer_bytes), mark(gib(p.activation_bytes["ac_off"]), ac == "ac_off"),
+            mark(gib(p.activation_bytes["ac_on"]), ac == "ac_on"), gib(p.logits_bytes), gib(p.total_bytes),
+            "OVER" if p.total_bytes > limit * GIB else ""])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    for row in [head] + rows:
+        lines.append("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                     .rstrip())
+    worst = max(plans, key=lambda p: p.total_bytes)
+    lines += ["", f"* the config's settings; total = its peak: the larger of the loss moment and the end of a "
+                  f"backward (docs/performance.md, \"Memory planner\"). Highest: rank {worst.rank}, "
+                  f"{worst.total_bytes / size:.2f} {unit} (limit {limit:g} GiB)"
+                  + (f"; {sum(p.total_bytes > limit * GIB for p in plans)} rank(s) OVER" if worst.total_bytes > limit * GIB
+                     else "")]
+    return "\n".join(lines)
+
+
+def to_json(plans: list[RankPlan], cfg: Config) -> dict:
+    layout = resolve_plan_layout(cfg)
+    knob, ac = _settings(cfg)
+    return {"recipe": cfg.recipe, "world_size": layout.world_size,
+            "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
+            "settings": {"reduce_grad_per_microbatch": knob == "knob_on", "activation_checkpointing": ac == "ac_on"},
+            "gpu_memory_gib": cfg.plan.gpu_memory_gib,
+            "over": [p.rank for p in plans if p.total_bytes > cfg.plan.gpu_memory_gib * GIB],
+            "ranks": [dataclasses.asdict(p) for p in plans]}

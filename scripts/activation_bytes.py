@@ -1,0 +1,81 @@
+"""Activation bytes per token of one decoder layer of each kind, measured, against `qwenft plan`'s estimate.
+
+    python scripts/activation_bytes.py [--docs 60] recipe=tiny model=qwen3_5_27b data.seq_len=4096 [mesh.tp=...]
+
+Builds one layer of each kind (GatedDeltaNet + MLP, gated attention + MLP) at the model's dims in the compute
+dtype, on CUDA when there is one, runs its forward on one row of data.seq_len tokens (packed into `--docs`
+documents, as the benchmarks' data is) and counts what autograd keeps for the backward two ways: the storages
+its saved-tensor hooks see, and the allocator's growth over the forward. Prints both per token next to
+`qwenft.train.plan.layer_activation_bytes`, the number the planner multiplies by tokens and microbatches.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qwenft.cli import compose  # noqa: E402
+from qwenft.models.qwen3_5.attention import RotaryEmbedding  # noqa: E402
+from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
+from qwenft.models.qwen3_5.model import DecoderLayer  # noqa: E402
+from qwenft.train.plan import layer_activation_bytes  # noqa: E402
+from qwenft.train.runner import _model_config, _param_dtype  # noqa: E402
+
+
+def measure(layer, h, rope, cu_seqlens) -> tuple[float, float | None]:
+    """(bytes autograd saves, bytes the allocator grew by: CUDA only) over one forward, both per token."""
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {h.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(x):
+        if x.untyped_storage().data_ptr() not in skip:
+            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    cuda = h.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = layer(h, rope, cu_seqlens)
+    tokens = h.shape[0] * h.shape[1]
+    grown = (torch.cuda.memory_allocated() - before - out.nbytes) / tokens if cuda else None
+    return sum(saved.values()) / tokens, grown
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=60, help="packed documents in the row (1 = unpacked)")
+    args, overrides = parser.parse_known_args()
+    cfg = compose(overrides, missing_ok=True)
+    t = _model_config(cfg).text
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _param_dtype(cfg, torch.device("cuda"))
+    tokens = cfg.data.seq_len
+    bounds = torch.linspace(0, tokens, args.docs + 1).round().to(torch.int32)
+    cu_seqlens = bounds.to(device) if args.docs > 1 else None
+    positions = torch.cat([torch.arange(int(e - s)) for s, e in zip(bounds[:-1], bounds[1:])])[None].to(device)
+    rope = RotaryEmbedding(t).to(device)
+    rope.reset()
+    rope_cs = rope(positions, dtype)
+    report = {"tokens": tokens, "docs": args.docs, "dtype": str(dtype), "device": str(device), "layers": {}}
+    for kind in (LINEAR_ATTENTION, FULL_ATTENTION):
+        layer_id = t.layer_types.index(kind)
+        with torch.device(device):
+            layer = DecoderLayer(t, layer_id, cfg.model.kernels.gdn)
+        for name, p in layer.named_parameters():
+            p.data = p.data.to(torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype)
+        h = torch.randn(1, tokens, t.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        saved, grown = measure(layer, h, rope_cs, cu_seqlens)
+        report["layers"][kind] = {"saved_per_token": saved, "allocated_per_token": grown,
+                                  "planned_per_token": layer_activation_bytes(t, kind, 1, dtype.itemsize)}
+        del layer, h
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

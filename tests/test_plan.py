@@ -1,0 +1,196 @@
+"""`qwenft plan`: per-rank memory from every rank's share of the model, built on meta on a fake process group.
+
+Checked against references outside the planner: the unsharded model's parameter count, a real CPU training
+step's allocated tensors (gloo ranks through the runner), and autograd's own record of saved tensors.
+"""
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from qwenft.cli import compose, main
+from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
+from qwenft.train import plan as plan_lib
+
+
+def _plan(*overrides):
+    cfg = compose(list(overrides), missing_ok=True)
+    return cfg, plan_lib.predict(cfg)
+
+
+def _model_params(cfg) -> int:
+    from qwenft.models.loader import build_model
+    from qwenft.train.runner import _model_config
+
+    return sum(p.numel() for p in build_model(_model_config(cfg), device="meta").parameters())
+
+
+@pytest.fixture(scope="module")
+def tp4pp4():
+    return _plan("recipe=qwen3_5_27b_tp4pp4")
+
+
+def test_27b_tp4pp4_sixteen_ranks_cover_the_model_once(tp4pp4):
+    """Every element of the 27B model is held by exactly one (pp, tp) position: summed over the 16 ranks, each
+    tensor-parallel replica counted once, the shards add up to the unsharded model."""
+    cfg, plans = tp4pp4
+    assert [p.rank for p in plans] == list(range(16))
+    assert sorted({p.pp_rank for p in plans}) == [0, 1, 2, 3] and {p.layers for p in plans} == {16}
+    assert sum(p.params_owned for p in plans) == _model_params(cfg) > 26e9
+    assert all(p.total_bytes < cfg.plan.gpu_memory_gib * plan_lib.GIB for p in plans)
+    assert plans[-1].logits_bytes > 0 and plans[0].logits_bytes == 0  # only the last stage has the head
+
+
+def test_tiny_3d_ranks_cover_the_model_once():
+    cfg, plans = _plan("recipe=tiny_3d")
+    assert len(plans) == 8
+    assert sum(p.params_owned for p in plans) == _model_params(cfg)
+    # dp2: each dp rank holds half; tp-replicated norms are stored on both tp ranks
+    assert sum(p.params for p in plans) > sum(p.params_owned for p in plans)
+
+
+def test_knob_on_keeps_fewer_gradient_bytes(tp4pp4):
+    _, plans = _plan("recipe=qwen3_5_27b_pp2dp4")
+    for p in plans:  # dp4: sharded gradients are a quarter of the fp32 accumulator
+        assert p.grad_bytes["knob_on"] * 4 == p.grad_bytes["knob_off"]
+        assert p.peaks["knob_on"]["ac_on"] < p.peaks["knob_off"]["ac_on"]
+    for p in tp4pp4[1]:  # dp1: fewer all-gathered parameters, and gradient bytes alike but for the embedding's
+        assert p.unsharded_bytes["knob_on"] < p.unsharded_bytes["knob_off"]
+        if p.pp_rank:
+            assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"]
+        else:  # knob off accumulates the vocab-parallel embedding's gradient whole: 3/4 of 248,320 x 5,120 fp32 more
+            assert p.grad_bytes["knob_off"] - p.grad_bytes["knob_on"] == 3 * 62080 * 5120 * 4
+
+
+def test_tp4_quarters_a_ranks_parameter_bytes(tp4pp4):
+    """27B on 4 stages: tp4 holds a quarter of tp1's bytes per rank, plus the replicated norm weights."""
+    _, tp1 = _plan("recipe=qwen3_5_27b_tp4pp4", "mesh.tp=1")
+    for p4 in tp4pp4[1]:
+        p1 = tp1[p4.pp_rank]
+        assert p1.pp_rank == p4.pp_rank
+        assert 0.25 < p4.param_bytes / p1.param_bytes < 0.2502, (p4.param_bytes, p1.param_bytes)
+
+
+# ------------------------------------------------------------------ against a real training step
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors by their local shards)."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _real_step_bytes(rank, world_size, overrides):
+    """Run the real runner for one step and record, on this rank: the gradients held after the first microbatch's
+    backward (knob off: the unsharded accumulator), and after the optimizer step (before zero_grad) the
+    parameters, sharded gradients and optimizer state."""
+    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.train import runner
+
+    seen = {}
+
+    class RecordingStage(pp_lib.ReduceGradStage):
+        def backward_maybe_with_nosync(self, *args, **kwargs):
+            result = super().backward_maybe_with_nosync(*args, **kwargs)
+            seen.setdefault("first_backward_grads", _storage_bytes(
+                p.grad for p in self.submod.parameters() if p.grad is not None))
+            return result
+
+    build_optimizer = runner.build_optimizer
+
+    def recording_optimizer(*args, **kwargs):
+        optimizer = build_optimizer(*args, **kwargs)
+        zero_grad = optimizer.zero_grad
+
+        def measure_then_zero_grad(set_to_none=True):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            seen.setdefault("params", _storage_bytes(params))
+            seen.setdefault("grads", _storage_bytes(p.grad for p in params))
+            seen.setdefault("optimizer", _storage_bytes(v for s in optimizer.state.values() for v in s.values()))
+            zero_grad(set_to_none)
+
+        optimizer.zero_grad = measure_then_zero_grad
+        return optimizer
+
+    pp_lib.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
+    runner.build_optimizer = recording_optimizer
+    runner.run(compose(overrides))
+    return seen
+
+
+def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
+    """tp2 x pp2 x dp2 (fp32 on CPU, knob off, 2 microbatches): the planner's parameter, gradient and optimizer
+    bytes of every rank equal what one real training step allocates, byte for byte."""
+    overrides = ["recipe=tiny_3d", "train.max_steps=1", "data.seq_len=64", "pipeline.reduce_grad_per_microbatch=false",
+                 "model.dtype=float32",
+                 "model.kernels.gdn=torch", "train.progress_bar=false", "checkpoint.export_hf=false",
+                 f"run_dir={tmp_path}"]
+    real = run_distributed(_real_step_bytes, 8, overrides)
+    _, plans = _plan(*overrides)
+    for p, seen in zip(plans, real):
+        assert p.param_bytes == seen["params"], (p.rank, p.param_bytes, seen)
+        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)  # sharded, after the step
+        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
+        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+
+
+# ------------------------------------------------------------------ activation estimate, CLI
+
+def test_attention_layer_estimate_matches_autograds_saved_tensors():
+    """A bf16 gated-attention layer's forward on CPU (SDPA's flash kernel keeps q, k, v, output, log-sum-exp, as on
+    GPU): the bytes autograd saves per token, counted by saved-tensor hooks, within 1% of the estimate."""
+    from qwenft.models.qwen3_5.attention import RotaryEmbedding
+    from qwenft.models.qwen3_5.model import DecoderLayer
+
+    t = TextConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=128, mrope_section=[6, 5, 5], vocab_size=512)
+    tokens = 256
+    torch.manual_seed(0)
+    layer = DecoderLayer(t, 3, "torch").to(torch.bfloat16)
+    assert layer.layer_type == FULL_ATTENTION
+    h = torch.randn(1, tokens, t.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    rope = RotaryEmbedding(t)(torch.arange(tokens)[None], torch.bfloat16)
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {h.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(x):
+        if x.untyped_storage().data_ptr() not in skip:
+            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        layer(h, rope)
+    measured = sum(saved.values()) / tokens
+    estimate = plan_lib.layer_activation_bytes(t, FULL_ATTENTION, tp=1, compute_bytes=2)
+    assert abs(measured - estimate) < 0.01 * measured, (measured, estimate)
+
+
+def test_microbatches_in_flight_follow_the_schedule():
+    assert [plan_lib.microbatches_in_flight("1f1b", 4, r, 1, 32) for r in range(4)] == [4, 3, 2, 1]
+    assert plan_lib.microbatches_in_flight("gpipe", 4, 3, 1, 32) == 32
+    assert plan_lib.microbatches_in_flight("1f1b", 4, 0, 1, 2) == 2
+    assert plan_lib.microbatches_in_flight("1f1b", 1, 0, 1, 8) == 1  # pp=1: gradient accumulation
+
+
+def test_cli_plan_table_json_and_over_flag(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "recipe=tiny_3d", f"plan.json={out}", "plan.gpu_memory_gib=0.001"]) == 0
+    table = capsys.readouterr().out
+    assert "8 ranks = pp 2 x dp 2 x tp 2" in table and "OVER" in table
+    report = json.loads(out.read_text())
+    assert report["layout"] == {"pp": 2, "dp": 2, "tp": 2} and report["over"] == list(range(8))
+    assert main(["plan", "recipe=tiny_3d", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["over"] == []
+
+
+def test_plan_errors_name_the_key(capsys):
+    assert main(["plan", "recipe=qwen3_5_27b_tp4pp4", "mesh.tp=8"]) == 2
+    assert "mesh.tp=8 does not divide" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="plan.gpu_memory_gib=0"):
+        compose(["plan.gpu_memory_gib=0"])
