@@ -6,7 +6,8 @@
 Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
 reports, over the steps after the warm-up: median step time, tokens/s per GPU, TFLOP/s per GPU and MFU
 (Qwen3.5 FLOPs per token from qwenft.train.metrics.flops_per_token, the count metrics.jsonl uses), and the
-peak memory of every rank. `--profile` wraps the run in torch.profiler and writes the top CUDA kernels.
+peak memory of every rank. `--profile` wraps the run in torch.profiler, writes the top CUDA kernels and adds
+the GPU time per step by kernel kind (matmul, attention, GDN, optimizer, communication, other) to the report.
 `--plan` adds `qwenft plan`'s predicted peak of every rank (qwenft.train.plan), to compare with the measured one.
 """
 
@@ -56,6 +57,29 @@ def predicted_peaks(cfg) -> list[float]:
     return [round(p.total_bytes / GIB, 2) for p in predict(cfg)]
 
 
+KERNEL_KINDS = (  # first match wins; names of CUDA kernels as the profiler reports them
+    ("communication", ("nccl",)),
+    ("optimizer", ("adam",)),
+    ("attention", ("flash", "fmha", "attention")),
+    ("gdn (fla)", ("chunk", "gated_delta", "causal_conv", "l2norm", "tilelang", "recompute_w_u", "solve_tril")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma")),
+)
+
+
+def kernel_breakdown(averages, steps: int) -> dict:
+    """Self CUDA time per step of each kernel kind, in ms (NCCL overlaps compute on its own stream)."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, float] = {}
+    for evt in averages:
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        name = evt.key.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other (elementwise, CE, copies)")
+        totals[kind] = totals.get(kind, 0.0) + evt.self_device_time_total / 1e3 / steps
+    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
@@ -71,11 +95,13 @@ def main():
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             result = run(cfg)
+        averages = prof.key_averages()  # slow: > 45 s for 3 steps of the 27B shape on an H200; once only
         if dist.get_rank() == 0:
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-            Path(args.profile).write_text(table)
+            Path(args.profile).write_text(averages.table(sort_by="cuda_time_total", row_limit=40))
+        breakdown = kernel_breakdown(averages, len(result.losses))
     else:
         result = run(cfg)
+        breakdown = None
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0],
                         device="cuda" if torch.cuda.is_available() else "cpu")
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
@@ -85,6 +111,8 @@ def main():
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "torch": torch.__version__,
                   **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks])}
+        if breakdown is not None:
+            report["gpu_ms_per_step_by_kernel_kind"] = breakdown  # all steps, the first one's compile included
         if planned is not None:
             report["planned_peak_gib_per_rank"] = planned
         print(json.dumps(report, indent=2))
