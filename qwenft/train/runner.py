@@ -19,7 +19,9 @@ from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
 from qwenft.distributed.tensor_parallel import clip_grad_norm_, validate_tp
 from qwenft.launch import signals
-from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.train.evaluate import (build_eval_schedule, ce_sum, eval_loss_pipelined, eval_loss_unpipelined,
+                                   val_micro_batches)
+from qwenft.train.loss import count_label_tokens
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.metrics import MetricsLogger, peak_memory_gib
 from qwenft.train.optim import build_optimizer, build_scheduler
@@ -272,90 +274,15 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
     return Pipeline(stages, schedule, loss_fn)
 
 
-def _forward(model, mb: dict, device, **kwargs):
-    images = {}
-    if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
-        images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
-    return model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                 cu_seqlens=mb["cu_seqlens"].to(device), **images, **kwargs)
-
-
-def _ce_sum(model, mb: dict, device, ce_in_model: bool) -> torch.Tensor:
-    """Token CE summed over a microbatch's labels: from the logits, or (model.ce_chunk_tokens > 0) computed by
-    the model's head itself, chunk by chunk, without the whole logits."""
-    labels = mb["labels"].to(device)
-    if ce_in_model:
-        return _forward(model, mb, device, labels=labels)
-    return token_ce_sum(_forward(model, mb, device), labels)
-
-
 def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Config) -> torch.Tensor:
     """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss."""
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, cfg.pipeline.reduce_grad_per_microbatch)
-        loss = _ce_sum(model, mb, device, cfg.model.ce_chunk_tokens > 0) / label_tokens.clamp(min=1)
+        loss = ce_sum(model, mb, device, cfg.model.ce_chunk_tokens > 0) / label_tokens.clamp(min=1)
         loss.backward()
         step_loss += loss.detach()
     return step_loss
-
-
-def _val_micro_batches(val_data, max_batches: int | None) -> list[dict]:
-    batches = list(val_data.eval_batches())
-    return batches if max_batches is None else batches[:max_batches]
-
-
-def _eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_in_model: bool) -> float:
-    """Mean token CE over the validation batches: CE summed over microbatches and dp ranks / label tokens."""
-    from torch.distributed.fsdp import FSDPModule
-
-    model.eval()
-    ce = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
-    with torch.no_grad():
-        for mb in val_batches:
-            ce += _ce_sum(model, mb, device, ce_in_model).double()
-            tokens += count_label_tokens(mb["labels"]).to(device)
-    for m in model.modules():  # FSDP keeps the root's parameters unsharded after a forward without backward
-        if isinstance(m, FSDPModule):
-            m.reshard()
-    model.train()
-    totals = torch.stack([ce, tokens])
-    dist.all_reduce(totals, group=dp_group)
-    return (totals[0] / totals[1].clamp(min=1)).item()
-
-
-def _build_eval_schedule(pipe: Pipeline, cfg: Config, device, pp_group, num_microbatches: int):
-    """A forward-only schedule over new PipelineStages of the same stage modules (see pipeline_eval_loss)."""
-    from qwenft.distributed import pipeline as pp_lib
-    from torch.distributed.pipelining import PipelineStage
-
-    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
-    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
-    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
-
-
-def _eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
-                         pp_group, ce_in_model: bool) -> float:
-    """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
-    from qwenft.distributed import pipeline as pp_lib
-
-    stages, schedule = eval_schedule
-    for s in stages:
-        s.submod.eval()
-    ce = torch.zeros((), device=device)
-    tokens = torch.zeros((), device=device)
-    for start in range(0, len(val_batches), num_microbatches):
-        group = val_batches[start:start + num_microbatches]
-        filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
-        group = group + [filler] * (num_microbatches - len(group))
-        batch = pp_lib.PipelineBatch.from_microbatches(group, device)
-        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
-        ce += group_ce
-        tokens += group_tokens
-    for s in stages:
-        s.submod.train()
-    return (ce / tokens.clamp(min=1)).item()
 
 
 def run(cfg: Config, return_state: bool = False) -> RunResult:
@@ -450,17 +377,17 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
 
         val_path = VAL_PATH if cfg.eval.dataset == "tiny" else cfg.eval.dataset
         _, val_data, _ = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp, path=val_path)
-        val_batches = _val_micro_batches(val_data, cfg.eval.max_batches)
+        val_batches = val_micro_batches(val_data, cfg.eval.max_batches)
         log.info("validation: %s, %d micro batches of %d per rank every %d steps",
                  cfg.eval.dataset, len(val_batches), microbatch_size, cfg.eval.every_steps)
         if pipe is not None:
-            eval_schedule = _build_eval_schedule(pipe, cfg, device, pp_group, num_microbatches)
+            eval_schedule = build_eval_schedule(pipe, cfg, device, pp_group, num_microbatches)
 
     def validate() -> float:
         if pipe is not None:
-            return _eval_loss_pipelined(eval_schedule, val_batches, num_microbatches, device, dp_mesh.get_group(),
+            return eval_loss_pipelined(eval_schedule, val_batches, num_microbatches, device, dp_mesh.get_group(),
                                         pp_group, cfg.model.ce_chunk_tokens > 0)
-        return _eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group(), cfg.model.ce_chunk_tokens > 0)
+        return eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group(), cfg.model.ce_chunk_tokens > 0)
 
     result = RunResult(run_dir=run_dir)
     batches = iter(data)

@@ -1,0 +1,83 @@
+"""Forward passes outside the training step: a microbatch's summed token CE, and the validation loss with
+and without pipeline parallelism."""
+
+import torch
+import torch.distributed as dist
+
+from qwenft.conf.schema import Config
+from qwenft.train.loss import count_label_tokens, token_ce_sum
+
+
+def forward_batch(model, mb: dict, device, **kwargs):
+    images = {}
+    if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
+        images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
+    return model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
+                 cu_seqlens=mb["cu_seqlens"].to(device), **images, **kwargs)
+
+
+def ce_sum(model, mb: dict, device, ce_in_model: bool) -> torch.Tensor:
+    """Token CE summed over a microbatch's labels: from the logits, or (model.ce_chunk_tokens > 0) computed by
+    the model's head itself, chunk by chunk, without the whole logits."""
+    labels = mb["labels"].to(device)
+    if ce_in_model:
+        return forward_batch(model, mb, device, labels=labels)
+    return token_ce_sum(forward_batch(model, mb, device), labels)
+
+
+def val_micro_batches(val_data, max_batches: int | None) -> list[dict]:
+    batches = list(val_data.eval_batches())
+    return batches if max_batches is None else batches[:max_batches]
+
+
+def eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_in_model: bool) -> float:
+    """Mean token CE over the validation batches: CE summed over microbatches and dp ranks / label tokens."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model.eval()
+    ce = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    with torch.no_grad():
+        for mb in val_batches:
+            ce += ce_sum(model, mb, device, ce_in_model).double()
+            tokens += count_label_tokens(mb["labels"]).to(device)
+    for m in model.modules():  # FSDP keeps the root's parameters unsharded after a forward without backward
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    model.train()
+    totals = torch.stack([ce, tokens])
+    dist.all_reduce(totals, group=dp_group)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def build_eval_schedule(pipe, cfg: Config, device, pp_group, num_microbatches: int):
+    """A forward-only schedule over new PipelineStages of the same stage modules (see pipeline_eval_loss)."""
+    from qwenft.distributed import pipeline as pp_lib
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
+    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
+    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
+
+
+def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
+                         pp_group, ce_in_model: bool) -> float:
+    """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
+    from qwenft.distributed import pipeline as pp_lib
+
+    stages, schedule = eval_schedule
+    for s in stages:
+        s.submod.eval()
+    ce = torch.zeros((), device=device)
+    tokens = torch.zeros((), device=device)
+    for start in range(0, len(val_batches), num_microbatches):
+        group = val_batches[start:start + num_microbatches]
+        filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
+        group = group + [filler] * (num_microbatches - len(group))
+        batch = pp_lib.PipelineBatch.from_microbatches(group, device)
+        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
+        ce += group_ce
+        tokens += group_tokens
+    for s in stages:
+        s.submod.train()
+    return (ce / tokens.clamp(min=1)).item()
