@@ -74,6 +74,50 @@ def test_resume_on_another_mesh(tmp_path, uninterrupted):
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
+def _train_adamw(rank, world_size, overrides, settings):
+    """A run whose torch AdamW is built with `settings` (foreach=False, fused=True: choices build_optimizer does
+    not make on CPU), or by build_optimizer when None; its losses and the optimizer's foreach/fused at the end.
+    The patch lives and dies with this forked rank."""
+    import torch
+
+    from qwenft.train import runner
+
+    build_optimizer, built = runner.build_optimizer, []
+
+    def build(params, lr, weight_decay, betas, eps, fused, **kwargs):
+        if settings is None:
+            optimizer = build_optimizer(params, lr, weight_decay, betas, eps, fused, **kwargs)
+        else:
+            optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, betas=tuple(betas),
+                                          eps=eps, weight_decay=weight_decay, **settings)
+        built.append(optimizer)
+        return optimizer
+
+    runner.build_optimizer = build
+    losses = runner.run(compose(overrides)).losses
+    return losses, {key: built[0].param_groups[0][key] for key in ("foreach", "fused")}
+
+
+@pytest.mark.parametrize("saved, resumed", [
+    ({"foreach": False}, None),  # a for-loop AdamW's checkpoint resumed by build_optimizer's (foreach on CPU)
+    (None, {"fused": True}),  # build_optimizer's checkpoint resumed with fused AdamW (as on GPU; CPU has one too)
+])
+def test_resume_keeps_this_runs_optimizer_implementation(tmp_path, uninterrupted_run, uninterrupted, saved, resumed):
+    """foreach/fused say how this run's AdamW computes, not what it has trained: the resumed optimizer keeps its
+    own whatever the checkpoint's were, and steps 3-4 match the run that never stopped (only the
+    implementations' rounding may differ)."""
+    run_dir, checkpoint = tmp_path / "run", uninterrupted_run / "checkpoints" / "step-000002"
+    if saved is not None:
+        checkpoint = run_dir / "checkpoints" / "step-000002"
+        run_distributed(_train_adamw, 2, _overrides(run_dir, 2), saved)
+    (losses, settings), _ = run_distributed(_train_adamw, 2, _overrides(run_dir, 4, f"checkpoint.resume={checkpoint}"),
+                                            resumed)
+    assert settings == ({"foreach": True, "fused": None} if resumed is None else {"foreach": None, **resumed})
+    assert len(losses) == 2
+    for got, step in zip(losses, (3, 4)):
+        assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
+
+
 def _value_error(info) -> str:
     """The one ValueError line a rank reported (run_distributed wraps it with the rank's traceback)."""
     return next(line for line in str(info.value).splitlines() if line.startswith("ValueError: "))

@@ -32,6 +32,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 EXTRA = "extra.pt"
 META = "checkpoint.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position
+# Param-group keys of torch's AdamW that say how this run computes, not what it has trained: on resume the
+# run's own values win (a CPU checkpoint resumed on GPU runs fused AdamW; a fused GPU one resumes on CPU).
+# lr, betas, eps, weight_decay and the step counts come from the checkpoint.
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 class _Stages(nn.Module):
@@ -218,7 +222,11 @@ class Checkpointer:
         """Restore model, optimizer, scheduler, data position and RNG from `path` (collective); returns the
         step the checkpoint was taken after."""
         state = self._state()
+        optim = state["optim"]
+        own = {key: optim.pop(key) for key in list(optim)
+               if key.startswith("param_groups.") and key.rsplit(".", 1)[1] in _IMPLEMENTATION_KEYS}
         dcp.load(state, checkpoint_id=str(path))
+        optim.update(own)  # before loading: torch places each `step` tensor by the group's fused/capturable
         set_model_state_dict(self.model, state["model"], options=_OPTIONS)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS)
         extra = torch.load(path / EXTRA, weights_only=True)
