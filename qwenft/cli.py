@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from qwenft.conf.schema import Config, validate
+from qwenft.conf.schema import CHOICES, Config, validate
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "eval", "logger", "launcher",
@@ -90,6 +90,18 @@ def _user_search_path(extra: Path) -> str:
     return f"hydra.searchpath=[file://{root}]"
 
 
+def _bool_choices_as_strings(raw) -> None:
+    """An unquoted true/false (`optim.fused=true` on the command line, `fused: true` in a recipe) reaches the
+    config as a bool, which a str key would hold as 'True'; where the valid values are the strings 'true' and
+    'false', the bool means that string."""
+    from omegaconf import OmegaConf
+
+    for key, valid in CHOICES.items():
+        value = OmegaConf.select(raw, key, default=None)
+        if isinstance(value, bool) and {"true", "false"} <= set(valid):
+            OmegaConf.update(raw, key, str(value).lower())
+
+
 def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake).
 
@@ -127,6 +139,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     raw_recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "tiny")
     OmegaConf.set_struct(raw, False)
     raw.recipe = raw_recipe
+    _bool_choices_as_strings(raw)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
     except OmegaConfBaseException as e:

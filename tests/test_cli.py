@@ -48,6 +48,21 @@ def test_bad_overrides_fail_with_one_line(override, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_unquoted_true_false_is_the_string_choice(value, capsys, tmp_path, monkeypatch):
+    """Hydra reads an unquoted optim.fused=true (and YAML `fused: true`) as a bool; a key whose valid values
+    are the strings 'true'/'false' takes it as that string."""
+    assert main(["show", "recipe=tiny", f"optim.fused={value}"]) == 0
+    assert f"  fused: '{value}'\n" in capsys.readouterr().out
+    assert compose(["recipe=tiny", f"optim.fused={value}"]).optim.fused == value
+    (tmp_path / "mine.yaml").write_text(f"# @package _global_\noptim:\n  fused: {value}\n")
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    assert compose(["recipe=mine"]).optim.fused == value
+    assert main(["show", "recipe=tiny", "optim.fused=yes"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optim.fused='yes' is not valid; choose one of auto, true, false" in err, err
+
+
 def test_cli_error_is_one_line_and_exit_code_2(capsys):
     assert main(["show", "train.max_stepz=3"]) == 2
     err = capsys.readouterr().err
