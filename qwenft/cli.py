@@ -265,7 +265,7 @@ def _export(args: list[str]) -> int:
     import torch
 
     from qwenft.checkpoint import dcp, hf_export
-    from qwenft.data.tokenizer import TOKENIZER_FILES
+    from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
     from qwenft.train.runner import load_preprocessors
 
     opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None}
@@ -287,7 +287,7 @@ def _export(args: list[str]) -> int:
     model_cfg = dcp.model_config_from_meta(dcp.read_meta(path))
     source, key = next(((v, k) for k, v in (("tokenizer", opts["tokenizer"]), ("data.tokenizer", cfg.data.tokenizer),
                                              ("model.path", cfg.model.path)) if v), (None, None))
-    if source is not None and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+    if source not in (None, *BUILT_IN) and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         where = "" if key == "tokenizer" else f" (from {run_dir / 'config.yaml'})"
         raise ConfigError(f"{key}={source}{where} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) to export "
                           f"with the model; pass tokenizer=DIR, a dir with the run's tokenizer")

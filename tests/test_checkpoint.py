@@ -260,6 +260,47 @@ def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_in
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
+    """`qwenft export` of a tiny_vlm run's checkpoint: transformers' Qwen3_5ForConditionalGeneration loads every
+    key (vision tower included), the tokenizer and image processor come along (data.tokenizer=tiny_vlm is a
+    built-in name, not a dir), and an image + text batch gives the logits of the parameters the run trained."""
+    import torch
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration
+
+    from qwenft.cli import main
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import named_config
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    (_, state), = run_distributed(_train_state, 1, [
+        "recipe=tiny_vlm", "train.max_steps=2", "checkpoint.every_steps=2", "checkpoint.export_hf=false",
+        "train.global_batch_size=2", "train.micro_batch_size=1", "model.kernels.gdn=torch",
+        "train.progress_bar=false", f"run_dir={run_dir}"])
+    assert main(["export", f"run_dir={run_dir}", f"out={out}", "dtype=float32"]) == 0, capsys.readouterr().err
+    hf, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    patch_dim = AutoImageProcessor.from_pretrained(out).patch_size ** 2 * 3 * 2  # x channels x temporal patch
+    cfg = named_config("tiny_vlm")
+    cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
+    native = build_model(cfg, kernels="torch", device="cpu")
+    native.load_state_dict(state)
+    native.eval()
+    grid = torch.tensor([[1, 4, 4], [1, 2, 6]])  # 16 and 12 patches -> 4 and 3 image tokens
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(7, cfg.text.vocab_size, (2, 24), generator=gen)
+    for row, (start, n) in enumerate(((3, 4), (5, 3))):
+        ids[row, start] = cfg.vision_start_token_id
+        ids[row, start + 1:start + 1 + n] = cfg.image_token_id
+        ids[row, start + 1 + n] = cfg.vision_end_token_id
+    pixel_values = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=gen)
+    with torch.no_grad():
+        ref = native(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
+        got = hf(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid,
+                 mm_token_type_ids=(ids == cfg.image_token_id).int()).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def _fake_run(tmp_path, source_run, **config):
     """A run dir with source_run's config.yaml (keys changed as given) and its checkpoints."""
     from omegaconf import OmegaConf

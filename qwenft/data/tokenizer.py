@@ -36,6 +36,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/qwenft/tokenizers")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+BUILT_IN = ("tiny", "tiny_vlm")  # names load_tokenizer generates (and caches) itself rather than a dir's files
 
 
 def load_tokenizer(path_or_name: str, cache_dir: str | os.PathLike | None = None,
