@@ -164,6 +164,18 @@ def test_checkpoint_of_another_model_is_refused_before_loading(tmp_path, uninter
     _assert_unchanged(run_dir, before)
 
 
+def test_checkpoint_of_other_optimizer_dtypes_is_refused_before_loading(tmp_path, uninterrupted_run):
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, run_dir)
+    before = _files(run_dir)
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_train, 1, _overrides(run_dir, 6, "optim.state_dtype=bfloat16"))
+    line = _value_error(info)
+    assert "was saved with optim.master_dtype=float32, optim.state_dtype=float32, this run has " in line, line
+    assert "optim.state_dtype=bfloat16" in line and "checkpoint.resume=none" in line, line
+    _assert_unchanged(run_dir, before)
+
+
 def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

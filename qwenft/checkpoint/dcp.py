@@ -103,10 +103,18 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_model_config(path: Path, model_config, resume: str) -> None:
+def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict | None = None) -> None:
     """Refuse (before anything is loaded) a checkpoint of another model: DCP would fail on the first shape that
-    disagrees, or load silently where none does (another layer_types, rope_theta, ...)."""
-    saved = _flat(read_meta(path)["model_config"])
+    disagrees, or load silently where none does (another layer_types, rope_theta, ...). Also one saved with
+    other `optim_dtypes` (optim.state_dtype / master_dtype: another optimizer class and state layout)."""
+    meta = read_meta(path)
+    saved_dtypes = meta.get("optim_dtypes")
+    if optim_dtypes is not None and saved_dtypes is not None and saved_dtypes != optim_dtypes:
+        there = ", ".join(f"optim.{k}={v}" for k, v in sorted(saved_dtypes.items()))
+        here = ", ".join(f"optim.{k}={v}" for k, v in sorted(optim_dtypes.items()))
+        raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
+                         f"with the same optim.state_dtype and optim.master_dtype, or set checkpoint.resume=none")
+    saved = _flat(meta["model_config"])
     now = _flat(json.loads(json.dumps(dataclasses.asdict(model_config))))  # lists and tuples as JSON has them
     diff = [f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(saved) | set(now))
             if saved.get(k) != now.get(k)]
@@ -150,10 +158,10 @@ class Checkpointer:
     while training goes on, and `latest` (and `best`) name it only once all of them are on disk."""
 
     def __init__(self, root: Path, modules: list[nn.Module], optimizer, scheduler, data, model_config,
-                 keep: int, keep_best: bool = False, async_save: bool = False):
+                 keep: int, keep_best: bool = False, async_save: bool = False, optim_dtypes: dict | None = None):
         self.root, self.optimizer, self.scheduler, self.data = root, optimizer, scheduler, data
         self.model = _native_view(modules)
-        self.model_config = model_config
+        self.model_config, self.optim_dtypes = model_config, optim_dtypes
         self.keep, self.keep_best = keep, keep_best
         self.pending: _Pending | None = None
         # DCP's background writer runs collectives; on the training group they would interleave with the
@@ -179,7 +187,8 @@ class Checkpointer:
         if dist.get_rank() == 0:
             torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
                         "rng": _rng_state()}, tmp / EXTRA)
-            meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config)}
+            meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config),
+                    "optim_dtypes": self.optim_dtypes}
             (tmp / META).write_text(json.dumps(meta, indent=1))
         self.pending = _Pending(name, val_loss)
         if self.async_group is not None:

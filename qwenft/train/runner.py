@@ -79,6 +79,10 @@ def _master_dtype(cfg: Config) -> torch.dtype:
     return getattr(torch, cfg.optim.master_dtype)
 
 
+def _optim_dtypes(cfg: Config) -> dict:
+    return {"state_dtype": cfg.optim.state_dtype, "master_dtype": cfg.optim.master_dtype}
+
+
 def _model_config(cfg: Config):
     from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 
@@ -322,7 +326,7 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
     tokenizer, data, preprocessors = _build_data(cfg, model_cfg, microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     if resume_from is not None:
-        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume)
+        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, _optim_dtypes(cfg))
     if is_main:  # after the checks, so a failed resume leaves the run's config.yaml as it was
         from qwenft.cli import to_yaml
 
@@ -363,7 +367,7 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
 
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
                                          cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
-                                         async_save=cfg.checkpoint.async_save)
+                                         async_save=cfg.checkpoint.async_save, optim_dtypes=_optim_dtypes(cfg))
     start_step = 1
     if resume_from is not None:
         start_step = checkpointer.load(resume_from) + 1
