@@ -1,4 +1,4 @@
-"""FSDP2 over the data-parallel mesh: one `fully_shard` per decoder layer, then the root."""
+"""FSDP2 over the data-parallel mesh: one `fully_shard` per decoder layer, the embedding and the head, then the root."""
 
 import torch
 from torch import nn
@@ -6,9 +6,32 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
+def edge_units(model: nn.Module) -> list:
+    """What `apply_fsdp` shards as units of their own besides the layers: `embed_tokens`, and the final norm
+    with `lm_head` as one unit (as torchtitan does with norm + output), where this model or stage has them.
+
+    Each is all-gathered only around its own forward and backward, instead of from the forward's start to the
+    backward's end as in the root (for the 27B vocabulary 248,320 x 5,120: 1.27 B parameters each). Tied
+    embeddings (one parameter for both) stay in the root: one parameter, one unit. The vision tower stays in
+    the root too.
+    """
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is embed.weight:
+        return []
+    units = [embed] if embed is not None else []
+    return units + ([[model.norm, head]] if head is not None else [])
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
                reshard_after_forward: bool = True, reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Shard every decoder layer and the root; gradients are reduced in `reduce_dtype` and summed, not averaged.
+    """Shard every decoder layer, the embedding, the head (`edge_units`) and the root; gradients are reduced in
+    `reduce_dtype` and summed, not averaged.
+
+    Every unit follows `reshard_after_forward`: the head too, although its backward comes right after its
+    forward, since without `model.ce_chunk_tokens` the loss is computed on the logits after it (a kept head
+    would sit gathered next to the fp32 logits). FSDP2's implicit backward prefetch follows the forward's
+    order (embedding, layers, head): the head's unit runs first in the backward and prefetches the last
+    layer, and layer 0 prefetches the embedding.
 
     The loss is already divided by the label tokens of the whole global batch (qwenft.train.loss), so the
     default 1/dp averaging of FSDP would count data parallel ranks twice.
@@ -24,8 +47,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     for module in model.modules():  # GDN's decay parameters stay fp32 in a bf16 model (gdn.Decay)
         if isinstance(module, Decay):
             fully_shard(module, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit in list(model.layers.values()) + edge_units(model):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):

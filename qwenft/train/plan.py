@@ -42,9 +42,10 @@ class RankPlan:
     params_owned: int  # the same, counting tensor-parallel replicas on tp rank 0 only (sums to the model's size)
     trainable: int
     param_bytes: int  # sharded parameters in their storage dtype, FSDP's padding included
-    unsharded_bytes: dict  # compute-dtype parameters FSDP holds all-gathered: knob_off (all), knob_on (in flight)
+    unsharded_bytes: dict  # compute-dtype parameters FSDP holds all-gathered: knob_off (all), knob_on (in flight:
+    # the root + the largest two units adjacent in the backward, the one running and the one prefetched)
     grad_bytes: dict  # knob_off: full-size unsharded accumulator (reduce dtype); knob_on: sharded gradients
-    grad_in_flight_bytes: dict  # compute-dtype gradients alive during a backward (FSDP root + one layer)
+    grad_in_flight_bytes: dict  # compute-dtype gradients alive during a backward (FSDP root + its largest unit)
     optimizer_bytes: int
     activation_bytes: dict  # ac_off, ac_on: all microbatches in flight (+ one layer's recompute with AC)
     logits_bytes: int  # lm_head logits + cross-entropy (the rank holding the last stage)
@@ -139,7 +140,7 @@ def logits_bytes(vocab: int, tokens: int, compute_bytes: int, *, vocab_parallel:
 @dataclass
 class _Param:
     """One FSDP-managed parameter of a rank as FSDP holds it (sizes in elements)."""
-    unit: tuple  # (stage, "root" | "layers.<i>"): the FSDP unit that all-gathers it
+    unit: tuple  # (stage, "root" | "embed_tokens" | "layers.<i>" | "head"): the FSDP unit that all-gathers it
     storage: torch.dtype
     compute: torch.dtype
     reduce: torch.dtype
@@ -159,13 +160,15 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
     embedding = getattr(module, "embed_tokens", None)
-    out = []
+    out, seen = [], set()
     for name, m in module.named_modules():
-        if not isinstance(m, FSDPModule):
+        # fully_shard([norm, lm_head]) (fsdp.edge_units) makes both FSDPModules of one state: count it once
+        if not isinstance(m, FSDPModule) or id(state := fully_shard.state(m)) in seen:
             continue
-        unit = (stage, ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root")
+        seen.add(id(state))
+        unit = (stage, _unit_name(name))
         # No public accessor for FSDP's parameter groups yet (torch 2.13); pipeline.reduce_scatter_now uses them too.
-        for group in fully_shard.state(m)._fsdp_param_groups:
+        for group in state._fsdp_param_groups:
             policy, dp = group.mp_policy, group.mesh_info.shard_mesh_size
             for fp in group.fsdp_params:
                 p = fp.sharded_param
@@ -179,6 +182,14 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
                                   p.requires_grad, tp_replica))
     return out
+
+
+def _unit_name(module_name: str) -> str:
+    """The FSDP unit of an FSDP module, by its name: a decoder layer (GDN's fp32 decay units inside a layer
+    count as the layer's), the embedding, the head (final norm + lm_head, `fsdp.edge_units`) or the root."""
+    if module_name.startswith("layers."):
+        return ".".join(module_name.split(".")[:2])
+    return {"embed_tokens": "embed_tokens", "norm": "head", "lm_head": "head"}.get(module_name, "root")
 
 
 def _nbytes(n: int, dtype: torch.dtype) -> int:
@@ -267,15 +278,26 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
             if p.compute != p.reduce:
                 unit["cast_grads"] += _nbytes(p.unsharded_grad, p.compute)
     roots = [u for key, u in units.items() if key[1] == "root"]
-    layers = sorted((u for key, u in units.items() if key[1] != "root"), key=lambda u: -u["params"])
+    root = {key: sum(u[key] for u in roots) for key in ("params", "grads", "cast_grads")}
+    # Per stage, the other units in forward order (embedding, layers, head): the backward runs them in reverse,
+    # each prefetching the one before it (FSDP2's implicit backward prefetch).
+    chains = [[u for key, u in units.items() if key[0] == stage and key[1] != "root"] for stage, _ in modules]
+    pairs = [a["params"] + b["params"] for chain in chains for a, b in zip(chain, chain[1:])]
+    pairs += [u["params"] for chain in chains for u in chain]
     # Knob off: every unit stays all-gathered from its first backward to the step's reduce-scatter. On: the
-    # root (embeddings, head, vision tower) while the stage runs, plus the layer running and the prefetched one.
+    # root (vision tower; tied embeddings) while the stage runs, plus the unit running and the prefetched one.
     unsharded = {"knob_off": sum(u["params"] for u in units.values()),
-                 "knob_on": sum(u["params"] for u in roots + layers[:2])}
-    # Compute-dtype gradients alive in a backward: the root's until its post-backward, one layer's at a time.
+                 "knob_on": root["params"] + max(pairs, default=0)}
+    # Compute-dtype gradients alive in a backward: the root's until its post-backward, one unit's at a time.
     # Knob off with compute == reduce dtype, autograd adds them straight into the accumulator.
-    grads_in_flight = {knob: sum(u[key] for u in roots) + max((u[key] for u in layers), default=0)
+    grads_in_flight = {knob: root[key] + max((u[key] for chain in chains for u in chain), default=0)
                        for knob, key in (("knob_off", "cast_grads"), ("knob_on", "grads"))}
+    # The head's backward follows the loss at once: its unit, the layer it prefetches, and its gradients.
+    # Tied embeddings keep the head in the root.
+    heads = [chain[-2:] for (stage, _), chain in zip(modules, chains) if (stage, "head") in units]
+    head_gathered = root["params"] + max((sum(u["params"] for u in pair) for pair in heads), default=0)
+    head_grads = {knob: root[key] + max((pair[-1][key] for pair in heads), default=0)
+                  for knob, key in (("knob_off", "cast_grads"), ("knob_on", "grads"))}
     grads = {"knob_off": sum(_nbytes(p.unsharded_grad, p.reduce) for p in trained),
              "knob_on": sum(_nbytes(p.padded, p.storage) for p in trained)}
     state_dtype = getattr(torch, cfg.optim.state_dtype)
@@ -293,14 +315,20 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
-        # Knob off under a pipeline nothing is resharded within a step; otherwise FSDP has resharded every unit
-        # by the time the loss is computed, and holds the root and two layers while the forward runs.
+        # Knob off under a pipeline nothing is resharded within a step; otherwise FSDP holds the root and two
+        # units while the forward runs, and the head's unit (with the layer it prefetches and the head's
+        # gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
+        # head's unit; without, the CE runs on the logits after the head has resharded, and the head's backward
+        # then holds the logits' gradient (the logits' size).
         kept = unsharded["knob_off"] if knob == "knob_off" and pp > 1 else 0
         forward_gathered = kept or unsharded["knob_on"]
+        head = (kept or head_gathered) + head_grads[knob] if logits else kept
+        at_loss = (head + logits if cfg.model.ce_chunk_tokens
+                   else max(kept + logits, head + logits_written + logits_of_others))
         peaks[knob] = {}
         for ac in ("ac_off", "ac_on"):
             loss_moment = (base + chunks * chunk[ac]
-                           + max(forward_gathered + logits_written + logits_of_others, kept + logits))
+                           + max(forward_gathered + logits_written + logits_of_others, at_loss))
             backward_end = (base + unsharded[knob] + grads_in_flight[knob] + (chunks - 1) * chunk[ac]
                             + recompute[ac] + logits_of_others)
             peaks[knob][ac] = round(max(loss_moment, backward_end))
