@@ -41,6 +41,9 @@ class ModelConfig:
     # CE of the lm_head over this many tokens at a time (logits recomputed in the backward), so the
     # [tokens, vocab] logits never exist whole; 0 = off (docs/performance.md, "Memory options")
     ce_chunk_tokens: int = 0
+    # torch.compile each decoder layer's norms, MLP and the mixers' fixed-shape pieces around their kernels
+    # (docs/performance.md, "torch.compile per block")
+    compile: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Per-stage parallelization in its fixed order: TP -> activation checkpointing -> FSDP2."""
+"""Per-stage parallelization in its fixed order: TP -> activation checkpointing -> compile -> FSDP2."""
 
 import functools
 
@@ -21,11 +21,21 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder layer's fixed-shape pieces, never the whole model (model.compile_layer says
+    which, and why the kernels and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it."""
+    from qwenft.models.qwen3_5.model import compile_layer
+
+    for layer in model.layers.values():
+        compile_layer(layer)
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
-                reshard_after_forward: bool = True) -> nn.Module:
-    """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then FSDP2 over mesh["dp"].
+                reshard_after_forward: bool = True, compile_layers: bool = False) -> nn.Module:
+    """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then (compile_layers) per-layer
+    torch.compile, then FSDP2 over mesh["dp"].
 
     `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
     afterwards (qwenft.models.loader), which fills only each rank's shards. Call
@@ -36,5 +46,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile_layers:
+        apply_compile(model)
     apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
     return model

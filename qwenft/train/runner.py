@@ -171,13 +171,13 @@ def _microbatching(cfg: Config, dp: int) -> tuple[int, int]:
 
 
 def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_after_forward: bool = True):
-    """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> FSDP2."""
+    """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> compile -> FSDP2."""
     from qwenft.distributed.parallelize import parallelize
 
     parallelize(module, mesh, param_dtype=_param_dtype(cfg, device), reduce_dtype=_master_dtype(cfg),
                 activation_checkpointing=cfg.model.activation_checkpointing,
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
-                reshard_after_forward=reshard_after_forward)
+                reshard_after_forward=reshard_after_forward, compile_layers=cfg.model.compile)
 
 
 def _load(module: torch.nn.Module, cfg: Config, device) -> None:

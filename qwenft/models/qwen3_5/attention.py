@@ -182,6 +182,14 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens=None) -> torch.Tensor:
+        q, k, v, gate = self.project(x, rope)
+        out_bthd = attend(q, k, v, self.head_dim**-0.5, cu_seqlens, self.kernel)
+        return self.gate_output(out_bthd, gate)
+
+    # project and gate_output see only [B, T, ...] tensors, never cu_seqlens: model.compile compiles them
+    # (qwenft.models.qwen3_5.model.compile_layer) and leaves the attention kernel between them eager.
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """q, k, v [B, H, T, D] (normed, rotated) and the output gate [B, T, H * D]."""
         B, T, _ = x.shape
         hd = self.head_dim
         q_bthd, gate_bthd = self.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)
@@ -189,7 +197,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, hd**-0.5, cu_seqlens, self.kernel).reshape(B, T, -1)
-        out = out * torch.sigmoid(gate_bthd.reshape(B, T, -1))
-        return self.o_proj(out)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate_bthd.reshape(B, T, -1)
+
+    def gate_output(self, out_bthd: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        B, T = gate.shape[:2]
+        return self.o_proj(out_bthd.reshape(B, T, -1) * torch.sigmoid(gate))

@@ -226,16 +226,26 @@ class GatedDeltaNet(nn.Module):
             pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, x.shape[1])
             conv = lambda t, w: causal_conv(t, w, pos)  # noqa: E731
         b, t = x.shape[:2]
-        q = conv(self.q_proj(x), local(self.conv_q)).view(b, t, -1, self.head_k_dim)
-        k = conv(self.k_proj(x), local(self.conv_k)).view(b, t, -1, self.head_k_dim)
-        v = conv(self.v_proj(x), local(self.conv_v)).view(b, t, -1, self.head_v_dim)
-        z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
-        beta = self.b_proj(x).sigmoid()
-        g = self.decay(self.a_proj(x))
+        q, k, v, z, beta, a = self.project(x)
+        g = self.decay(a)
+        q = conv(q, local(self.conv_q)).view(b, t, -1, self.head_k_dim)
+        k = conv(k, local(self.conv_k)).view(b, t, -1, self.head_k_dim)
+        v = conv(v, local(self.conv_v)).view(b, t, -1, self.head_v_dim)
         rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule
         out = delta_rule(q, k, v, g, beta, cu_seqlens)
+        return self.norm_output(out, z, B, T)
+
+    # project and norm_output see only fixed-shape tensors, never cu_seqlens: model.compile compiles them
+    # (qwenft.models.qwen3_5.model.compile_layer); the convs and the delta rule between them (fla's Triton
+    # kernels, or the reference) stay eager.
+    def project(self, x: torch.Tensor):
+        """q, k, v before their convs [b, t, channels], z [b, t, Hv, Dv], beta [b, t, Hv], decay input a."""
+        b, t = x.shape[:2]
+        z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x), z, self.b_proj(x).sigmoid(), self.a_proj(x)
+
+    def norm_output(self, out: torch.Tensor, z: torch.Tensor, B: int, T: int) -> torch.Tensor:
         # back to [B, T] before out_proj, so a sequence-parallel out_proj scatters each row's tokens
-        out = self.norm(out, z).reshape(B, T, -1)
-        return self.out_proj(out)
+        return self.out_proj(self.norm(out, z).reshape(B, T, -1))

@@ -5,6 +5,8 @@ subset still knows each layer's kind. Builds on the meta device with no compute;
 `init_buffers()` (the rotary `inv_freq` is a non-persistent buffer and is garbage after `to_empty`).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +48,49 @@ class DecoderLayer(nn.Module):
             x = self.linear_attn(x, cu_seqlens)
         h = h + x
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _compile(fn):
+    """torch.compile(fn, dynamic=False), fed plain tensors.
+
+    Tensor parallelism hands some inputs over as AsyncCollectiveTensor (a collective not yet waited on, e.g.
+    the all-reduced output of the vocab-parallel embedding, layer 0's input).
+    Given one directly, the compiled graph's backward was wrong on torch 2.13 (tp2: the embedding's gradient
+    4.4e-3 off eager after one step); a clone waits and gives eager's numbers, for one [B, T, H] copy.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    graph = torch.compile(fn, dynamic=False)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return graph(*(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args))
+
+    return call
+
+
+def compile_layer(layer: DecoderLayer) -> None:
+    """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place.
+
+    Compiled, each its own graph: the two layer norms, the MLP, and the mixer's pieces before and after its
+    kernel (attention: q/k/v/gate projections, q/k norms and rotary, then the sigmoid gate and o_proj; GDN:
+    the six projections and beta's sigmoid, the fp32 decay, then the gated norm and out_proj). Left eager:
+    the kernels (fla's Triton convs and delta rule, the torch reference, SDPA or varlen flash attention) and
+    everything that reads cu_seqlens (`varlen_info`'s identity cache, masks, positions), so a batch with a
+    different number of documents reuses the graphs: every compiled input is [B, T, ...] of the fixed
+    data.seq_len (dynamic=False). Each module's `forward` is replaced, not its `__call__`, so FSDP2's and
+    TP's module hooks stay eager around the graphs; layers of one kind share their graphs (one code object,
+    parameters are graph inputs).
+    """
+    for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
+        module.forward = _compile(module.forward)
+    if layer.layer_type == FULL_ATTENTION:
+        attn = layer.self_attn
+        attn.project, attn.gate_output = _compile(attn.project), _compile(attn.gate_output)
+    else:
+        gdn = layer.linear_attn
+        gdn.project, gdn.norm_output = _compile(gdn.project), _compile(gdn.norm_output)
+        gdn.decay.forward = _compile(gdn.decay.forward)  # an FSDP unit of its own (fp32): hooks stay outside
 
 
 class Qwen3_5Model(nn.Module):

@@ -22,6 +22,7 @@ class Varlen:
     max_len: int  # longest document
 
 
+@torch.compiler.disable  # an identity cache and a host copy: never traced into a graph (model.compile)
 def varlen_info(cu_seqlens: torch.Tensor) -> Varlen:
     for key, info in _RECENT:
         if key is cu_seqlens:
