@@ -238,7 +238,9 @@ def load_run_config(run_dir: Path) -> Config:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"run_dir={run_dir} has no config.yaml; give the run dir of a qwenft train run")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+    raw = OmegaConf.load(path)
+    _bool_choices_as_strings(raw)  # a run written when the key was a bool
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
 
 
 def _export_checkpoint(ckpt_root: Path, value: str) -> Path:

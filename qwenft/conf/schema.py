@@ -32,7 +32,9 @@ class ModelConfig:
     path: Optional[str] = None  # HF checkpoint dir: config.json, weights and tokenizer come from it
     dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU | float32 | bfloat16
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    activation_checkpointing: bool = False
+    # recompute decoder layers in the backward: false | true (every layer) | linear_attention | full_attention
+    # (only layers of that kind) | selective (every layer, keeping matmul outputs); docs/performance.md
+    activation_checkpointing: str = "false"
     num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
     freeze_vision: bool = False  # VLM: no gradient for the vision tower
     freeze_projector: Optional[bool] = None  # VLM: the tower's merger; null = follow freeze_vision
@@ -197,6 +199,7 @@ CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.kernels.gdn": ("auto", "fla", "torch"),
     "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
+    "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),
     "data.truncation": ("truncate_right", "drop"),

@@ -1,24 +1,12 @@
 """Per-stage parallelization in its fixed order: TP -> activation checkpointing -> compile -> FSDP2."""
 
-import functools
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import checkpoint
 
+from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
 from qwenft.distributed.fsdp import apply_fsdp
 from qwenft.distributed.tensor_parallel import apply_tp
-
-
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer in the backward instead of keeping its activations.
-
-    The layer's own forward is wrapped in place (no wrapper module), so parameter names, and with them
-    checkpoint and HF keys, stay unchanged.
-    """
-    for layer in model.layers.values():
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -31,7 +19,7 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
-                reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: str | bool = False,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
                 reshard_after_forward: bool = True, compile_layers: bool = False) -> nn.Module:
     """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then (compile_layers) per-layer
@@ -44,8 +32,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
+    mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)
+    if mode != "false":
+        apply_activation_checkpointing(model, mode)
     if compile_layers:
         apply_compile(model)
     apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)

@@ -47,7 +47,7 @@ class RankPlan:
     grad_bytes: dict  # knob_off: full-size unsharded accumulator (reduce dtype); knob_on: sharded gradients
     grad_in_flight_bytes: dict  # compute-dtype gradients alive during a backward (FSDP root + its largest unit)
     optimizer_bytes: int
-    activation_bytes: dict  # ac_off, ac_on: all microbatches in flight (+ one layer's recompute with AC)
+    activation_bytes: dict  # ac_off, ac_on (`ac_mode`): all microbatches in flight (+ one layer's recompute with AC)
     logits_bytes: int  # lm_head logits + cross-entropy (the rank holding the last stage)
     microbatches_in_flight: int
     peaks: dict = field(default_factory=dict)  # {"knob_off"|"knob_on": {"ac_off"|"ac_on": bytes}}
@@ -86,6 +86,26 @@ def layer_activation_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes:
                  + 3 * c * nv * dv  # normalised (cast back), weighted, gated output (out_proj input)
                  + 16 * nv)  # decay: a and the softplus input, fp32
     return norms + mlp + mixer
+
+
+def layer_matmul_output_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes: int = 2) -> float:
+    """Bytes per token of one decoder layer's matmul and attention-kernel outputs on one tp rank: what
+    model.activation_checkpointing=selective keeps besides the layer's input
+    (qwenft.distributed.activation_checkpointing.save_matmuls). Row-parallel outputs (o_proj, out_proj,
+    down_proj) count whole: the saved mm output precedes tensor parallel's reduce. fla's delta rule is
+    recomputed, so GDN keeps only its projections."""
+    c, H, F = compute_bytes, t.hidden_size, t.intermediate_size // tp
+    mlp = c * (2 * F + H)  # gate_proj, up_proj, down_proj
+    if kind == FULL_ATTENTION:
+        q, kv, d = t.num_attention_heads // tp, t.num_key_value_heads // tp, t.head_dim
+        mixer = (c * 2 * (q + kv) * d  # q_proj (query and gate), k_proj, v_proj
+                 + c * q * d + 4 * q  # attention output, log-sum-exp
+                 + c * H)  # o_proj
+    else:
+        nk, nv = t.linear_num_key_heads // tp, t.linear_num_value_heads // tp
+        dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
+        mixer = c * (2 * nk * dk + 2 * nv * dv + 2 * nv + H)  # q/k/v/z/a/b_proj, out_proj
+    return mlp + mixer
 
 
 def vision_activation_bytes(vision: dict, compute_bytes: int = 2, checkpointing: bool = False) -> float:
@@ -214,14 +234,33 @@ class _Context:
         return self.microbatch_size * self.cfg.data.seq_len
 
 
+def ac_mode(cfg: Config) -> str:
+    """The activation checkpointing mode of the plan's "AC on" numbers: the config's, or true when it has none."""
+    return "true" if cfg.model.activation_checkpointing == "false" else cfg.model.activation_checkpointing
+
+
 def _stage_activations(ctx: _Context, module) -> tuple[float, float, float]:
-    """One microbatch through one stage: (AC off, AC on, the biggest layer's activations)."""
+    """One microbatch through one stage: (AC off, AC on (`ac_mode`), the biggest checkpointed layer's
+    activations, which its recompute holds in the backward)."""
     t, c, tp, sp = ctx.model_cfg.text, ctx.compute_bytes, ctx.layout.tp, ctx.cfg.mesh.sequence_parallel
-    layers = [layer_activation_bytes(t, layer.layer_type, tp, c, sp) * ctx.tokens for layer in module.layers.values()]
-    boundary = 2 * c * t.hidden_size * ctx.tokens  # the stage's input and output hidden states
-    inputs = len(layers) * c * t.hidden_size * ctx.tokens / (tp if sp else 1)  # what checkpointed layers keep
+    mode, tokens = ac_mode(ctx.cfg), ctx.tokens
+    layer_input = c * t.hidden_size / (tp if sp else 1)  # what a checkpointed layer keeps
+    off = on = recompute = 0.0
+    for layer in module.layers.values():
+        kind = layer.layer_type
+        full = layer_activation_bytes(t, kind, tp, c, sp) * tokens
+        off += full
+        if mode == "selective":
+            on += (layer_input + layer_matmul_output_bytes(t, kind, tp, c)) * tokens
+        elif mode in ("true", kind):
+            on += layer_input * tokens
+        else:  # a layer of the kind not checkpointed keeps everything
+            on += full
+            continue
+        recompute = max(recompute, full)
+    boundary = 2 * c * t.hidden_size * tokens  # the stage's input and output hidden states
     vision_off, vision_on = _vision_activations(ctx, module)
-    return sum(layers) + boundary + vision_off, inputs + boundary + vision_on, max(layers, default=0.0)
+    return off + boundary + vision_off, on + boundary + vision_on, recompute
 
 
 def _vision_activations(ctx: _Context, module) -> tuple[float, float]:
@@ -342,7 +381,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
         grad_bytes=grads, grad_in_flight_bytes=grads_in_flight, optimizer_bytes=optimizer,
         activation_bytes={ac: round(chunks * chunk[ac] + recompute[ac]) for ac in chunk},
         logits_bytes=round(logits), microbatches_in_flight=chunks, peaks=peaks,
-        total_bytes=peaks[knob]["ac_on" if cfg.model.activation_checkpointing else "ac_off"])
+        total_bytes=peaks[knob][_settings(cfg)[1]])
 
 
 # ---------------------------------------------------------------- every rank
@@ -419,7 +458,7 @@ def _ranges(ranks: list[int]) -> str:
 
 def _settings(cfg: Config) -> tuple[str, str]:
     return ("knob_on" if cfg.pipeline.reduce_grad_per_microbatch else "knob_off",
-            "ac_on" if cfg.model.activation_checkpointing else "ac_off")
+            "ac_off" if cfg.model.activation_checkpointing == "false" else "ac_on")
 
 
 def format_table(plans: list[RankPlan], cfg: Config) -> str:
@@ -440,11 +479,12 @@ def format_table(plans: list[RankPlan], cfg: Config) -> str:
         f"{dp_note}; {'schedule ' + cfg.pipeline.schedule + ', ' if layout.pp > 1 else ''}{n} microbatches of "
         f"{microbatch_size} x {cfg.data.seq_len} tokens per step",
         f"{dtypes}; pipeline.reduce_grad_per_microbatch={knob == 'knob_on'}, "
-        f"model.activation_checkpointing={ac == 'ac_on'}; {unit} per rank, limit plan.gpu_memory_gib={limit:g}",
+        f"model.activation_checkpointing={cfg.model.activation_checkpointing}; {unit} per rank, "
+        f"limit plan.gpu_memory_gib={limit:g}",
         "",
     ]
     head = ["ranks", "stage", "layers", "params", "param", "gathered", "grad knob off", "grad knob on", "optim",
-            "act AC off", "act AC on", "logits", "total", ""]
+            "act AC off", f"act AC {ac_mode(cfg)}", "logits", "total", ""]
     groups: dict = {}
     for plan in plans:
         key = tuple(str(getattr(plan, k)) for k in _NUMBERS) + (str(plan.stages),)
@@ -480,7 +520,8 @@ def to_json(plans: list[RankPlan], cfg: Config) -> dict:
     knob, ac = _settings(cfg)
     return {"recipe": cfg.recipe, "world_size": layout.world_size,
             "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
-            "settings": {"reduce_grad_per_microbatch": knob == "knob_on", "activation_checkpointing": ac == "ac_on"},
+            "settings": {"reduce_grad_per_microbatch": knob == "knob_on",
+                         "activation_checkpointing": cfg.model.activation_checkpointing, "ac_on_mode": ac_mode(cfg)},
             "gpu_memory_gib": cfg.plan.gpu_memory_gib,
             "over": [p.rank for p in plans if p.total_bytes > cfg.plan.gpu_memory_gib * GIB],
             "ranks": [dataclasses.asdict(p) for p in plans]}
