@@ -41,9 +41,13 @@ class SlurmCluster:
         """Poll until the job ends: (JobState, ExitCode). release_held: start a job that SLURM holds back
         (a requeued job waits ~2 min for its BeginTime) at once."""
         deadline = time.monotonic() + timeout
+        pending_since = None
         while True:
             state = self.job_state(job_id)
-            if release_held and state[0] == "PENDING":
+            pending_since = (pending_since or time.monotonic()) if state[0] == "PENDING" else None
+            # Not at once: slurmd refuses a job credential created in the same second as the previous start's
+            # revocation ("Job credential revoked") and the job FAILs; SLURM's own hold avoids that.
+            if release_held and pending_since is not None and time.monotonic() - pending_since > 3:
                 self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             if state[0] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED"):
                 return state
