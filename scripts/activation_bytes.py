@@ -6,7 +6,7 @@ Builds one layer of each kind (GatedDeltaNet + MLP, gated attention + MLP) at th
 dtype, on CUDA when there is one, runs its forward on one row of data.seq_len tokens (packed into `--docs`
 documents, as the benchmarks' data is) and counts what autograd keeps for the backward two ways: the storages
 its saved-tensor hooks see, and the allocator's growth over the forward. Prints both per token next to
-`qwenft.train.plan.layer_activation_bytes`, the number the planner multiplies by tokens and microbatches.
+`qwenft.train.activations.layer_activation_bytes`, the number the planner multiplies by tokens and microbatches.
 """
 
 import argparse
@@ -22,7 +22,7 @@ from qwenft.cli import compose  # noqa: E402
 from qwenft.models.qwen3_5.attention import RotaryEmbedding  # noqa: E402
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
 from qwenft.models.qwen3_5.model import DecoderLayer  # noqa: E402
-from qwenft.train.plan import layer_activation_bytes  # noqa: E402
+from qwenft.train.activations import layer_activation_bytes  # noqa: E402
 from qwenft.train.runner import _model_config, _param_dtype  # noqa: E402
 
 
