@@ -167,5 +167,11 @@ def test_attention_kernel_choice():
     assert resolve_attention_kernel("sdpa", True, cpu) == "sdpa"
     with pytest.raises(ValueError, match="model.kernels.attention=flash_varlen needs CUDA"):
         resolve_attention_kernel("flash_varlen", True, cpu)
+    cuda = torch.device("cuda")  # a device object only: the choice, not a kernel, is tested
+    assert resolve_attention_kernel("auto", True, cuda, torch.bfloat16) == "flash_varlen"
+    assert resolve_attention_kernel("auto", False, cuda, torch.bfloat16) == "sdpa"  # unpacked: SDPA's causal
+    assert resolve_attention_kernel("auto", True, cuda, torch.float32) == "sdpa"  # flash takes no fp32
+    with pytest.raises(ValueError, match="bf16/fp16 compute .*torch.float32"):
+        resolve_attention_kernel("flash_varlen", True, cuda, torch.float32)
     with pytest.raises(ValueError, match="model.kernels.attention='bogus'; valid"):
         resolve_attention_kernel("bogus", True, cpu)

@@ -22,7 +22,7 @@ class MeshConfig:
 @dataclass
 class KernelsConfig:
     gdn: str = "auto"  # auto | fla | torch  (auto = fla on CUDA when importable)
-    # packed full attention: auto = flash_varlen on CUDA (torch >= 2.10), else sdpa (dense block mask)
+    # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
     attention: str = "auto"
 
 

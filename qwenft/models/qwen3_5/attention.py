@@ -1,8 +1,8 @@
 """Gated full attention, Qwen3.5's RMSNorm and (M-)RoPE.
 
-Packed batches (cu_seqlens) attend block-diagonally: on CUDA through torch's varlen flash kernel, which
-never forms a mask; elsewhere (and with `model.kernels.attention=sdpa`) through SDPA with a dense
-block-diagonal causal mask.
+Packed batches (cu_seqlens) attend block-diagonally: on CUDA in bf16/fp16 through torch's varlen flash
+kernel, which never forms a mask; elsewhere (fp32, CPU, `model.kernels.attention=sdpa`) through SDPA with a
+dense block-diagonal causal mask.
 """
 
 import inspect
@@ -108,14 +108,16 @@ def _varlen_attn():
     return varlen_attn
 
 
-def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device) -> str:
+def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"model.kernels.attention={kernel!r}; valid: {list(ATTENTION_KERNELS)}")
-    if kernel == "flash_varlen" and (device.type != "cuda" or _varlen_attn() is None):
-        raise ValueError(f"model.kernels.attention=flash_varlen needs CUDA and torch >= 2.10 (have "
-                         f"{device.type}, torch {torch.__version__}); use auto or sdpa")
+    flash_ok = device.type == "cuda" and _varlen_attn() is not None
+    half = dtype in (torch.float16, torch.bfloat16)  # the flash kernel takes no fp32
+    if kernel == "flash_varlen" and not (flash_ok and half):
+        raise ValueError(f"model.kernels.attention=flash_varlen needs CUDA, torch >= 2.10 and bf16/fp16 compute "
+                         f"(have {device.type}, torch {torch.__version__}, {dtype}); use auto or sdpa")
     if kernel == "auto":
-        return "flash_varlen" if packed and device.type == "cuda" and _varlen_attn() is not None else "sdpa"
+        return "flash_varlen" if packed and flash_ok and half else "sdpa"
     return kernel
 
 
@@ -150,7 +152,7 @@ def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
-    if resolve_attention_kernel(kernel, True, q_bhtd.device) == "flash_varlen":
+    if resolve_attention_kernel(kernel, True, q_bhtd.device, q_bhtd.dtype) == "flash_varlen":
         return _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale, cu_seqlens)
     B, _, T, _ = q_bhtd.shape
     doc = document_ids(cu_seqlens, B, T)
