@@ -28,8 +28,8 @@ bench() {  # name limit_s nproc gpus bench-args overrides...
 
 case $part in
 two_gpu)
-bench dp2_knob_off 300 2 0,1 "--warmup 1" train.max_steps=4 mesh.dp=2 pipeline.reduce_grad_per_microbatch=false
-bench tp2_vocab_parallel 300 2 0,1 "--warmup 1" train.max_steps=4 mesh.tp=2 ;;
+bench dp2_knob_off 270 2 0,1 "--warmup 1" train.max_steps=4 mesh.dp=2 pipeline.reduce_grad_per_microbatch=false
+bench tp2_vocab_parallel 270 2 0,1 "--warmup 1" train.max_steps=4 mesh.tp=2 ;;
 one_gpu)  # one GPU each, two at a time
 (bench ac_off 240 1 0 "--warmup 2" train.max_steps=6 model.activation_checkpointing=false
  bench compile 300 1 0 "--warmup 2" train.max_steps=6 model.compile=true) &
