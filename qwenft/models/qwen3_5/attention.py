@@ -5,6 +5,7 @@ kernel, which never forms a mask; elsewhere (fp32, CPU, `model.kernels.attention
 dense block-diagonal causal mask.
 """
 
+import functools
 import inspect
 
 import torch
@@ -100,12 +101,18 @@ def document_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Ten
     return (torch.searchsorted(cu_seqlens.to(torch.long), flat, right=True) - 1).view(batch, seqlen)
 
 
+@functools.cache
 def _varlen_attn():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10
         return None
     return varlen_attn
+
+
+@functools.cache
+def _varlen_attn_params() -> frozenset:
+    return frozenset(inspect.signature(_varlen_attn()).parameters)
 
 
 def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -127,7 +134,7 @@ def _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor
     varlen_attn = _varlen_attn()
     B, H, T, D = q_bhtd.shape
     q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q_bhtd, k_bhtd, v_bhtd))
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_attn_params()  # looked up once: this runs per attention layer and microbatch
     kwargs = {}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = True
@@ -142,7 +149,7 @@ def _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor
     elif abs(scale - D**-0.5) > 1e-12:
         raise ValueError(f"this torch's varlen_attn takes no scale (need {scale}); use model.kernels.attention=sdpa")
     info = varlen_info(cu_seqlens)
-    cu = info.cu_seqlens.to(torch.int32)
+    cu = cu_seqlens.to(torch.int32)  # the batch's own int32 offsets: no copy
     out = varlen_attn(q, k, v, cu, cu, info.max_len, info.max_len, **kwargs)
     return out.view(B, T, H, D)
 
