@@ -152,27 +152,20 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
         run_distributed(_train, 1, _overrides(tmp_path / "other", 2, f"checkpoint.resume={tmp_path / 'nope'}"))
 
 
-def test_checkpoint_of_another_model_is_refused_before_loading(tmp_path, uninterrupted_run):
+@pytest.mark.parametrize("override, expected", [
+    ("model.num_layers=2", ("checkpoint.resume=auto: ", "was saved from another model (",
+                            "text.num_hidden_layers=4 there, 2 here", "checkpoint.resume=none")),
+    ("optim.state_dtype=bfloat16", ("was saved with optim.master_dtype=float32, optim.state_dtype=float32, this run has ",
+                                    "optim.state_dtype=bfloat16", "checkpoint.resume=none")),
+], ids=["another_model", "other_optimizer_dtypes"])
+def test_incompatible_checkpoint_is_refused_before_loading(tmp_path, uninterrupted_run, override, expected):
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted_run, run_dir)
     before = _files(run_dir)
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_train, 1, _overrides(run_dir, 6, "model.num_layers=2"))
+        run_distributed(_train, 1, _overrides(run_dir, 6, override))
     line = _value_error(info)
-    assert "checkpoint.resume=auto: " in line and "was saved from another model (" in line, line
-    assert "text.num_hidden_layers=4 there, 2 here" in line and "checkpoint.resume=none" in line, line
-    _assert_unchanged(run_dir, before)
-
-
-def test_checkpoint_of_other_optimizer_dtypes_is_refused_before_loading(tmp_path, uninterrupted_run):
-    run_dir = tmp_path / "run"
-    shutil.copytree(uninterrupted_run, run_dir)
-    before = _files(run_dir)
-    with pytest.raises(RuntimeError) as info:
-        run_distributed(_train, 1, _overrides(run_dir, 6, "optim.state_dtype=bfloat16"))
-    line = _value_error(info)
-    assert "was saved with optim.master_dtype=float32, optim.state_dtype=float32, this run has " in line, line
-    assert "optim.state_dtype=bfloat16" in line and "checkpoint.resume=none" in line, line
+    assert all(part in line for part in expected), line
     _assert_unchanged(run_dir, before)
 
 
