@@ -89,3 +89,104 @@ def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
         for name, p in ref_model.named_parameters():
             err = ((grads[name] - p.grad).norm() / p.grad.norm()).item()
             assert err < 1e-5, (name, err)
+
+
+def _train(rank, world_size, overrides):
+    from qwenft.cli import compose
+    from qwenft.train.runner import run
+
+    result = run(compose(overrides), return_state=True)
+    return result.losses, result.state_dict
+
+
+def test_prefetch_trains_the_same_numbers(tmp_path):
+    """dp2, fp32: 3 optimizer steps with mesh.fsdp_prefetch=2 (two units all-gathered ahead) give the losses and
+    parameters of FSDP2's implicit prefetching, bit for bit: prefetching moves when an all-gather is issued,
+    not what it gathers."""
+    runs = {}
+    for prefetch in (0, 2):
+        runs[prefetch] = run_distributed(_train, 2, [
+            "recipe=tiny", "train.max_steps=3", "data.seq_len=64", "model.kernels.gdn=torch",
+            "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
+            "train.global_batch_size=2", "train.micro_batch_size=1", "checkpoint.export_hf=false",
+            f"mesh.fsdp_prefetch={prefetch}", f"run_dir={tmp_path / str(prefetch)}"])[0]
+    (losses, state), (ref_losses, ref_state) = runs[2], runs[0]
+    assert len(losses) == 3 and ref_losses[0] != ref_losses[-1]
+    assert losses == ref_losses
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        assert torch.equal(state[name], ref), name
+
+
+def _lists(model):
+    """The units each FSDP unit of `model` prefetches in its forward and its backward, by module name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    named = {}  # FSDP state -> module name; the head's norm and lm_head share one state, "norm" names it
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            named.setdefault(module._get_fsdp_state(), name)
+    return {name: ([named[s] for s in state._states_to_forward_prefetch],
+                   [named[s] for s in state._states_to_backward_prefetch]) for state, name in named.items()}
+
+
+def _prefetch_lists(rank, world_size, overrides):
+    """`_lists` of this rank's stage as `qwenft train` builds it (runner.build_modules)."""
+    from qwenft.cli import compose
+    from qwenft.distributed.mesh import build_mesh, resolve_layout
+    from qwenft.train import runner
+
+    cfg = compose(overrides)
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world_size)
+    [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout,
+                                        torch.device("cpu"))
+    return _lists(model)
+
+
+def _tied_prefetch_lists(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwenft.distributed.fsdp import apply_fsdp
+
+    model = _tiny(tied=True)
+    apply_fsdp(model, init_device_mesh("cpu", (world_size,)), torch.float32, prefetch=2)
+    return _lists(model)
+
+
+def _expected_lists(chain, n):
+    return {name: (chain[i + 1:i + 1 + n], chain[max(i - n, 0):i][::-1]) for i, name in enumerate(chain)}
+
+
+def test_prefetch_lists_follow_the_forward_order():
+    """mesh.fsdp_prefetch=2 on the tiny model (4 layers), through the runner: each unit prefetches the next two
+    in the forward and the two before it in the backward, nearest first; the root and GDN's Decay units are
+    left to FSDP2's implicit prefetching (empty lists). Tied embeddings: the root holds both, the chain is the
+    layers."""
+    (lists,) = run_distributed(_prefetch_lists, 1, ["recipe=tiny", "mesh.fsdp_prefetch=2", "model.kernels.gdn=torch"])
+    layers = ["layers.0", "layers.1", "layers.2", "layers.3"]
+    chain = ["embed_tokens", *layers, "norm"]
+    expected = _expected_lists(chain, 2)
+    assert expected["layers.1"] == (["layers.2", "layers.3"], ["layers.0", "embed_tokens"])
+    assert {name: lists[name] for name in chain} == expected
+    assert all(lists[name] == ([], []) for name in lists if name not in chain)
+    (tied,) = run_distributed(_tied_prefetch_lists, 1)
+    assert {name: tied[name] for name in layers} == _expected_lists(layers, 2)
+    assert all(tied[name] == ([], []) for name in tied if name not in layers)
+
+
+def test_prefetch_chain_is_per_pipeline_stage():
+    """pp2: each stage chains only its own units (stage 0: embedding, layers 0-1; stage 1: layers 2-3, head)."""
+    stages = run_distributed(_prefetch_lists, 2, [
+        "recipe=tiny", "mesh.pp=2", "mesh.fsdp_prefetch=1", "model.kernels.gdn=torch",
+        "train.global_batch_size=2", "train.micro_batch_size=1"])
+    for lists, chain in zip(stages, (["embed_tokens", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm"])):
+        assert {name: lists[name] for name in chain} == _expected_lists(chain, 1)
+
+
+def test_negative_prefetch_fails_in_validation():
+    from qwenft.cli import compose
+
+    with pytest.raises(ValueError) as e:
+        compose(["mesh.fsdp_prefetch=-1"])
+    assert str(e.value) == ("mesh.fsdp_prefetch=-1 must be >= 0 (0 = FSDP2's implicit prefetching, "
+                            "N = all-gather N units ahead)")

@@ -140,6 +140,28 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
 
 
+def test_fsdp_prefetch_gathers_one_more_layer_per_unit_ahead():
+    """27B pp2 x dp4 in bf16: the largest run of units gathered at once holds the head (or the embedding) and the
+    layer next to it; mesh.fsdp_prefetch=2 adds the second layer from each end, a GatedDeltaNet layer on both
+    stages (layers 1 and 62), its unsharded parameters at 2 bytes each (4 for the fp32 decay parameters,
+    gdn.Decay). fsdp_prefetch=1 is what FSDP2 does implicitly: no change."""
+
+    from qwenft.models.loader import build_model
+    from qwenft.train.runner import _model_config
+
+    gathered = {}
+    for n in (0, 1, 2):
+        cfg, plans = _plan("recipe=qwen3_5_27b_pp2dp4", f"mesh.fsdp_prefetch={n}")
+        gathered[n] = {p.pp_rank: p.unsharded_bytes["knob_on"] for p in plans}
+    layers = build_model(_model_config(cfg), device="meta").layers
+    for stage, layer in ((0, "1"), (1, "62")):
+        assert layers[layer].layer_type != FULL_ATTENTION
+        decay = {id(p) for p in layers[layer].linear_attn.decay.parameters()}
+        one_layer = sum((4 if id(p) in decay else 2) * p.numel() for p in layers[layer].parameters())
+        assert gathered[1][stage] == gathered[0][stage]
+        assert gathered[2][stage] - gathered[0][stage] == one_layer, (stage, gathered, one_layer)
+
+
 # ------------------------------------------------------------------ activation estimate, CLI
 
 def test_attention_layer_estimate_matches_autograds_saved_tensors():

@@ -17,6 +17,9 @@ class MeshConfig:
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
     sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence
+    # 0 = FSDP2's implicit prefetching only; N > 0 = each FSDP unit, when its forward starts, all-gathers the
+    # next N units (set_modules_to_forward_prefetch), and in the backward the N units before it
+    fsdp_prefetch: int = 0
 
 
 @dataclass
@@ -242,6 +245,9 @@ def validate(cfg: Config) -> None:
         if SECRET_NAME.search(str(name)) and value is not None:
             raise ValueError(f"launcher.env.{name} has a value; secrets are passed by name only: export {name} in "
                              f"the shell that runs qwenft and set launcher.env.{name}=null")
+    if cfg.mesh.fsdp_prefetch < 0:
+        raise ValueError(f"mesh.fsdp_prefetch={cfg.mesh.fsdp_prefetch} must be >= 0 (0 = FSDP2's implicit "
+                         f"prefetching, N = all-gather N units ahead)")
     if cfg.mesh.dp == 0 or cfg.mesh.dp < -1:
         raise ValueError(f"mesh.dp={cfg.mesh.dp} must be >= 1, or -1 to infer it from the world size")
     if cfg.train.max_steps is None and cfg.train.epochs is None:

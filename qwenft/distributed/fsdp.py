@@ -23,7 +23,8 @@ def edge_units(model: nn.Module) -> list:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
-               reshard_after_forward: bool = True, reduce_dtype: torch.dtype = torch.float32) -> None:
+               reshard_after_forward: bool = True, reduce_dtype: torch.dtype = torch.float32,
+               prefetch: int = 0) -> None:
     """Shard every decoder layer, the embedding, the head (`edge_units`) and the root; gradients are reduced in
     `reduce_dtype` and summed, not averaged.
 
@@ -39,6 +40,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     `reduce_dtype` is also the dtype gradients accumulate in over the microbatches of a step while sync is off
     (FSDP keeps an unsharded accumulator in it): fp32 costs 4 bytes per parameter there even with bf16 weights,
     bf16 (with bf16 weights, optim.master_dtype=bfloat16) keeps gradients in bf16 throughout.
+
+    `prefetch` > 0 replaces that implicit prefetching with explicit lists (`set_prefetch`).
     """
     from qwenft.models.qwen3_5.gdn import Decay
 
@@ -54,6 +57,28 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    if prefetch:
+        set_prefetch(model, prefetch)
+
+
+def set_prefetch(model: nn.Module, count: int) -> None:
+    """Each unit of the forward chain (embedding, layers in order, head; `edge_units`), when its forward starts,
+    issues the all-gathers of the next `count` units, and when its backward starts those of the `count` units
+    before it (nearest first). Without it FSDP2 prefetches one unit ahead in the backward only; in the forward
+    each unit's all-gather is issued when the CPU reaches that unit. More units in flight: more overlap, and
+    `count` more units' parameters all-gathered at once (qwenft.train.plan counts them).
+
+    The head unit `fully_shard([norm, lm_head])` returns the plain list; both modules become FSDPModules of one
+    state, so `model.norm` stands for it. The root and GDN's fp32 `Decay` units stay outside the chain: the
+    root is gathered for the whole forward, and a Decay unit is gathered by its own layer's forward.
+    """
+    edges = edge_units(model)
+    embed = [unit for unit in edges if not isinstance(unit, list)]
+    head = [unit[0] for unit in edges if isinstance(unit, list)]
+    chain = embed + list(model.layers.values()) + head
+    for i, unit in enumerate(chain):
+        unit.set_modules_to_forward_prefetch(chain[i + 1:i + 1 + count])
+        unit.set_modules_to_backward_prefetch(chain[max(i - count, 0):i][::-1])
 
 
 def set_microbatch_grad_sync(model: nn.Module, is_last: bool, reduce_grad_per_microbatch: bool) -> None:

@@ -43,7 +43,7 @@ class RankPlan:
     trainable: int
     param_bytes: int  # sharded parameters in their storage dtype, FSDP's padding included
     unsharded_bytes: dict  # compute-dtype parameters FSDP holds all-gathered: knob_off (all), knob_on (in flight:
-    # the root + the largest two units adjacent in the backward, the one running and the one prefetched)
+    # the root + the largest run of adjacent units, the one running and the 1 or mesh.fsdp_prefetch prefetched)
     grad_bytes: dict  # knob_off: full-size unsharded accumulator (reduce dtype); knob_on: sharded gradients
     grad_in_flight_bytes: dict  # compute-dtype gradients alive during a backward (FSDP root + its largest unit)
     optimizer_bytes: int
@@ -218,21 +218,22 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     roots = [u for key, u in units.items() if key[1] == "root"]
     root = {key: sum(u[key] for u in roots) for key in ("params", "grads", "cast_grads")}
     # Per stage, the other units in forward order (embedding, layers, head): the backward runs them in reverse,
-    # each prefetching the one before it (FSDP2's implicit backward prefetch).
+    # each prefetching the one before it (FSDP2's implicit backward prefetch), or the mesh.fsdp_prefetch
+    # units after it in the forward and before it in the backward (fsdp.set_prefetch).
     chains = [[u for key, u in units.items() if key[0] == stage and key[1] != "root"] for stage, _ in modules]
-    pairs = [a["params"] + b["params"] for chain in chains for a, b in zip(chain, chain[1:])]
-    pairs += [u["params"] for chain in chains for u in chain]
+    window = max(2, cfg.mesh.fsdp_prefetch + 1)  # the unit running and those prefetched
+    runs = [sum(u["params"] for u in chain[i:i + window]) for chain in chains for i in range(len(chain))]
     # Knob off: every unit stays all-gathered from its first backward to the step's reduce-scatter. On: the
-    # root (vision tower; tied embeddings) while the stage runs, plus the unit running and the prefetched one.
+    # root (vision tower; tied embeddings) while the stage runs, plus the `window` units gathered at once.
     unsharded = {"knob_off": sum(u["params"] for u in units.values()),
-                 "knob_on": root["params"] + max(pairs, default=0)}
+                 "knob_on": root["params"] + max(runs, default=0)}
     # Compute-dtype gradients alive in a backward: the root's until its post-backward, one unit's at a time.
     # Knob off with compute == reduce dtype, autograd adds them straight into the accumulator.
     grads_in_flight = {knob: root[key] + max((u[key] for chain in chains for u in chain), default=0)
                        for knob, key in (("knob_off", "cast_grads"), ("knob_on", "grads"))}
-    # The head's backward follows the loss at once: its unit, the layer it prefetches, and its gradients.
+    # The head's backward follows the loss at once: its unit, the layers it prefetches, and its gradients.
     # Tied embeddings keep the head in the root.
-    heads = [chain[-2:] for (stage, _), chain in zip(modules, chains) if (stage, "head") in units]
+    heads = [chain[-window:] for (stage, _), chain in zip(modules, chains) if (stage, "head") in units]
     head_gathered = root["params"] + max((sum(u["params"] for u in pair) for pair in heads), default=0)
     head_grads = {knob: root[key] + max((pair[-1][key] for pair in heads), default=0)
                   for knob, key in (("knob_off", "cast_grads"), ("knob_on", "grads"))}
@@ -253,8 +254,8 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
-        # Knob off under a pipeline nothing is resharded within a step; otherwise FSDP holds the root and two
-        # units while the forward runs, and the head's unit (with the layer it prefetches and the head's
+        # Knob off under a pipeline nothing is resharded within a step; otherwise FSDP holds the root and `window`
+        # units while the forward runs, and the head's unit (with the layers it prefetches and the head's
         # gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
         # head's unit; without, the CE runs on the logits after the head has resharded, and the head's backward
         # then holds the logits' gradient (the logits' size).

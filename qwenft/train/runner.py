@@ -177,7 +177,8 @@ def _parallelize(module: torch.nn.Module, cfg: Config, mesh, device, reshard_aft
     parallelize(module, mesh, param_dtype=_param_dtype(cfg, device), reduce_dtype=_master_dtype(cfg),
                 activation_checkpointing=cfg.model.activation_checkpointing,
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
-                reshard_after_forward=reshard_after_forward, compile_layers=cfg.model.compile)
+                reshard_after_forward=reshard_after_forward, compile_layers=cfg.model.compile,
+                fsdp_prefetch=cfg.mesh.fsdp_prefetch)
 
 
 def _load(module: torch.nn.Module, cfg: Config, device) -> None:
