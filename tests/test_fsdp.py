@@ -190,3 +190,47 @@ def test_negative_prefetch_fails_in_validation():
         compose(["mesh.fsdp_prefetch=-1"])
     assert str(e.value) == ("mesh.fsdp_prefetch=-1 must be >= 0 (0 = FSDP2's implicit prefetching, "
                             "N = all-gather N units ahead)")
+
+
+def _all_gathers_per_step(rank, world_size, knob):
+    """All-gathers of each decoder-layer unit over one step of 2 microbatches at dp2, pp1, built as training
+    builds it (runner.build_modules)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    from qwenft.cli import compose
+    from qwenft.distributed.mesh import build_mesh, resolve_layout
+    from qwenft.train import runner
+
+    class Counting(AllGather):
+        def __init__(self):
+            self.calls = 0
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            self.calls += 1
+            return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                                            async_op=async_op)
+
+    cfg = compose(["recipe=tiny", "model.kernels.gdn=torch", f"pipeline.reduce_grad_per_microbatch={knob}"])
+    layout = resolve_layout(1, 1, world_size, world_size)
+    device = torch.device("cpu")
+    [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout, device)
+    runner._load(model, cfg, device)
+    counters = {name: Counting() for name in model.layers}
+    for name, layer in model.layers.items():
+        layer.set_custom_all_gather(counters[name])
+    ids, labels = _batch()
+    mbs = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1], "position_ids": torch.arange(24)[None],
+            "cu_seqlens": torch.tensor([0, 24], dtype=torch.int32)} for i in range(2)]
+    runner._accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device, cfg)
+    return {name: c.calls for name, c in counters.items()}
+
+
+@pytest.mark.parametrize("knob", [False, True])
+def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob):
+    """pp1, 2 microbatches: knob off, parameters stay gathered from the first forward to the step's one
+    reduce-scatter (pipeline.reshard_policy); knob on, each layer gathers in every forward and every backward."""
+    for counts in run_distributed(_all_gathers_per_step, 2, knob):
+        assert set(counts.values()) == {4 if knob else 1}, counts

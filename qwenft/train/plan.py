@@ -223,7 +223,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     chains = [[u for key, u in units.items() if key[0] == stage and key[1] != "root"] for stage, _ in modules]
     window = max(2, cfg.mesh.fsdp_prefetch + 1)  # the unit running and those prefetched
     runs = [sum(u["params"] for u in chain[i:i + window]) for chain in chains for i in range(len(chain))]
-    # Knob off: every unit stays all-gathered from its first backward to the step's reduce-scatter. On: the
+    # Knob off: every unit stays all-gathered from its first forward to the step's reduce-scatter. On: the
     # root (vision tower; tied embeddings) while the stage runs, plus the `window` units gathered at once.
     unsharded = {"knob_off": sum(u["params"] for u in units.values()),
                  "knob_on": root["params"] + max(runs, default=0)}
@@ -254,12 +254,12 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
-        # Knob off under a pipeline nothing is resharded within a step; otherwise FSDP holds the root and `window`
-        # units while the forward runs, and the head's unit (with the layers it prefetches and the head's
-        # gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
+        # Knob off nothing is resharded within a step (pipeline.reshard_policy, pp = 1 too); otherwise FSDP
+        # holds the root and `window` units while the forward runs, and the head's unit (with the layers it
+        # prefetches and the head's gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
         # head's unit; without, the CE runs on the logits after the head has resharded, and the head's backward
         # then holds the logits' gradient (the logits' size).
-        kept = unsharded["knob_off"] if knob == "knob_off" and pp > 1 else 0
+        kept = unsharded["knob_off"] if knob == "knob_off" else 0
         forward_gathered = kept or unsharded["knob_on"]
         head = (kept or head_gathered) + head_grads[knob] if logits else kept
         at_loss = (head + logits if cfg.model.ce_chunk_tokens

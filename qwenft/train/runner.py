@@ -233,16 +233,16 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
     from qwenft.distributed import pipeline as pp_lib
     from qwenft.models.loader import build_model
 
+    reshard = pp_lib.reshard_policy(cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch)
     if layout.pp == 1:
         model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
                             device="meta", dtype=_master_dtype(cfg),
                             ce_chunk_tokens=cfg.model.ce_chunk_tokens)
         _freeze(model, cfg)
-        _parallelize(model, cfg, mesh, device)
+        _parallelize(model, cfg, mesh, device, reshard_after_forward=reshard)
         return [(0, model)]
     name = cfg.pipeline.schedule
     virtual, layers = stage_split(cfg, model_cfg, layout)
-    reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
     out = []
     for i in pp_lib.stage_ids_for_rank(mesh["pp"].get_local_rank(), layout.pp, virtual, name in pp_lib.V_SHAPED):
         module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == len(layers) - 1,
