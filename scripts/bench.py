@@ -97,7 +97,9 @@ def main():
             result = run(cfg)
         averages = prof.key_averages()  # slow: > 45 s for 3 steps of the 27B shape on an H200; once only
         if dist.get_rank() == 0:
-            Path(args.profile).write_text(averages.table(sort_by="cuda_time_total", row_limit=40))
+            # kernels by their own time, then ops (FSDP's record_function ranges among them) with what they launch
+            Path(args.profile).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+                                          + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
         breakdown = kernel_breakdown(averages, len(result.losses))
     else:
         result = run(cfg)
