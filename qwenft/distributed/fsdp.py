@@ -81,6 +81,16 @@ def set_prefetch(model: nn.Module, count: int) -> None:
         unit.set_modules_to_backward_prefetch(chain[max(i - count, 0):i][::-1])
 
 
+def param_groups(fsdp_state) -> list:
+    """FSDP's parameter groups of one `fully_shard.state(...)`: a list from torch 2.13 (`_fsdp_param_groups`),
+    one group or None before (`_fsdp_param_group`, torch 2.11 on the GPU image). No public accessor yet."""
+    groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(fsdp_state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
+
 def set_microbatch_grad_sync(model: nn.Module, is_last: bool, reduce_grad_per_microbatch: bool) -> None:
     """Gradient-accumulation policy for the microbatches of one optimizer step.
 

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from qwenft.data.packing import cu_seqlens_from_position_ids
+from qwenft.distributed.fsdp import param_groups
 from qwenft.models.qwen3_5.model import Qwen3_5Model
 
 # config name -> torch class name (torch.distributed.pipelining.schedules, torch 2.13)
@@ -245,7 +246,7 @@ def reduce_scatter_now(fsdp: FSDPModule, reshard: bool) -> None:
     fsdp.set_requires_gradient_sync(True)
     fsdp.set_reshard_after_backward(reshard)
     for state in fully_shard.state(fsdp)._state_ctx.all_states:
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             group.post_backward()
     fsdp.set_requires_gradient_sync(False)
     fsdp.set_reshard_after_backward(False)

@@ -76,6 +76,8 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import Replicate
 
+    from qwenft.distributed.fsdp import param_groups
+
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
     embedding = getattr(module, "embed_tokens", None)
@@ -86,8 +88,7 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
             continue
         seen.add(id(state))
         unit = (stage, _unit_name(name))
-        # No public accessor for FSDP's parameter groups yet (torch 2.13); pipeline.reduce_scatter_now uses them too.
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             policy, dp = group.mp_policy, group.mesh_info.shard_mesh_size
             for fp in group.fsdp_params:
                 p = fp.sharded_param
