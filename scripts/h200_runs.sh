@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The H200 measurements docs/performance.md and docs/performance-log.md still lack, in one go on a 2-GPU box
-# (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
+# The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
+# box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|one_gpu|profile [OUT_DIR]   # OUT_DIR (default /tmp/h200): JSON + logs
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|profile|next [OUT_DIR]   # OUT_DIR (default /tmp/h200): JSON + logs
 #
-# Each run is scripts/bench.py on the 27B shape cut to 8 layers (seq 4096, global batch 8, micro batch 1).
-# Planned peaks for the same overrides come from `qwenft plan` on any CPU. The first step of a new layout
-# compiles fla/TileLang kernels (up to ~150 s), hence the generous limits; each part stays under 10 minutes.
+# Each run is scripts/bench.py on the 27B shape cut to 8 layers (seq 4096, global batch 8, micro batch 1), with
+# --plan: the report holds `qwenft plan`'s peak next to the measured one. The first step of a layout the host
+# has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
+# own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, one_gpu or profile}
+part=${1:?which part: two_gpu, tp2, one_gpu, profile or next}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
       train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5"
+memory_options="optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024
+                pipeline.reduce_grad_per_microbatch=true"
 
 bench() {  # name limit_s nproc gpus bench-args overrides...
   local name=$1 limit=$2 nproc=$3 gpus=$4 bargs=$5
@@ -27,18 +30,28 @@ bench() {  # name limit_s nproc gpus bench-args overrides...
 }
 
 case $part in
-two_gpu)
-bench dp2_knob_off 270 2 0,1 "--warmup 1" train.max_steps=4 mesh.dp=2 pipeline.reduce_grad_per_microbatch=false
-bench tp2_vocab_parallel 270 2 0,1 "--warmup 1" train.max_steps=4 mesh.tp=2 ;;
+two_gpu)  # the first run compiles the one-GPU shapes' kernels (dp2 runs them too), tp2 its own
+bench dp2_knob_off 150 2 0,1 "--warmup 1 --plan" train.max_steps=4 mesh.dp=2 pipeline.reduce_grad_per_microbatch=false
+bench dp2_knob_on 110 2 0,1 "--warmup 1 --plan" train.max_steps=4 mesh.dp=2 pipeline.reduce_grad_per_microbatch=true
+bench dp2_knob_on_prefetch2 110 2 0,1 "--warmup 1 --plan" train.max_steps=4 mesh.dp=2 \
+  pipeline.reduce_grad_per_microbatch=true mesh.fsdp_prefetch=2 ;;
+tp2)
+bench tp2_vocab_parallel 280 2 0,1 "--warmup 1 --plan" train.max_steps=4 mesh.tp=2 mesh.vocab_parallel=true
+bench tp2_replicated_vocab 100 2 0,1 "--warmup 1 --plan" train.max_steps=4 mesh.tp=2 mesh.vocab_parallel=false ;;
 one_gpu)  # one GPU each, two at a time
-(bench ac_off 240 1 0 "--warmup 2" train.max_steps=6 model.activation_checkpointing=false
- bench compile 300 1 0 "--warmup 2" train.max_steps=6 model.compile=true) &
-(bench memory_options 240 1 1 "--warmup 2" train.max_steps=6 optim.state_dtype=bfloat16 \
-   optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024 pipeline.reduce_grad_per_microbatch=true
- bench ac_selective 240 1 1 "--warmup 2" train.max_steps=6 model.activation_checkpointing=selective) &
+(bench ac_off 240 1 0 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=false
+ bench compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
+(bench memory_options 240 1 1 "--warmup 2 --plan" train.max_steps=6 $memory_options
+ bench ac_selective 240 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=selective) &
 wait ;;
-profile)  # the kernel breakdown of the current code (the profiler's post-processing alone took over 45 s)
-bench profile 420 1 0 "--warmup 1 --profile $out/profile.txt" train.max_steps=3 ;;
-*) echo "unknown part $part: two_gpu, one_gpu or profile" >&2; exit 2 ;;
+profile)  # the kernel breakdown (the profiler's post-processing alone takes about a minute)
+bench profile 300 1 0 "--warmup 1 --profile $out/profile.txt" train.max_steps=2 ;;
+next)  # not yet measured: compile against no compile on one commit, compile with AC off, chunked CE alone
+(bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
+ bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
+(bench ce_chunk 240 1 1 "--warmup 2 --plan" train.max_steps=6 model.ce_chunk_tokens=1024
+ bench ac_off_compile 300 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=false \
+   model.compile=true) &
+wait ;;
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, profile or next" >&2; exit 2 ;;
 esac
-
