@@ -113,7 +113,8 @@ def measured():
 
 def test_selective_recomputes_no_matmul_and_keeps_less(measured):
     """Full checkpointing re-runs the layers' projections in the backward (all but each layer's last,
-    down_proj, whose output no gradient needs: the recompute stops early); selective re-runs none of them.
+    down_proj, whose output no gradient needs: the recompute stops early); selective re-runs none of them
+    (nor keeps down_proj's output).
     Kept after the forward: no checkpointing > selective > full (11.4 > 1.7 > 1.0 MB measured)."""
     none, full, selective = measured["false"], measured["true"], measured["selective"]
     assert none["forward_mm"] == full["forward_mm"] == selective["forward_mm"] == 37  # 3 x 10 GDN + 7 attention
@@ -123,6 +124,32 @@ def test_selective_recomputes_no_matmul_and_keeps_less(measured):
     for mode, run in measured.items():
         for name, grad in none["grads"].items():
             assert torch.allclose(run["grads"][name], grad, rtol=1e-6, atol=1e-9), (mode, name)
+
+
+def test_selective_keeps_every_matmul_output_but_each_layers_last(monkeypatch):
+    """After the forward each layer holds its matmul outputs but down_proj's (GDN 10 matmuls -> 9 kept,
+    attention 7 -> 6); the backward takes every one of them and recomputes no matmul (the test above), so the
+    dropped output was never needed."""
+    from qwenft.distributed import activation_checkpointing as ac
+
+    layers_kept, save_matmuls = [], ac.save_matmuls
+
+    def recording():
+        forward, recompute = save_matmuls()
+        layers_kept.append(forward.kept)
+        return forward, recompute
+
+    monkeypatch.setattr(ac, "save_matmuls", recording)
+    cfg = named_config("tiny")
+    model = init_random_weights(build_model(cfg, kernels="torch", head=False), seed=1, device="cpu",
+                                dtype=torch.float32)
+    apply_activation_checkpointing(model, "selective")
+    ids = torch.randint(0, cfg.text.vocab_size, (1, 64))
+    out = model(input_ids=ids, cu_seqlens=torch.tensor([0, 40, 64], dtype=torch.int32))
+    mm = torch.ops.aten.mm.default
+    assert [len(kept[mm]) for kept in layers_kept] == [9, 9, 9, 6]
+    out.square().mean().backward()
+    assert [sum(map(len, kept.values())) for kept in layers_kept] == [0, 0, 0, 0]
 
 
 def _measured_order(measured) -> list[str]:

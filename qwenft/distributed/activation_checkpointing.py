@@ -5,7 +5,8 @@
 - linear_attention / full_attention: only layers of that `layer_type` (GatedDeltaNet, gated attention) are
   checkpointed like `true`; the others keep everything.
 - selective: every layer is checkpointed keeping the outputs of its matmuls and attention kernels
-  (`save_matmuls`); the cheap ops between them (norms, activations, gates, rotary, the GDN convs and delta
+  (`save_matmuls`) but the last matmul's (down_proj: only the residual add follows it, and the recompute
+  stops before it); the cheap ops between them (norms, activations, gates, rotary, the GDN convs and delta
   rule) re-run in the backward, which so runs no matmul of the forward again.
 
 Each layer's own forward is wrapped in place (no wrapper module), so parameter names, and with them
@@ -45,8 +46,13 @@ def _saved_ops() -> frozenset:
     return frozenset(op.default if hasattr(op, "default") else op for op in ops)
 
 
-class _KeepOutputs(TorchDispatchMode):
-    """Forward of a `selective` layer: keeps the outputs of `_saved_ops`, in call order per op."""
+@functools.cache
+def _matmuls() -> frozenset:
+    return frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+
+
+class _KeptOutputsMode(TorchDispatchMode):
+    """The dispatch modes of one `selective` layer share `kept`: op -> its kept outputs, in call order."""
 
     def __init__(self, kept: dict):
         super().__init__()
@@ -56,14 +62,33 @@ class _KeepOutputs(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # model.compile's graphs run whole inside the layer (their matmuls are recomputed)
 
+
+class _KeepOutputs(_KeptOutputsMode):
+    """Forward of a `selective` layer: keeps the outputs of `_saved_ops`, in call order per op.
+
+    At the end of the forward it lets go of the output of the layer's last op if that is a matmul (down_proj):
+    only the residual add follows it, which saves nothing for the backward, so the recompute's early stop
+    (torch's default) ends before it (`tests/test_activation_checkpointing.py` counts the matmuls). Were it
+    reached, the recompute would find nothing kept for it and run it: right either way."""
+
+    def __init__(self, kept: dict):
+        super().__init__(kept)
+        self.last = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _saved_ops():
             self.kept.setdefault(func, deque()).append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
+            self.last = func
         return out
 
+    def __exit__(self, *exc):
+        if self.last in _matmuls():
+            self.kept[self.last].pop()
+        return super().__exit__(*exc)
 
-class _ReuseOutputs(_KeepOutputs):
+
+class _ReuseOutputs(_KeptOutputsMode):
     """Recompute of a `selective` layer in the backward: the kept outputs instead of running those ops again."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

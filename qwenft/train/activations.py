@@ -41,11 +41,11 @@ def layer_activation_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes:
 def layer_matmul_output_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes: int = 2) -> float:
     """Bytes per token of one decoder layer's matmul and attention-kernel outputs on one tp rank: what
     model.activation_checkpointing=selective keeps besides the layer's input
-    (qwenft.distributed.activation_checkpointing.save_matmuls). Row-parallel outputs (o_proj, out_proj,
-    down_proj) count whole: the saved mm output precedes tensor parallel's reduce. fla's delta rule is
-    recomputed, so GDN keeps only its projections."""
+    (qwenft.distributed.activation_checkpointing.save_matmuls): not the last, down_proj's. Row-parallel
+    outputs (o_proj, out_proj) count whole: the saved mm output precedes tensor parallel's reduce. fla's
+    delta rule is recomputed, so GDN keeps only its projections."""
     c, H, F = compute_bytes, t.hidden_size, t.intermediate_size // tp
-    mlp = c * (2 * F + H)  # gate_proj, up_proj, down_proj
+    mlp = c * 2 * F  # gate_proj, up_proj
     if kind == FULL_ATTENTION:
         q, kv, d = t.num_attention_heads // tp, t.num_key_value_heads // tp, t.head_dim
         mixer = (c * 2 * (q + kv) * d  # q_proj (query and gate), k_proj, v_proj
