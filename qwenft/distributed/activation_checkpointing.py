@@ -89,12 +89,18 @@ class _KeepOutputs(_KeptOutputsMode):
 
 
 class _ReuseOutputs(_KeptOutputsMode):
-    """Recompute of a `selective` layer in the backward: the kept outputs instead of running those ops again."""
+    """Recompute of a `selective` layer in the backward: the kept outputs instead of running those ops again.
+    They serve one recompute: what it leaves (an early stop) is dropped, so that a second recompute of the
+    layer (checkpoint recomputes once per backward graph task) runs its ops instead of taking the wrong ones."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.kept.get(func):
             return self.kept[func].popleft()
         return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self.kept.clear()
+        return super().__exit__(*exc)
 
 
 def save_matmuls():
