@@ -192,8 +192,8 @@ def test_negative_prefetch_fails_in_validation():
                             "N = all-gather N units ahead)")
 
 
-def _all_gathers_per_step(rank, world_size, knob):
-    """All-gathers of each decoder-layer unit over one step of 2 microbatches at dp2, pp1, built as training
+def _all_gathers_per_step(rank, world_size, knob, microbatches):
+    """All-gathers of each decoder-layer unit over one step of `microbatches` at dp2, pp1, built as training
     builds it (runner.build_modules)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
@@ -213,7 +213,8 @@ def _all_gathers_per_step(rank, world_size, knob):
             return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                             async_op=async_op)
 
-    cfg = compose(["recipe=tiny", "model.kernels.gdn=torch", f"pipeline.reduce_grad_per_microbatch={knob}"])
+    cfg = compose(["recipe=tiny", "model.kernels.gdn=torch", f"pipeline.reduce_grad_per_microbatch={knob}",
+                   "train.micro_batch_size=1", f"train.global_batch_size={microbatches * world_size}"])
     layout = resolve_layout(1, 1, world_size, world_size)
     device = torch.device("cpu")
     [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout, device)
@@ -223,14 +224,16 @@ def _all_gathers_per_step(rank, world_size, knob):
         layer.set_custom_all_gather(counters[name])
     ids, labels = _batch()
     mbs = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1], "position_ids": torch.arange(24)[None],
-            "cu_seqlens": torch.tensor([0, 24], dtype=torch.int32)} for i in range(2)]
+            "cu_seqlens": torch.tensor([0, 24], dtype=torch.int32)} for i in range(microbatches)]
     runner._accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device, cfg)
     return {name: c.calls for name, c in counters.items()}
 
 
-@pytest.mark.parametrize("knob", [False, True])
-def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob):
+@pytest.mark.parametrize("knob, microbatches, gathers", [(False, 2, 1), (True, 2, 4), (False, 1, 2)])
+def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob, microbatches, gathers):
     """pp1, 2 microbatches: knob off, parameters stay gathered from the first forward to the step's one
-    reduce-scatter (pipeline.reshard_policy); knob on, each layer gathers in every forward and every backward."""
-    for counts in run_distributed(_all_gathers_per_step, 2, knob):
-        assert set(counts.values()) == {4 if knob else 1}, counts
+    reduce-scatter (pipeline.reshard_policy); knob on, each layer gathers in every forward and every backward.
+    One microbatch: nothing to keep them for (the backward reduces at once), so they reshard after the
+    forward as with the knob on, not held all through it."""
+    for counts in run_distributed(_all_gathers_per_step, 2, knob, microbatches):
+        assert set(counts.values()) == {gathers}, counts

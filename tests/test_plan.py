@@ -64,6 +64,16 @@ def test_knob_on_keeps_fewer_gradient_bytes(tp4pp4):
             assert p.grad_bytes["knob_off"] - p.grad_bytes["knob_on"] == 3 * 62080 * 5120 * 4
 
 
+def test_one_microbatch_plans_the_knob_off_as_the_knob_on():
+    """pp = 1 with one microbatch a step: the backward reduce-scatters at once and parameters reshard after the
+    forward (runner.build_modules), so the knob off has neither the accumulator nor the gathered stage."""
+    shape = ["recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
+             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false"]
+    ((one,),), ((two,),) = (_plan(*shape, f"train.global_batch_size={n}")[1:] for n in (1, 2))
+    assert one.peaks["knob_off"] == one.peaks["knob_on"] and one.total_bytes == one.peaks["knob_on"]["ac_on"]
+    assert two.peaks["knob_off"]["ac_on"] > two.peaks["knob_on"]["ac_on"]
+
+
 def test_tp4_quarters_a_ranks_parameter_bytes(tp4pp4):
     """27B on 4 stages: tp4 holds a quarter of tp1's bytes per rank, plus the replicated norm weights."""
     _, tp1 = _plan("recipe=qwen3_5_27b_tp4pp4", "mesh.tp=1")

@@ -188,7 +188,8 @@ def reshard_policy(schedule: str, reduce_grad_per_microbatch: bool) -> bool:
     deferred weight-gradient step looks up the stage's parameters by identity, so it needs the same
     unsharded parameters the forward used (measured: resharding there trains wrong numbers).
     At pp = 1 (schedule 1f1b) the same holds: knob off, each unit all-gathers once per step instead of once
-    per forward and once per backward of every microbatch after the first.
+    per forward and once per backward of every microbatch after the first (runner.build_modules reshards
+    anyway when a step has one microbatch).
     """
     return reduce_grad_per_microbatch and schedule not in SPLIT_BACKWARD
 

@@ -252,6 +252,12 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     chunks = microbatches_in_flight(cfg.pipeline.schedule, pp, coords["pp"], ctx.virtual, ctx.num_microbatches)
     logits, logits_of_others, logits_written = _logits(ctx, modules, chunks)
 
+    # One microbatch a step at pp = 1: its backward reduce-scatters at once and reshards (runner.build_modules),
+    # so the knob off is the knob on: no accumulator, nothing kept gathered
+    single_pass = pp == 1 and ctx.num_microbatches == 1
+    if single_pass:
+        for per_knob in (grads, unsharded, grads_in_flight, head_grads):
+            per_knob["knob_off"] = per_knob["knob_on"]
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
@@ -260,7 +266,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
         # prefetches and the head's gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
         # head's unit; without, the CE runs on the logits after the head has resharded, and the head's backward
         # then holds the logits' gradient (the logits' size).
-        kept = unsharded["knob_off"] if knob == "knob_off" else 0
+        kept = unsharded["knob_off"] if knob == "knob_off" and not single_pass else 0
         forward_gathered = kept or unsharded["knob_on"]
         head = (kept or head_gathered) + head_grads[knob] if logits else kept
         at_loss = (head + logits if cfg.model.ce_chunk_tokens

@@ -235,6 +235,8 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
 
     reshard = pp_lib.reshard_policy(cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch)
     if layout.pp == 1:
+        # one microbatch a step: its backward reduces at once, nothing to keep parameters gathered for
+        reshard = reshard or _microbatching(cfg, layout.dp)[1] == 1
         model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
                             device="meta", dtype=_master_dtype(cfg),
                             ce_chunk_tokens=cfg.model.ce_chunk_tokens)
