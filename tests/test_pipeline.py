@@ -168,11 +168,12 @@ def _stage(mesh, cfg, knob: bool, record: bool = False):
 
 
 def _grad_bytes_after_first_microbatch(rank, world_size, knob):
+    """pp2 x dp(world_size / 2), 1F1B, 2 microbatches: what a stage holds after microbatch 0's backward."""
     from qwenft.distributed.mesh import Layout, build_mesh
     from qwenft.distributed.pipeline import TokenCE, build_schedule, train_step
     from qwenft.models.qwen3_5.configs import named_config
 
-    mesh = build_mesh(Layout(pp=2, dp=2, tp=1))
+    mesh = build_mesh(Layout(pp=2, dp=world_size // 2, tp=1))
     module, stage = _stage(mesh, named_config("tiny"), knob, record=True)
     loss_fn = TokenCE()
     schedule = build_schedule("1f1b", [stage], 2, loss_fn)
@@ -180,21 +181,24 @@ def _grad_bytes_after_first_microbatch(rank, world_size, knob):
     train_step(schedule, [stage], batch, loss_fn, torch.tensor(100.0), mesh["dp"].get_group(),
                mesh["pp"].get_group())
     full = sum(p.numel() * p.element_size() for p in module.parameters())  # DTensor numel is the global one
-    return stage.first_backward_grad_bytes, full
+    return stage.first_backward_grad_bytes, full, len(list(module.parameters()))
 
 
 @pytest.mark.parametrize("knob", [False, True])
-def test_knob_gradient_memory_after_first_microbatch(knob):
-    """Knob off: a full-size accumulator (= the stage's parameter bytes) after microbatch 0's backward;
-    on: no unsharded gradient at all, only 1/dp shards."""
-    results = run_distributed(_grad_bytes_after_first_microbatch, 4, knob)
-    for rank, (grad_bytes, full) in enumerate(results):
-        print(f"knob={knob} rank {rank}: stage params {full} B, after microbatch 0: {grad_bytes}")
+@pytest.mark.parametrize("dp", [2, 4])
+def test_knob_gradient_memory_after_first_microbatch(knob, dp):
+    """Knob off: a full-size accumulator (= the stage's parameter bytes, one tensor per parameter) after
+    microbatch 0's backward; on: no unsharded gradient at all, only 1/dp shards. dp4 is the reference's
+    8-rank validation layout (pp2 x dp4)."""
+    results = run_distributed(_grad_bytes_after_first_microbatch, 2 * dp, knob)
+    for rank, (grad_bytes, full, tensors) in enumerate(results):
+        print(f"pp2 x dp{dp} knob={knob} rank {rank}: stage params {full} B in {tensors} tensors, "
+              f"after microbatch 0: {grad_bytes}")
         if knob:
-            assert grad_bytes["unsharded"] == 0
-            assert 0 < grad_bytes["sharded"] <= full // 2 + 4096  # 1/dp, plus uneven-shard rounding
+            assert grad_bytes["unsharded"] == grad_bytes["unsharded_tensors"] == 0
+            assert 0 < grad_bytes["sharded"] <= full // dp + 4096  # 1/dp, plus uneven-shard rounding
         else:
-            assert grad_bytes["unsharded"] == full
+            assert grad_bytes["unsharded"] == full and grad_bytes["unsharded_tensors"] == tensors
 
 
 def _eval_vs_one_process(rank, world_size):

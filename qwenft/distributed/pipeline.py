@@ -255,18 +255,18 @@ def reduce_scatter_now(fsdp: FSDPModule, reshard: bool) -> None:
 
 def grad_bytes(module: nn.Module) -> dict[str, int]:
     """Bytes of gradients a module holds: `unsharded` = plain full-size tensors (FSDP's accumulator while
-    parameters stay unsharded), `sharded` = the local shards of DTensor gradients."""
+    parameters stay unsharded), `sharded` = the local shards of DTensor gradients; and how many tensors of
+    each (`unsharded_tensors`, `sharded_tensors`)."""
     from torch.distributed.tensor import DTensor
 
-    out = {"unsharded": 0, "sharded": 0}
+    out = {"unsharded": 0, "sharded": 0, "unsharded_tensors": 0, "sharded_tensors": 0}
     for p in module.parameters():
         if p.grad is None:
             continue
-        g = p.grad
-        if isinstance(g, DTensor):
-            out["sharded"] += g.to_local().numel() * g.element_size()
-        else:
-            out["unsharded"] += g.numel() * g.element_size()
+        kind = "sharded" if isinstance(p.grad, DTensor) else "unsharded"
+        local = p.grad.to_local() if kind == "sharded" else p.grad
+        out[kind] += local.numel() * local.element_size()
+        out[f"{kind}_tensors"] += 1
     return out
 
 
