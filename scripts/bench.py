@@ -28,8 +28,12 @@ from qwenft.cli import compose  # noqa: E402
 from qwenft.train.runner import run  # noqa: E402
 
 
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def summarize(run_dir: Path, warmup: int, peaks_gib: list[float]) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run_dir)
     timed = rows[warmup:] or rows[-1:]
     step_s = statistics.median(r["step_time_s"] for r in timed)
     out = {
@@ -67,12 +71,16 @@ KERNEL_KINDS = (  # first match wins; names of CUDA kernels as the profiler repo
 
 
 def kernel_breakdown(averages, steps: int) -> dict:
-    """Self CUDA time per step of each kernel kind, in ms (NCCL overlaps compute on its own stream)."""
+    """Self CUDA time per step of each kernel kind, in ms (NCCL overlaps compute on its own stream).
+
+    Only kernels and copies: the ranges that `record_function` marks on the GPU timeline (FSDP's
+    "FSDP::post_backward_accumulate (...)", "Optimizer.step#AdamW.step", ...) are CUDA events too, spanning
+    kernels already counted; torch's own tables leave them out of the device totals, and so does this."""
     from torch.autograd import DeviceType
 
     totals: dict[str, float] = {}
     for evt in averages:
-        if evt.device_type != DeviceType.CUDA:
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
             continue
         name = evt.key.lower()
         kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other (elementwise, CE, copies)")
@@ -113,8 +121,11 @@ def main():
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "torch": torch.__version__,
                   **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks])}
-        if breakdown is not None:
-            report["gpu_ms_per_step_by_kernel_kind"] = breakdown  # all steps, the first one's compile included
+        if breakdown is not None:  # all steps, the first one's compile included
+            report["gpu_ms_per_step_by_kernel_kind"] = breakdown
+            # GPU time against wall time over the same steps: what the kernels leave idle (host-bound gaps)
+            report["gpu_kernel_ms_per_step"] = round(sum(breakdown.values()), 1)
+            report["step_ms_profiled"] = round(1e3 * statistics.mean(r["step_time_s"] for r in metrics(result.run_dir)), 1)
         if planned is not None:
             report["planned_peak_gib_per_rank"] = planned
         print(json.dumps(report, indent=2))

@@ -1,0 +1,50 @@
+"""scripts/bench.py on the CPU: the report it writes, and the kernel breakdown's accounting."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _event(key, ms, device=DeviceType.CUDA, annotation=False):
+    return SimpleNamespace(key=key, self_device_time_total=ms * 1e3, device_type=device, is_user_annotation=annotation)
+
+
+def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
+    """The profiler also reports record_function ranges as CUDA events spanning kernels already counted
+    (FSDP's post_backward_accumulate, Optimizer.step#AdamW.step): counting them inflated 'other' and
+    'optimizer' on the H200 profile of 2026-11-29."""
+    events = [_event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 100.0),
+              _event("void multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>", 20.0),
+              _event("Optimizer.step#AdamW.step", 60.0, annotation=True),
+              _event("FSDP::post_backward_accumulate (embed_tokens)", 30.0, annotation=True),
+              _event("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", 10.0),
+              _event("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", 8.0),
+              _event("aten::mm", 100.0, device=DeviceType.CPU)]
+    assert _bench().kernel_breakdown(events, steps=2) == {
+        "matmul": 50.0, "optimizer": 10.0, "other (elementwise, CE, copies)": 5.0, "gdn (fla)": 4.0}
+
+
+def test_bench_reports_a_cpu_run(tmp_path):
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--warmup", "1", "--json", str(out),
+                    "--plan", "recipe=tiny", "train.max_steps=2", "data.seq_len=64", "train.progress_bar=false",
+                    f"run_dir={tmp_path / 'run'}"], check=True, capture_output=True, cwd=tmp_path, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 1 and report["steps_timed"] == 1
+    assert report["tokens_per_sec_per_gpu"] > 0 and report["step_time_s"] > 0
+    assert len(report["planned_peak_gib_per_rank"]) == 1
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
