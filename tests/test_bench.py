@@ -48,3 +48,12 @@ def test_bench_reports_a_cpu_run(tmp_path):
     assert report["tokens_per_sec_per_gpu"] > 0 and report["step_time_s"] > 0
     assert len(report["planned_peak_gib_per_rank"]) == 1
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_host_time_runs_tensor_parallel_on_meta(tmp_path):
+    """scripts/host_time.py: tp2 on a fake process group, meta tensors, activation checkpointing."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_time.py"), "--repeat", "1", "recipe=tiny",
+                          "data.seq_len=64", "mesh.tp=2", "model.activation_checkpointing=true"],
+                         check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["host_ms_per_microbatch"] > 0
