@@ -66,7 +66,8 @@ def set_prefetch(model: nn.Module, count: int) -> None:
     issues the all-gathers of the next `count` units, and when its backward starts those of the `count` units
     before it (nearest first). Without it FSDP2 prefetches one unit ahead in the backward only; in the forward
     each unit's all-gather is issued when the CPU reaches that unit. More units in flight: more overlap, and
-    `count` more units' parameters all-gathered at once (qwenft.train.plan counts them).
+    up to `count` + 1 units' parameters all-gathered at once, `count` - 1 more than FSDP2's own prefetching
+    (qwenft.train.plan counts them).
 
     The head unit `fully_shard([norm, lm_head])` returns the plain list; both modules become FSDPModules of one
     state, so `model.norm` stands for it. The root and GDN's fp32 `Decay` units stay outside the chain: the

@@ -187,9 +187,9 @@ def reshard_policy(schedule: str, reduce_grad_per_microbatch: bool) -> bool:
     all-gather per microbatch). Knob on: yes, memory first, except under the zero-bubble schedules: their
     deferred weight-gradient step looks up the stage's parameters by identity, so it needs the same
     unsharded parameters the forward used (measured: resharding there trains wrong numbers).
-    At pp = 1 (schedule 1f1b) the same holds: knob off, each unit all-gathers once per step instead of once
-    per forward and once per backward of every microbatch after the first (runner.build_modules reshards
-    anyway when a step has one microbatch).
+    At pp = 1 (schedule 1f1b) the same holds: knob off, each unit all-gathers once per step instead of in the
+    first forward and again in every backward (runner.build_modules reshards anyway when a step has one
+    microbatch).
     """
     return reduce_grad_per_microbatch and schedule not in SPLIT_BACKWARD
 
