@@ -45,10 +45,10 @@ one_gpu)  # one GPU each, two at a time
  bench ac_selective 240 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=selective) &
 wait ;;
 profile)  # the kernel breakdown (the profiler's post-processing alone takes about a minute)
-bench profile 300 1 0 "--warmup 1 --profile $out/profile.txt" train.max_steps=2 ;;
+bench profile 300 1 0 "--warmup 1 --profile $out/profile.txt" train.max_steps=3 ;;
 next)  # not yet measured: compile against no compile on one commit, compile with AC off, chunked CE alone
   # (then, in separate calls: `two_gpu` on the current code, and a tp2 profile:
-  #  torchrun --nproc-per-node 2 scripts/bench.py --warmup 1 --profile tp2.txt $base train.max_steps=2 mesh.tp=2)
+  #  torchrun --nproc-per-node 2 scripts/bench.py --warmup 1 --profile tp2.txt $base train.max_steps=3 mesh.tp=2)
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
  bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
 (bench ce_chunk 240 1 1 "--warmup 2 --plan" train.max_steps=6 model.ce_chunk_tokens=1024

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
+from distributed import run_distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,6 +38,22 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
               _event("aten::mm", 100.0, device=DeviceType.CPU)]
     assert _bench().kernel_breakdown(events, steps=2) == {
         "matmul": 50.0, "optimizer": 10.0, "other (elementwise, CE, copies)": 5.0, "gdn (fla)": 4.0}
+
+
+def _profile_steps(rank, world_size, tmp_path):
+    from qwenft.cli import compose
+
+    cfg = compose(["recipe=tiny", "train.max_steps=3", "data.seq_len=64", "train.progress_bar=false",
+                   "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"])
+    result, averages, profiled = _bench().profiled_run(cfg, warmup=1)
+    return profiled, [e.count for e in averages if e.key.startswith("ProfilerStep")], len(result.losses)
+
+
+def test_profile_records_the_steps_after_the_warmup(tmp_path):
+    """3 steps, warm-up 1: the profiler's averages hold steps 2 and 3 only (a schedule that repeats would
+    have started an empty cycle after them and reported nothing)."""
+    [(profiled, step_counts, steps_run)] = run_distributed(_profile_steps, 1, tmp_path)
+    assert (profiled, step_counts, steps_run) == (2, [2], 3)
 
 
 def test_bench_reports_a_cpu_run(tmp_path):

@@ -292,12 +292,13 @@ def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Con
     return step_loss
 
 
-def run(cfg: Config, return_state: bool = False) -> RunResult:
+def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
+    """Train as `qwenft train` does; `on_step(step)`, if given, runs after each step (scripts/bench.py's profiler)."""
     with signals.StopOnSignal() as stop:
-        return _run(cfg, return_state, stop)
+        return _run(cfg, return_state, stop, on_step)
 
 
-def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResult:
+def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal, on_step=None) -> RunResult:
     from qwenft.distributed import pipeline as pp_lib
 
     init_process_group(cfg.mesh.backend)
@@ -449,6 +450,8 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal) -> RunResu
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+        if on_step is not None:
+            on_step(step)
         saved = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == max_steps)
         if saved:
             path = checkpointer.save(step, result.val_losses.get(step))
