@@ -22,25 +22,17 @@ from qwenft.cli import compose  # noqa: E402
 from qwenft.models.qwen3_5.attention import RotaryEmbedding  # noqa: E402
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
 from qwenft.models.qwen3_5.model import DecoderLayer  # noqa: E402
-from qwenft.train.activations import layer_activation_bytes  # noqa: E402
+from qwenft.train.activations import layer_activation_bytes, saved_tensor_bytes  # noqa: E402
 from qwenft.train.runner import _model_config, _param_dtype  # noqa: E402
 
 
 def measure(layer, h, rope, cu_seqlens) -> tuple[float, float | None]:
     """(bytes autograd saves, bytes the allocator grew by: CUDA only) over one forward, both per token."""
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {h.untyped_storage().data_ptr()}
-    saved = {}
-
-    def pack(x):
-        if x.untyped_storage().data_ptr() not in skip:
-            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
-
     cuda = h.is_cuda
     if cuda:
         torch.cuda.synchronize()
     before = torch.cuda.memory_allocated() if cuda else 0
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with saved_tensor_bytes(*layer.parameters(), h) as saved:
         out = layer(h, rope, cu_seqlens)
     tokens = h.shape[0] * h.shape[1]
     grown = (torch.cuda.memory_allocated() - before - out.nbytes) / tokens if cuda else None

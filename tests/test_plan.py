@@ -13,6 +13,7 @@ from distributed import run_distributed
 from qwenft.cli import compose, main
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
 from qwenft.train import plan as plan_lib
+from qwenft.train.activations import saved_tensor_bytes
 
 
 def _plan(*overrides):
@@ -188,15 +189,7 @@ def test_attention_layer_estimate_matches_autograds_saved_tensors():
     assert layer.layer_type == FULL_ATTENTION
     h = torch.randn(1, tokens, t.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     rope = RotaryEmbedding(t)(torch.arange(tokens)[None], torch.bfloat16)
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {h.untyped_storage().data_ptr()}
-    saved = {}
-
-    def pack(x):
-        if x.untyped_storage().data_ptr() not in skip:
-            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with saved_tensor_bytes(*layer.parameters(), h) as saved:
         layer(h, rope)
     measured = sum(saved.values()) / tokens
     estimate = plan_lib.layer_activation_bytes(t, FULL_ATTENTION, tp=1, compute_bytes=2)

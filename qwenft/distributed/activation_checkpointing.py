@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("false", "true", "linear_attention", "full_attention", "selective")
+_MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 
 
 @functools.cache
@@ -46,9 +47,6 @@ def _saved_ops() -> frozenset:
     return frozenset(op.default if hasattr(op, "default") else op for op in ops)
 
 
-@functools.cache
-def _matmuls() -> frozenset:
-    return frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 
 
 class _KeptOutputsMode(TorchDispatchMode):
@@ -83,7 +81,7 @@ class _KeepOutputs(_KeptOutputsMode):
         return out
 
     def __exit__(self, *exc):
-        if self.last in _matmuls():
+        if self.last in _MATMULS:
             self.kept[self.last].pop()
         return super().__exit__(*exc)
 

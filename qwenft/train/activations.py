@@ -1,9 +1,31 @@
 """Activation and logits bytes per token of Qwen3.5's layers on the GPU kernels, and the microbatches a pipeline
 rank holds: the estimated part of `qwenft plan` (qwenft.train.plan reads everything else from built modules)."""
 
+from contextlib import contextmanager
+
+import torch
+
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
 
 GDN_CHUNK = 64  # fla's chunk size: the delta rule keeps a [chunk] row of A per token and value head
+
+
+@contextmanager
+def saved_tensor_bytes(*exclude: torch.Tensor):
+    """Inside the block, what autograd saves for the backward: yields {storage: bytes} of every distinct storage
+    saved, leaving out those of `exclude` (parameters, the block's input), which exist anyway. The measured side
+    of the estimates below (scripts/activation_bytes.py, tests/test_plan.py)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    saved = {}
+
+    def pack(x):
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        yield saved
 
 
 def layer_activation_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes: int = 2,
