@@ -253,3 +253,41 @@ def test_non_divisible_heads_fail_before_building(field, value, message):
     validate_tp(named_config("27b").text, 4)
     with pytest.raises(ValueError, match="num_key_value_heads=4"):
         validate_tp(named_config("27b").text, 8)
+
+
+def _collectives_rank(rank, world_size, path, sequence_parallel):
+    """Collectives of one forward + backward at tp2, vocab replicated: {op name: count}."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from qwenft.distributed.tensor_parallel import apply_tp
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = build_model(config_from_hf_dir(path), kernels="torch")
+    apply_tp(model, mesh, vocab_parallel=False, sequence_parallel=sequence_parallel)
+    load_hf_weights(model, path, device="cpu")
+    batch = text_batch()[0]
+    with CommDebugMode() as comm:
+        token_ce_sum(model(**_forward_kwargs(batch)), batch["labels"]).backward()
+    return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_one_input_reduction_per_block(text_ckpt, sequence_parallel):
+    """A mixer's column-parallel projections (GDN's six, attention's three) and the MLP's two share one input:
+    the backward sums their input gradients with one collective per block, as Megatron does, not one per
+    projection. Per layer: the two row-parallel outputs (forward), the two block inputs (backward) and the
+    replicated per-head norm weights' gradients (GDN: 1, attention: q_norm and k_norm)."""
+    layer_types = config_from_hf_dir(text_ckpt).text.layer_types
+    per_layer = {"linear_attention": 1, "full_attention": 2}  # the norm weights' all-reduces
+    counts = run_distributed(_collectives_rank, 2, text_ckpt, sequence_parallel)[0]
+    norms = sum(per_layer[t] for t in layer_types)
+    n = len(layer_types)
+    if sequence_parallel:
+        # per layer: two all-gathers of the block inputs and two reduce-scatters of the row outputs each way;
+        # the two layer norms' replicated weights see T/tp tokens (grads all-reduced); the stack's entry split
+        # all-gathers in the backward, its exit all-gathers in the forward
+        assert counts == {"all_reduce": 2 * n + norms, "reduce_scatter_tensor": 4 * n,
+                          "all_gather_into_tensor": 4 * n + 2}, counts
+    else:
+        assert counts == {"all_reduce": 4 * n + norms}, counts

@@ -70,9 +70,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
     col, row = ColwiseParallel(), RowwiseParallel()
     if sequence_parallel:
         row = RowwiseParallel(output_layouts=Shard(1))  # reduce-scatter over tokens
-        gather = {n: PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n - 1),
-                                        desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
-                  for n in (1, 2, 3)}  # by positional input count: mlp(x), linear_attn(x, cu), self_attn(x, rope, cu)
+    # Each mixer and MLP takes its input as one replicated DTensor (sequence parallel: all-gathered from the
+    # token shards). Its column-parallel projections then share that input: their partial input gradients
+    # add up locally and one all-reduce (sequence parallel: one reduce-scatter) per block sums them in the
+    # backward, instead of one per projection (GDN has six).
+    entry = {n: PrepareModuleInput(input_layouts=(Shard(1) if sequence_parallel else Replicate(),) + (None,) * (n - 1),
+                                   desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
+             for n in (1, 2, 3)}  # by positional input count: mlp(x), linear_attn(x, cu), self_attn(x, rope, cu)
     for layer in model.layers.values():
         if layer.layer_type == FULL_ATTENTION:
             plan = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
@@ -88,9 +92,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
                 _shard_param(gdn.decay, name, tp_mesh, Shard(0))
             _shard_param(gdn.norm, "weight", tp_mesh, Replicate())
         plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+        mixer = ("self_attn", 3) if layer.layer_type == FULL_ATTENTION else ("linear_attn", 2)
+        plan |= {mixer[0]: entry[mixer[1]], "mlp": entry[1]}
         if sequence_parallel:
-            mixer = ("self_attn", 3) if layer.layer_type == FULL_ATTENTION else ("linear_attn", 2)
-            plan |= {mixer[0]: gather[mixer[1]], "mlp": gather[1]}
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # see T/tp tokens each
                 _shard_param(norm, "weight", tp_mesh, Replicate())
         parallelize_module(layer, tp_mesh, plan)
