@@ -28,12 +28,14 @@ from qwenft.cli import compose  # noqa: E402
 from qwenft.train.runner import run  # noqa: E402
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir: Path, skip: int = 0) -> list[dict]:
+    """The rows of run_dir's metrics.jsonl after the first `skip` (those an earlier run in the same run_dir wrote)."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()[skip:]] if path.exists() else []
 
 
-def summarize(run_dir: Path, warmup: int, peaks_gib: list[float]) -> dict:
-    rows = metrics(run_dir)
+def summarize(run_dir: Path, warmup: int, peaks_gib: list[float], skip: int = 0) -> dict:
+    rows = metrics(run_dir, skip)
     timed = rows[warmup:] or rows[-1:]
     step_s = statistics.median(r["step_time_s"] for r in timed)
     out = {
@@ -61,6 +63,7 @@ def predicted_peaks(cfg) -> list[float]:
     return [round(p.total_bytes / GIB, 2) for p in predict(cfg)]
 
 
+PROFILER_OVERHEAD = ("Buffer Flush", "Activity Buffer Request")  # CUPTI's own work on the GPU timeline
 KERNEL_KINDS = (  # first match wins; names of CUDA kernels as the profiler reports them
     ("communication", ("nccl",)),
     ("optimizer", ("adam",)),
@@ -75,12 +78,14 @@ def kernel_breakdown(averages, steps: int) -> dict:
 
     Only kernels and copies: the ranges that `record_function` marks on the GPU timeline (FSDP's
     "FSDP::post_backward_accumulate (...)", "Optimizer.step#AdamW.step", ...) are CUDA events too, spanning
-    kernels already counted; torch's own tables leave them out of the device totals, and so does this."""
+    kernels already counted; torch's own tables leave them out of the device totals, and so does this. So are
+    the profiler's own buffer flushes (CUPTI's "Buffer Flush", "Activity Buffer Request": ~23 ms per step)."""
     from torch.autograd import DeviceType
 
     totals: dict[str, float] = {}
     for evt in averages:
-        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+        if (evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False)
+                or evt.key in PROFILER_OVERHEAD):
             continue
         name = evt.key.lower()
         kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other (elementwise, CE, copies)")
@@ -115,6 +120,7 @@ def main():
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
+    earlier = len(metrics(Path(cfg.run_dir))) if cfg.run_dir else 0  # a reused run_dir's metrics.jsonl appends
     if args.profile:
         result, averages, profiled = profiled_run(cfg, args.warmup)
         if dist.get_rank() == 0:
@@ -133,13 +139,13 @@ def main():
         report = {"overrides": overrides, "world_size": dist.get_world_size(),
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "torch": torch.__version__,
-                  **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks])}
+                  **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks], earlier)}
         if breakdown is not None:  # the steps after the warm-up
             report["gpu_ms_per_step_by_kernel_kind"] = breakdown
             # GPU time against wall time over the same steps: what the kernels leave idle (host-bound gaps; with
             # several GPUs NCCL kernels overlap compute, so there the sum is not busy time)
             report["gpu_kernel_ms_per_step"] = round(sum(breakdown.values()), 1)
-            walls = [r["step_time_s"] for r in metrics(result.run_dir)[args.warmup:]]
+            walls = [r["step_time_s"] for r in metrics(result.run_dir, earlier)[args.warmup:]]
             report["step_ms_profiled"] = round(1e3 * statistics.mean(walls), 1)
         if planned is not None:
             report["planned_peak_gib_per_rank"] = planned

@@ -50,7 +50,9 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     n = dist.get_world_size()
     dtype = getattr(torch, args.dtype)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    # renamed in torch 2.13; the GPU image's 2.11 has only the old names
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     for mib in args.sizes_mib:
         numel = int(mib * 2**20) // dtype.itemsize // n * n
         full = torch.ones(numel, dtype=dtype, device=device)
@@ -58,7 +60,7 @@ def main() -> None:
         nbytes = numel * dtype.itemsize
         for name, fn, bus in (
             ("all_reduce", lambda: dist.all_reduce(full), 2 * (n - 1) / n),
-            ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full), (n - 1) / n),
+            ("reduce_scatter", lambda: reduce_scatter(shard, full), (n - 1) / n),
             ("all_gather", lambda: all_gather(full, shard), (n - 1) / n),
         ):
             seconds = timed(fn, args.repeat, cuda)
