@@ -1,4 +1,4 @@
-"""scripts/bench.py on the CPU: the report it writes, and the kernel breakdown's accounting."""
+"""The measuring scripts on the CPU: bench.py's report and kernel breakdown, host_time.py, collective_bandwidth.py."""
 
 import importlib.util
 import json
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
 from distributed import run_distributed
@@ -79,3 +80,16 @@ def test_host_time_runs_tensor_parallel(tmp_path):
                          check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["host_ms_per_microbatch"] > 0
+
+
+def test_collective_bandwidth_runs_on_two_cpu_ranks(tmp_path):
+    """scripts/collective_bandwidth.py on gloo: one line per collective and size, bus bandwidth by NCCL's rule."""
+    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29731",
+                          str(ROOT / "scripts" / "collective_bandwidth.py"), "--sizes-mib", "0.25", "--repeat", "2"],
+                         check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["collective"] for r in rows] == ["all_reduce", "reduce_scatter", "all_gather"]
+    for r in rows:
+        assert r["ranks"] == 2 and r["ms"] > 0
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * (1.0 if r["collective"] == "all_reduce" else 0.5),
+                                               abs=0.11)
