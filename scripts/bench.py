@@ -1,13 +1,14 @@
 """Training throughput and memory of a recipe on GPU(s), through the real runner.
 
-    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt] [--plan] recipe=NAME [overrides ...]
+    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt [--trace DIR]] [--plan] recipe=NAME [overrides ...]
     torchrun --nproc-per-node 2 scripts/bench.py recipe=NAME mesh.dp=2 ...
 
 Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
 reports, over the steps after the warm-up: median step time, tokens/s per GPU, TFLOP/s per GPU and MFU
 (Qwen3.5 FLOPs per token from qwenft.train.metrics.flops_per_token, the count metrics.jsonl uses), and the
 peak memory of every rank. `--profile` runs torch.profiler over the steps after the warm-up, writes the top CUDA kernels and adds
-the GPU time per step by kernel kind (matmul, attention, GDN, optimizer, communication, other) to the report.
+the GPU time per step by kernel kind (matmul, attention, GDN, optimizer, communication, other) to the report;
+`--trace DIR` also writes every rank's timeline of those steps (DIR/rank<R>.json.gz).
 `--plan` adds `qwenft plan`'s predicted peak of every rank (qwenft.train.plan), to compare with the measured one.
 """
 
@@ -93,10 +94,11 @@ def kernel_breakdown(averages, steps: int) -> dict:
     return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def profiled_run(cfg, warmup: int):
+def profiled_run(cfg, warmup: int, trace: str | None = None):
     """`run(cfg)` under torch.profiler, recording the steps after the first `warmup` (compiles, autotuning and
     first allocations stay out; the last warm-up step warms the profiler up). Returns the run's result, the
-    profiler's averages over the recorded steps and their number."""
+    profiler's averages over the recorded steps and their number. `trace`: also write this rank's timeline of
+    those steps there (Chrome trace JSON, gzipped if the name ends in .gz; chrome://tracing or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     if not cfg.train.max_steps or cfg.train.max_steps <= warmup:
@@ -107,6 +109,9 @@ def profiled_run(cfg, warmup: int):
     when = schedule(skip_first=max(warmup - 1, 0), wait=0, warmup=min(warmup, 1), active=profiled, repeat=1)
     with profile(activities=activities, schedule=when) as prof:
         result = run(cfg, on_step=lambda step: prof.step())
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
     return result, prof.key_averages(), profiled  # slow: > 45 s for 3 steps of the 27B shape on an H200
 
 
@@ -115,14 +120,20 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default=None, help="write torch.profiler's top CUDA kernels here")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="with --profile: every rank writes its timeline to DIR/rank<R>.json.gz (where the GPU idles, "
+                             "which rank a collective waits for)")
     parser.add_argument("--plan", action="store_true", help="also report qwenft plan's predicted peak per rank")
     args, overrides = parser.parse_known_args()
+    if args.trace and not args.profile:
+        parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
     earlier = len(metrics(Path(cfg.run_dir))) if cfg.run_dir else 0  # a reused run_dir's metrics.jsonl appends
     if args.profile:
-        result, averages, profiled = profiled_run(cfg, args.warmup)
+        trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
+        result, averages, profiled = profiled_run(cfg, args.warmup, trace)
         if dist.get_rank() == 0:
             # kernels by their own time, then ops (FSDP's record_function ranges among them) with what they launch
             Path(args.profile).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)

@@ -51,6 +51,23 @@ def _profile_steps(rank, world_size, tmp_path):
     return profiled, [e.count for e in averages if e.key.startswith("ProfilerStep")], len(result.losses)
 
 
+def test_profile_writes_each_ranks_trace(tmp_path):
+    """--profile --trace on two CPU ranks (dp2): a gzipped Chrome trace per rank holding the recorded step."""
+    import gzip
+
+    trace = tmp_path / "trace"
+    subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29732", str(ROOT / "scripts" / "bench.py"),
+                    "--warmup", "1", "--profile", str(tmp_path / "profile.txt"), "--trace", str(trace), "recipe=tiny",
+                    "train.max_steps=2", "data.seq_len=64", "mesh.dp=2", f"run_dir={tmp_path / 'run'}"],
+                   check=True, capture_output=True, cwd=tmp_path, timeout=300)
+    for rank in range(2):
+        events = json.loads(gzip.decompress((trace / f"rank{rank}.json.gz").read_bytes()))["traceEvents"]
+        assert [e["name"] for e in events if e["name"].startswith("ProfilerStep")] == ["ProfilerStep#1"]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--trace", str(trace), "recipe=tiny"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 2 and "--trace" in bad.stderr and "needs --profile" in bad.stderr
+
+
 def test_profile_records_the_steps_after_the_warmup(tmp_path):
     """3 steps, warm-up 1: the profiler's averages hold steps 2 and 3 only (a schedule that repeats would
     have started an empty cycle after them and reported nothing)."""
