@@ -2,14 +2,14 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|profile|next [OUT_DIR]   # OUT_DIR (default /tmp/h200): JSON + logs
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # Each run is scripts/bench.py on the 27B shape cut to 8 layers (seq 4096, global batch 8, micro batch 1), with
 # --plan: the report holds `qwenft plan`'s peak next to the measured one. The first step of a layout the host
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, profile or next}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile or tp2_trace}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
@@ -44,16 +44,19 @@ one_gpu)  # one GPU each, two at a time
 (bench memory_options 240 1 1 "--warmup 2 --plan" train.max_steps=6 $memory_options
  bench ac_selective 240 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=selective) &
 wait ;;
-profile)  # the kernel breakdown (the profiler's post-processing alone takes about a minute)
-bench profile 300 1 0 "--warmup 1 --profile $out/profile.txt" train.max_steps=3 ;;
-next)  # not yet measured: compile against no compile on one commit, compile with AC off, chunked CE alone
-  # (then, in separate calls: `two_gpu` on the current code, and a tp2 profile:
-  #  torchrun --nproc-per-node 2 scripts/bench.py --warmup 1 --profile tp2.txt $base train.max_steps=3 mesh.tp=2)
+profile)  # the kernel breakdown, AC on (GPU 0) and off (GPU 1); the profiler's post-processing takes about a minute
+(bench profile 300 1 0 "--warmup 1 --profile $out/profile.txt" train.max_steps=3) &
+(bench profile_ac_off 300 1 1 "--warmup 1 --profile $out/profile_ac_off.txt" train.max_steps=3 \
+   model.activation_checkpointing=false) &
+wait ;;
+compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
  bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
 (bench ce_chunk 240 1 1 "--warmup 2 --plan" train.max_steps=6 model.ce_chunk_tokens=1024
  bench ac_off_compile 300 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=false \
    model.compile=true) &
 wait ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, profile or next" >&2; exit 2 ;;
+tp2_trace)  # not yet run: tp2's profile plus both ranks' timelines (which rank the all-reduces wait for)
+bench tp2_profile 420 2 0,1 "--warmup 1 --profile $out/tp2.txt --trace $out/tp2_trace" train.max_steps=2 mesh.tp=2 ;;
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile or tp2_trace" >&2; exit 2 ;;
 esac
