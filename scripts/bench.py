@@ -35,6 +35,12 @@ def metrics(run_dir: Path, skip: int = 0) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()[skip:]] if path.exists() else []
 
 
+def _rows_written(run_dir: Path) -> int:
+    """Lines already in run_dir's metrics.jsonl (counted, not parsed: a killed run may leave half a line)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def summarize(run_dir: Path, warmup: int, peaks_gib: list[float], skip: int = 0) -> dict:
     rows = metrics(run_dir, skip)
     timed = rows[warmup:] or rows[-1:]
@@ -130,7 +136,7 @@ def main():
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
-    earlier = len(metrics(Path(cfg.run_dir))) if cfg.run_dir else 0  # a reused run_dir's metrics.jsonl appends
+    earlier = _rows_written(Path(cfg.run_dir)) if cfg.run_dir else 0  # a reused run_dir's metrics.jsonl appends
     if args.profile:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
         result, averages, profiled = profiled_run(cfg, args.warmup, trace)

@@ -7,7 +7,8 @@ values: 40 MiB in bf16 for 4096 tokens of the 27B shape; FSDP moves each unit's 
 Prints one JSON line per collective and size, from rank 0: the median time of `--repeat` calls after a warm-up,
 the algorithm bandwidth (message bytes over time) and the bus bandwidth (NCCL's convention: what each link
 carried, (n - 1) / n of the message for reduce-scatter and all-gather, 2 (n - 1) / n for all-reduce). Compare
-the bus bandwidth with the link's: a few tens of GB/s means the GPUs talk through host memory, not NVLink
+the bus bandwidth with the link's: a few tens of GB/s at 40 MiB or more means the GPUs talk through host
+memory, not NVLink
 (run with NCCL_DEBUG=INFO to see the transport NCCL chose). Without GPUs it runs gloo on the CPU.
 """
 
@@ -42,10 +43,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
-    rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo")  # gloo: the CPU, for a quick check of the script
     device = "cuda" if cuda else "cpu"
     n = dist.get_world_size()
@@ -64,7 +65,7 @@ def main() -> None:
             ("all_gather", lambda: all_gather(full, shard), (n - 1) / n),
         ):
             seconds = timed(fn, args.repeat, cuda)
-            if rank == 0:
+            if dist.get_rank() == 0:
                 print(json.dumps({"collective": name, "mib": mib, "ranks": n, "dtype": args.dtype,
                                   "ms": round(seconds * 1e3, 3), "algbw_gbs": round(nbytes / seconds / 1e9, 1),
                                   "busbw_gbs": round(bus * nbytes / seconds / 1e9, 1)}), flush=True)

@@ -92,8 +92,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
                 _shard_param(gdn.decay, name, tp_mesh, Shard(0))
             _shard_param(gdn.norm, "weight", tp_mesh, Replicate())
         plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
-        mixer = ("self_attn", 3) if layer.layer_type == FULL_ATTENTION else ("linear_attn", 2)
-        plan |= {mixer[0]: entry[mixer[1]], "mlp": entry[1]}
+        mixer, n_inputs = ("self_attn", 3) if layer.layer_type == FULL_ATTENTION else ("linear_attn", 2)
+        plan |= {mixer: entry[n_inputs], "mlp": entry[1]}
         if sequence_parallel:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # see T/tp tokens each
                 _shard_param(norm, "weight", tp_mesh, Replicate())
