@@ -169,6 +169,7 @@ def main():
         print(json.dumps(report, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
+    dist.barrier()  # leave together: a rank that tore gloo down while rank 0 wrote the report aborted at exit
     dist.destroy_process_group()
 
 

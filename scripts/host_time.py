@@ -39,6 +39,7 @@ def build(cfg):
 
     from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
     from qwenft.distributed.mesh import build_mesh, resolve_layout
+    from qwenft.distributed.parallelize import apply_compile
     from qwenft.distributed.tensor_parallel import apply_tp, validate_tp
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.train.runner import _model_config
@@ -53,6 +54,8 @@ def build(cfg):
                  sequence_parallel=cfg.mesh.sequence_parallel)
     if cfg.model.activation_checkpointing != "false":
         apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
+    if cfg.model.compile:
+        apply_compile(model)
     return init_random_weights(model, seed=0, device="cpu", dtype=torch.float32), model_cfg.text.vocab_size
 
 

@@ -50,6 +50,13 @@ def tied_odd_vocab_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def attention_bias_ckpt(tmp_path_factory):
+    cfg = named_config("tiny")
+    cfg.text.attention_bias = True  # q/k/v biases sharded with their heads, o_proj's added once after the sum
+    return _save_checkpoint(cfg, tmp_path_factory.mktemp("tp_attention_bias"))
+
+
+@pytest.fixture(scope="module")
 def vlm_ckpt(tmp_path_factory):
     from test_model_vlm import tiny_vlm
 
@@ -190,6 +197,16 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_paralle
                                sequence_parallel, fsdp):
         assert_same(out, ref)
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_attention_biases(attention_bias_ckpt, sequence_parallel):
+    batches = text_batch()
+    ref = reference(attention_bias_ckpt, batches)
+    assert ref["grads"]["layers.3.self_attn.o_proj.bias"].norm() > 0
+    for out in run_distributed(_tp_rank, 2, attention_bias_ckpt, batches, 1, True, False, math.inf, 0.0,
+                               sequence_parallel):
+        assert_same(out, ref)
 
 
 def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):

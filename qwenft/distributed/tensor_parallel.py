@@ -14,6 +14,15 @@
 | layer norms, final norm, vision tower | plain, replicated (identical compute and grads on every tp rank); with sequence_parallel the layer norms' weights are replicated DTensors run on T/tp tokens |
 
 Without sequence_parallel the residual stream between blocks is replicated on every tp rank.
+
+The decoder layers do not run on DTensors. Their projections become `ShardedLinear`s: the parameters stay
+DTensors (for FSDP2, the loader and checkpoints), and the forward multiplies their local shards as plain
+tensors. Each attention / GatedDeltaNet block and each MLP communicates once each way, as Megatron-LM does:
+`_ToBlock` on its input (forward: nothing, or all-gather the tokens under sequence parallelism; backward:
+all-reduce, or reduce-scatter, the input gradients its column-parallel projections left on each rank) and
+`_FromBlock` on its row-parallel output (the reverse). DTensor's dispatch on every op had made a tp2 layer's
+host work 3.5-4.6x tp1's (docs/performance.md, host time). The vocab-parallel embedding and head keep
+torch's ColwiseParallel / RowwiseParallel: two modules per model, not per layer.
 """
 
 import functools
@@ -22,12 +31,13 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from qwenft.models.qwen3_5.attention import local
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
 
 
@@ -67,37 +77,29 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
     output gathered on exit, so embeddings, vision tower, final norm, head and pipeline stage boundaries
     see full sequences.
     """
-    col, row = ColwiseParallel(), RowwiseParallel()
-    if sequence_parallel:
-        row = RowwiseParallel(output_layouts=Shard(1))  # reduce-scatter over tokens
-    # Each mixer and MLP takes its input as one replicated DTensor (sequence parallel: all-gathered from the
-    # token shards). Its column-parallel projections then share that input: their partial input gradients
-    # add up locally and one all-reduce (sequence parallel: one reduce-scatter) per block sums them in the
-    # backward, instead of one per projection (GDN has six).
-    entry = {n: PrepareModuleInput(input_layouts=(Shard(1) if sequence_parallel else Replicate(),) + (None,) * (n - 1),
-                                   desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
-             for n in (1, 2, 3)}  # by positional input count: mlp(x), linear_attn(x, cu), self_attn(x, rope, cu)
+    block_in = functools.partial(_block_input, mesh=tp_mesh, seq=sequence_parallel)
+    block_out = functools.partial(_block_output, mesh=tp_mesh, seq=sequence_parallel)
     for layer in model.layers.values():
         if layer.layer_type == FULL_ATTENTION:
-            plan = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
-                    "self_attn.o_proj": row}
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            mixer, cols, row = layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"
+            for norm in (mixer.q_norm, mixer.k_norm):
                 _shard_param(norm, "weight", tp_mesh, Replicate())
         else:
-            gdn = layer.linear_attn
-            plan = {f"linear_attn.{p}_proj": col for p in "qkvzab"} | {"linear_attn.out_proj": row}
+            mixer, cols, row = layer.linear_attn, tuple(f"{p}_proj" for p in "qkvzab"), "out_proj"
             for name in ("conv_q", "conv_k", "conv_v"):
-                _shard_param(gdn, name, tp_mesh, Shard(0))
+                _shard_param(mixer, name, tp_mesh, Shard(0))
             for name in ("A_log", "dt_bias"):
-                _shard_param(gdn.decay, name, tp_mesh, Shard(0))
-            _shard_param(gdn.norm, "weight", tp_mesh, Replicate())
-        plan |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
-        mixer, n_inputs = ("self_attn", 3) if layer.layer_type == FULL_ATTENTION else ("linear_attn", 2)
-        plan |= {mixer: entry[n_inputs], "mlp": entry[1]}
+                _shard_param(mixer.decay, name, tp_mesh, Shard(0))
+            _shard_param(mixer.norm, "weight", tp_mesh, Replicate())
+        for block, col_names, row_name in ((mixer, cols, row), (layer.mlp, ("gate_proj", "up_proj"), "down_proj")):
+            block.register_forward_pre_hook(block_in)
+            for name in col_names:
+                _local_linear(getattr(block, name), tp_mesh, Shard(0))
+            _local_linear(getattr(block, row_name), tp_mesh, Shard(1))
+            getattr(block, row_name).register_forward_hook(block_out)
         if sequence_parallel:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # see T/tp tokens each
                 _shard_param(norm, "weight", tp_mesh, Replicate())
-        parallelize_module(layer, tp_mesh, plan)
     if sequence_parallel and len(model.layers):
         layers = list(model.layers.values())
         layers[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
@@ -128,6 +130,87 @@ def _gather_tokens(layer, args, output, mesh):
     """Sequence parallel exit: all-gather the tokens (backward: keep this rank's slice of the gradient)."""
     return DTensor.from_local(output, mesh, [Shard(1)], run_check=False).redistribute(
         mesh, [Replicate()]).to_local()
+
+
+def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
+    """Shard `linear`'s weight over `mesh` (placement Shard(0): column-parallel, Shard(1): row-parallel) and run
+    it on the local shard. A bias is sharded with a column-parallel weight, replicated with a row-parallel one.
+
+    The parameters stay DTensors (FSDP2 shards them further over dp, the loader and checkpoints read their
+    placements); the forward multiplies plain tensors: `to_local()` hands the gradient back with the same
+    placement, so the shards' gradients need no communication. Only `_block_input` / `_block_output`
+    communicate, once per block, and the projections skip DTensor's per-op dispatch, which made a tp2
+    layer's host work 3.5-4.6x tp1's (docs/performance.md, host time)."""
+    _shard_param(linear, "weight", mesh, placement)
+    if linear.bias is not None:  # row-parallel: replicated, added by `_block_output` after the sum
+        _shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
+    linear.__class__ = ShardedLinear  # one class for all: compiled graphs guard on the type, not per instance
+
+
+class ShardedLinear(nn.Linear):
+    """An nn.Linear whose DTensor weight (and a column-parallel bias) are multiplied as local shards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sharded_bias = self.bias is not None and self.bias.placements[-1].is_shard()
+        return torch.nn.functional.linear(x, self.weight.to_local(), self.bias.to_local() if sharded_bias else None)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _all_reduce(x, mesh):
+    return _wait(funcol.all_reduce(x.contiguous(), "sum", mesh))
+
+
+def _all_gather_tokens(x, mesh):
+    return _wait(funcol.all_gather_tensor(x.contiguous(), 1, mesh))
+
+
+def _reduce_scatter_tokens(x, mesh):
+    return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, mesh))
+
+
+class _ToBlock(torch.autograd.Function):
+    """A block's input, replicated: forward as is (sequence parallel: all-gather the tokens); backward sum the
+    gradients that the block's column-parallel projections left on each rank (reduce-scatter the tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, seq):
+        ctx.mesh, ctx.seq = mesh, seq
+        return _all_gather_tokens(x, mesh) if seq else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_reduce_scatter_tokens if ctx.seq else _all_reduce)(grad, ctx.mesh), None, None
+
+
+class _FromBlock(torch.autograd.Function):
+    """A row-parallel projection's output: forward sum the ranks' partial outputs (sequence parallel:
+    reduce-scatter the tokens); backward the gradient is already whole on each rank (all-gather the tokens)."""
+
+    @staticmethod
+    def forward(ctx, y, mesh, seq):
+        ctx.mesh, ctx.seq = mesh, seq
+        return (_reduce_scatter_tokens if seq else _all_reduce)(y, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_all_gather_tokens(grad, ctx.mesh) if ctx.seq else grad), None, None
+
+
+def _block_input(block, args, mesh, seq):
+    x, *rest = args
+    return (_ToBlock.apply(x, mesh, seq), *rest)
+
+
+def _block_output(linear, args, output, mesh, seq):
+    out = _FromBlock.apply(output, mesh, seq)
+    if linear.bias is None:
+        return out
+    # every rank adds the whole bias, so its gradient is whole too; with sequence parallelism it is this rank's
+    # tokens' share, summed over tp (`local`)
+    return out + (local(linear.bias) if seq else linear.bias.to_local())
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
