@@ -1,13 +1,13 @@
 """Host-side time of one microbatch's forward + backward per decoder layer, with kernels too small to matter.
 
     python scripts/host_time.py [--repeat 20] recipe=tiny data.seq_len=16 [mesh.tp=2] \
-        [model.activation_checkpointing=true]
+        [model.activation_checkpointing=true] [model.compile=true]
 
 Builds the model as `qwenft train` does up to FSDP (tensor parallel over mesh.tp on a fake process group,
 whose collectives do nothing; activation checkpointing), on the CPU in fp32, and times forward + backward of
 one microbatch of `data.seq_len` tokens. With the tiny model and a few tokens the kernels take microseconds,
-so what is timed is the host's work per op: Python, torch's dispatch, DTensor's sharding propagation and
-redistributions, autograd and the recompute. That work does not depend on the model's dimensions, only on
+so what is timed is the host's work per op: Python, torch's dispatch, DTensor where parameters pass
+through it, autograd and the recompute. That work does not depend on the model's dimensions, only on
 its structure (ops per layer), so the time per decoder layer carries over to the 27B shape. Leaves out FSDP,
 the collectives' own cost and CUDA's launch latency. GatedDeltaNet's delta rule runs as a single stand-in op,
 as fla's kernels are a few launches (the torch reference's chunk loop would dominate). A GPU step is

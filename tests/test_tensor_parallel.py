@@ -199,13 +199,15 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_paralle
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp2_attention_biases(attention_bias_ckpt, sequence_parallel):
+@pytest.mark.parametrize("fsdp, sequence_parallel", [(False, False), (False, True), (True, True)])
+def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
+    """q/k/v biases sharded with their heads; o_proj's replicated and added once, after the ranks' outputs are
+    summed (FSDP: with activation checkpointing, so the recompute adds it too)."""
     batches = text_batch()
     ref = reference(attention_bias_ckpt, batches)
     assert ref["grads"]["layers.3.self_attn.o_proj.bias"].norm() > 0
-    for out in run_distributed(_tp_rank, 2, attention_bias_ckpt, batches, 1, True, False, math.inf, 0.0,
-                               sequence_parallel):
+    for out in run_distributed(_tp_rank, 2, attention_bias_ckpt, batches, 1, True, fsdp, math.inf, 0.0,
+                               sequence_parallel, fsdp):
         assert_same(out, ref)
 
 

@@ -20,8 +20,9 @@ DTensors (for FSDP2, the loader and checkpoints), and the forward multiplies the
 tensors. Each attention / GatedDeltaNet block and each MLP communicates once each way, as Megatron-LM does:
 `_ToBlock` on its input (forward: nothing, or all-gather the tokens under sequence parallelism; backward:
 all-reduce, or reduce-scatter, the input gradients its column-parallel projections left on each rank) and
-`_FromBlock` on its row-parallel output (the reverse). DTensor's dispatch on every op had made a tp2 layer's
-host work 3.5-4.6x tp1's (docs/performance.md, host time). The vocab-parallel embedding and head keep
+`_FromBlock` on its row-parallel output (the reverse). torch's ColwiseParallel / RowwiseParallel, which ran
+every projection's ops and the hooks' redistributions through DTensor's dispatch, had made a tp2 layer's host
+work 3.5-4.6x tp1's (docs/performance.md, host time). The vocab-parallel embedding and head keep
 torch's ColwiseParallel / RowwiseParallel: two modules per model, not per layer.
 """
 
@@ -122,8 +123,8 @@ def _split_tokens(layer, args, mesh):
     if h.shape[1] % mesh.size():
         raise ValueError(f"sequence parallelism needs the sequence length to divide by mesh.tp: {h.shape[1]} "
                          f"tokens per row, tp={mesh.size()}; pick data.seq_len as a multiple of {mesh.size()}")
-    local = DTensor.from_local(h, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
-    return (local.to_local(), *rest)
+    shard = DTensor.from_local(h, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+    return (shard.to_local(), *rest)
 
 
 def _gather_tokens(layer, args, output, mesh):
@@ -139,8 +140,7 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     The parameters stay DTensors (FSDP2 shards them further over dp, the loader and checkpoints read their
     placements); the forward multiplies plain tensors: `to_local()` hands the gradient back with the same
     placement, so the shards' gradients need no communication. Only `_block_input` / `_block_output`
-    communicate, once per block, and the projections skip DTensor's per-op dispatch, which made a tp2
-    layer's host work 3.5-4.6x tp1's (docs/performance.md, host time)."""
+    communicate, once per block, and the projections' ops skip DTensor's dispatch."""
     _shard_param(linear, "weight", mesh, placement)
     if linear.bias is not None:  # row-parallel: replicated, added by `_block_output` after the sum
         _shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
@@ -151,8 +151,14 @@ class ShardedLinear(nn.Linear):
     """An nn.Linear whose DTensor weight (and a column-parallel bias) are multiplied as local shards."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a row-parallel bias is replicated: `_block_output` adds it once, after the ranks' outputs are summed
         sharded_bias = self.bias is not None and self.bias.placements[-1].is_shard()
         return torch.nn.functional.linear(x, self.weight.to_local(), self.bias.to_local() if sharded_bias else None)
+
+
+# renamed *_single in torch 2.13 (the old names warn there); the GPU image's torch 2.11 has only the old ones
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -164,11 +170,11 @@ def _all_reduce(x, mesh):
 
 
 def _all_gather_tokens(x, mesh):
-    return _wait(funcol.all_gather_tensor(x.contiguous(), 1, mesh))
+    return _wait(_funcol_all_gather(x.contiguous(), 1, mesh))
 
 
 def _reduce_scatter_tokens(x, mesh):
-    return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, mesh))
+    return _wait(_funcol_reduce_scatter(x.contiguous(), "sum", 1, mesh))
 
 
 class _ToBlock(torch.autograd.Function):

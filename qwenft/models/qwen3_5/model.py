@@ -78,9 +78,10 @@ def compile_layer(layer: DecoderLayer) -> None:
     the kernels (fla's Triton convs and delta rule, the torch reference, SDPA or varlen flash attention) and
     everything that reads cu_seqlens (`varlen_info`'s identity cache, masks, positions), so a batch with a
     different number of documents reuses the graphs: every compiled input is [B, T, ...] of the fixed
-    data.seq_len (dynamic=False). Each module's `forward` is replaced, not its `__call__`, so FSDP2's and
-    TP's module hooks stay eager around the graphs; layers of one kind share their graphs (one code object,
-    parameters are graph inputs).
+    data.seq_len (dynamic=False). Each module's `forward` is replaced, not its `__call__`, so FSDP2's hooks
+    and TP's block-input hooks stay eager around the graphs; TP's row-parallel output hooks sit on
+    submodules inside the pieces and are traced into them. Layers of one kind share their graphs (one code
+    object, parameters are graph inputs).
     """
     for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
         module.forward = _compile(module.forward)
