@@ -56,7 +56,7 @@ compile)  # compile against no compile on one commit, compile with AC off, chunk
  bench ac_off_compile 300 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=false \
    model.compile=true) &
 wait ;;
-tp2_trace)  # not yet run: tp2's profile plus both ranks' timelines (which rank the all-reduces wait for)
-bench tp2_profile 420 2 0,1 "--warmup 1 --profile $out/tp2.txt --trace $out/tp2_trace" train.max_steps=2 mesh.tp=2 ;;
+tp2_trace)  # not yet run: tp2's profile (steps 2-3) plus both ranks' timelines (which rank the all-reduces wait for)
+bench tp2_profile 420 2 0,1 "--warmup 1 --profile $out/tp2.txt --trace $out/tp2_trace" train.max_steps=3 mesh.tp=2 ;;
 *) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile or tp2_trace" >&2; exit 2 ;;
 esac
