@@ -29,20 +29,13 @@ from qwenft.cli import compose  # noqa: E402
 from qwenft.train.runner import run  # noqa: E402
 
 
-def metrics(run_dir: Path, skip: int = 0) -> list[dict]:
-    """The rows of run_dir's metrics.jsonl after the first `skip` (those an earlier run in the same run_dir wrote)."""
+def metrics_lines(run_dir: Path) -> list[str]:
+    """The lines of run_dir's metrics.jsonl; none before a run wrote it."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()[skip:]] if path.exists() else []
+    return path.read_text().splitlines() if path.exists() else []
 
 
-def _rows_written(run_dir: Path) -> int:
-    """Lines already in run_dir's metrics.jsonl (counted, not parsed: a killed run may leave half a line)."""
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def summarize(run_dir: Path, warmup: int, peaks_gib: list[float], skip: int = 0) -> dict:
-    rows = metrics(run_dir, skip)
+def summarize(rows: list[dict], warmup: int, peaks_gib: list[float]) -> dict:
     timed = rows[warmup:] or rows[-1:]
     step_s = statistics.median(r["step_time_s"] for r in timed)
     out = {
@@ -136,7 +129,9 @@ def main():
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
-    earlier = _rows_written(Path(cfg.run_dir)) if cfg.run_dir else 0  # a reused run_dir's metrics.jsonl appends
+    # a reused run_dir's metrics.jsonl appends: skip its earlier lines (counted, not parsed: a killed run may
+    # leave half a line)
+    earlier = len(metrics_lines(Path(cfg.run_dir))) if cfg.run_dir else 0
     if args.profile:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
         result, averages, profiled = profiled_run(cfg, args.warmup, trace)
@@ -153,16 +148,17 @@ def main():
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
     if dist.get_rank() == 0:
+        rows = [json.loads(line) for line in metrics_lines(result.run_dir)[earlier:]]
         report = {"overrides": overrides, "world_size": dist.get_world_size(),
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "torch": torch.__version__,
-                  **summarize(result.run_dir, args.warmup, [round(p.item(), 2) for p in peaks], earlier)}
+                  **summarize(rows, args.warmup, [round(p.item(), 2) for p in peaks])}
         if breakdown is not None:  # the steps after the warm-up
             report["gpu_ms_per_step_by_kernel_kind"] = breakdown
             # GPU time against wall time over the same steps: what the kernels leave idle (host-bound gaps; with
             # several GPUs NCCL kernels overlap compute, so there the sum is not busy time)
             report["gpu_kernel_ms_per_step"] = round(sum(breakdown.values()), 1)
-            walls = [r["step_time_s"] for r in metrics(result.run_dir, earlier)[args.warmup:]]
+            walls = [r["step_time_s"] for r in rows[args.warmup:]]
             report["step_ms_profiled"] = round(1e3 * statistics.mean(walls), 1)
         if planned is not None:
             report["planned_peak_gib_per_rank"] = planned

@@ -156,7 +156,6 @@ def test_fsdp_prefetch_gathers_one_more_layer_per_unit_ahead():
     layer next to it; mesh.fsdp_prefetch=2 adds the second layer from each end, a GatedDeltaNet layer on both
     stages (layers 1 and 62), its unsharded parameters at 2 bytes each (4 for the fp32 decay parameters,
     gdn.Decay). fsdp_prefetch=1 is what FSDP2 does implicitly: no change."""
-
     from qwenft.models.loader import build_model
     from qwenft.train.runner import _model_config
 

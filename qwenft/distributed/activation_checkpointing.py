@@ -47,8 +47,6 @@ def _saved_ops() -> frozenset:
     return frozenset(op.default if hasattr(op, "default") else op for op in ops)
 
 
-
-
 class _KeptOutputsMode(TorchDispatchMode):
     """The dispatch modes of one `selective` layer share `kept`: op -> its kept outputs, in call order."""
 

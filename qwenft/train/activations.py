@@ -126,5 +126,3 @@ def logits_bytes(vocab: int, tokens: int, compute_bytes: int, *, vocab_parallel:
     backward = 12 + held_logits  # log-softmax, its gradient, the gradient of its input
     return max(forward, backward) * vocab * tokens, (4 + held_logits) * vocab * tokens
 
-
-# ---------------------------------------------------------------- what FSDP holds
