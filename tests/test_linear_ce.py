@@ -138,3 +138,82 @@ def test_vocab_sharded_weight_is_refused():
         return True
 
     assert run_distributed(body, 1) == [True]
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 8, 37, 64])
+def test_fused_loss_and_grads_equal_whole_logits(chunk):
+    """model.kernels.ce=fused (gradients formed in the forward; its torch ops on the CPU) = the whole-logits CE."""
+    from qwenft.models.linear_ce import fused_linear_ce_sum
+
+    h, w, labels = _inputs()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w_ref.t()).float(), labels, ignore_index=-100, reduction="sum")
+    (ref * 0.7).backward()
+
+    h_c, w_c = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fused_linear_ce_sum(h_c, w_c, labels, chunk)
+    (out * 0.7).backward()
+
+    assert abs(out.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    assert rel_err(h_c.grad, h_ref.grad) < 1e-6
+    assert rel_err(w_c.grad, w_ref.grad) < 1e-6
+    assert (h_c.grad[::3] == 0).all()
+    with torch.no_grad():  # evaluation: the loss alone, nothing kept
+        assert abs(fused_linear_ce_sum(h, w, labels, chunk).item() - ref.item()) <= 1e-6 * abs(ref.item())
+
+
+def test_fused_bf16_gradients_round_once_from_fp32():
+    """In bf16 the fused head's gradients are the fp32 ones rounded once, like the unfused head's backward:
+    within bf16 rounding of an fp64 computation, and the upstream gradient (1/3001, not a power of two) is
+    applied in fp32, not rounded to bf16 first (that alone would scale every gradient by 1 + 1.7e-3)."""
+    from qwenft.models.linear_ce import fused_linear_ce_sum
+
+    h, w, labels = _inputs(n=64, hidden=32, vocab=3000)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    scale = 1.0 / 3001
+    (F.cross_entropy(h64 @ w64.t(), labels, ignore_index=-100, reduction="sum") * scale).backward()
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    (fused_linear_ce_sum(hb, wb, labels) * torch.tensor(scale)).backward()
+    for ours, ref in ((hb.grad, h64.grad), (wb.grad, w64.grad)):
+        assert rel_err(ours, ref) < 1e-2
+        # no common factor off 1: the least-squares scale between ours and fp64 is 1 to well under a bf16 ulp
+        fit = (ours.double() * ref).sum() / (ref * ref).sum()
+        assert abs(fit.item() - 1) < 5e-4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_model_labels_path_equals_logits_path(tied):
+    """Qwen3_5Model(ce_kernel="fused")(..., labels=): the CE sum and every gradient of the logits path (fp64)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(named_config("tiny"), tie_word_embeddings=tied)
+    ref_model, model = (init_random_weights(build_model(cfg, kernels="torch", device="meta", ce_kernel=kernel),
+                                            seed=3, device="cpu", dtype=torch.float64)
+                        for kernel in ("torch", "fused"))
+    ids, labels = _tiny_batch(cfg)
+    ref = token_ce_sum(ref_model(input_ids=ids), labels)
+    ref.backward()
+    out = model(input_ids=ids, labels=labels)
+    out.backward()
+    assert abs(out.item() - ref.item()) <= 1e-6 * abs(ref.item())
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        assert rel_err(p.grad, ref_grads[name].grad) < 1e-6, name
+
+
+def test_fused_vocab_sharded_weight_is_refused():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from distributed import run_distributed
+    from qwenft.models.linear_ce import fused_linear_ce_sum
+
+    def body(rank, world):
+        mesh = init_device_mesh("cpu", (world,))
+        h, w, labels = _inputs()
+        w = distribute_tensor(w, mesh, [Shard(0)])
+        with pytest.raises(ValueError, match="mesh.vocab_parallel=false or model.kernels.ce=torch"):
+            fused_linear_ce_sum(h, w, labels, 8)
+        return True
+
+    assert run_distributed(body, 1) == [True]

@@ -27,6 +27,9 @@ class KernelsConfig:
     gdn: str = "auto"  # auto | fla | torch  (auto = fla on CUDA when importable)
     # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
     attention: str = "auto"
+    # the lm_head's cross-entropy: fused = gradients formed in the forward, no fp32 logits
+    # (qwenft.models.linear_ce); auto = fused on CUDA unless the head is vocab-parallel, else torch
+    ce: str = "auto"
 
 
 @dataclass
@@ -202,6 +205,7 @@ CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.kernels.gdn": ("auto", "fla", "torch"),
     "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
+    "model.kernels.ce": ("auto", "torch", "fused"),
     "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),
@@ -301,6 +305,9 @@ def validate(cfg: Config) -> None:
 def _validate_memory_options(cfg: Config) -> None:
     if cfg.model.ce_chunk_tokens < 0:
         raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} must be >= 0 (0 = off)")
+    if cfg.model.kernels.ce == "fused" and cfg.mesh.tp > 1 and cfg.mesh.vocab_parallel:
+        raise ValueError(f"model.kernels.ce=fused needs the whole lm_head on each rank, but mesh.vocab_parallel=true "
+                         f"shards it over mesh.tp={cfg.mesh.tp}; set mesh.vocab_parallel=false or model.kernels.ce=torch")
     if cfg.model.ce_chunk_tokens and cfg.mesh.tp > 1 and cfg.mesh.vocab_parallel:
         raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} needs the whole lm_head on each rank, "
                          f"but mesh.vocab_parallel=true shards it over mesh.tp={cfg.mesh.tp}; set "

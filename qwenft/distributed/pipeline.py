@@ -161,11 +161,11 @@ class StageModel(Qwen3_5Model):
 
 
 def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str, ce_chunk_tokens: int = 0,
-                      attention_kernel: str = "auto") -> StageModel:
+                      attention_kernel: str = "auto", ce_kernel: str = "torch") -> StageModel:
     """Like `qwenft.models.loader.build_model`, on meta, as a `StageModel` (same parameter names)."""
     with torch.device("meta"):
         return StageModel(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
-                          ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel)
+                          ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel)
 
 
 def stack_images(pixel_values: list, image_grid_thw: list) -> tuple[torch.Tensor, torch.Tensor]:

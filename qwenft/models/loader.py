@@ -25,11 +25,11 @@ SAFETENSORS_SINGLE = "model.safetensors"
 
 def build_model(cfg: ModelConfig, kernels: str = "auto", layer_ids=None, embed: bool = True, head: bool = True,
                 device="meta", dtype: torch.dtype | None = None, ce_chunk_tokens: int = 0,
-                attention_kernel: str = "auto") -> Qwen3_5Model:
+                attention_kernel: str = "auto", ce_kernel: str = "torch") -> Qwen3_5Model:
     """The native model on `device` (default meta: shapes only). `dtype` casts all but GDN's fp32 params."""
     with torch.device(device):
         model = Qwen3_5Model(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
-                             ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel)
+                             ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel)
     if dtype is not None:
         model.to_dtype(dtype)
     return model

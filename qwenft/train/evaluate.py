@@ -56,7 +56,9 @@ def build_eval_schedule(pipe, cfg: Config, device, pp_group, num_microbatches: i
     from torch.distributed.pipelining import PipelineStage
 
     stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
-    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
+    from qwenft.train.runner import _ce_in_model
+
+    loss_fn = pp_lib.TokenCE(ce_in_model=_ce_in_model(cfg))
     return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
 
 

@@ -79,6 +79,21 @@ def _master_dtype(cfg: Config) -> torch.dtype:
     return getattr(torch, cfg.optim.master_dtype)
 
 
+def ce_kernel(cfg: Config) -> str:
+    """model.kernels.ce resolved: auto = fused on CUDA (less memory, no fp32 logits) unless the head is
+    vocab-parallel (its weight is then a vocab shard), else torch."""
+    choice = cfg.model.kernels.ce
+    if choice == "auto":
+        vocab_sharded = cfg.mesh.tp > 1 and cfg.mesh.vocab_parallel
+        return "fused" if device_type() == "cuda" and not vocab_sharded else "torch"
+    return choice
+
+
+def _ce_in_model(cfg: Config) -> bool:
+    """Whether the head computes the CE itself (given the labels) rather than returning logits."""
+    return cfg.model.ce_chunk_tokens > 0 or ce_kernel(cfg) == "fused"
+
+
 def _optim_dtypes(cfg: Config) -> dict:
     return {"state_dtype": cfg.optim.state_dtype, "master_dtype": cfg.optim.master_dtype}
 
@@ -239,7 +254,7 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
         reshard = reshard or _microbatching(cfg, layout.dp)[1] == 1
         model = build_model(model_cfg, kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
                             device="meta", dtype=_master_dtype(cfg),
-                            ce_chunk_tokens=cfg.model.ce_chunk_tokens)
+                            ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=ce_kernel(cfg))
         _freeze(model, cfg)
         _parallelize(model, cfg, mesh, device, reshard_after_forward=reshard)
         return [(0, model)]
@@ -250,7 +265,7 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
         module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == len(layers) - 1,
                                           kernels=cfg.model.kernels.gdn,
                                           attention_kernel=cfg.model.kernels.attention,
-                                          ce_chunk_tokens=cfg.model.ce_chunk_tokens).to_dtype(_master_dtype(cfg))
+                                          ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=ce_kernel(cfg)).to_dtype(_master_dtype(cfg))
         _freeze(module, cfg)
         _parallelize(module, cfg, mesh, device, reshard_after_forward=reshard)
         out.append((i, module))
@@ -272,7 +287,7 @@ def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatch
         stages.append(pp_lib.ReduceGradStage(
             module, i, num_stages, device, group=mesh["pp"].get_group(),
             reduce_grad_per_microbatch=cfg.pipeline.reduce_grad_per_microbatch, reshard=reshard))
-    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
+    loss_fn = pp_lib.TokenCE(ce_in_model=_ce_in_model(cfg))
     try:
         schedule = pp_lib.build_schedule(name, stages, num_microbatches, loss_fn)
     except ValueError as e:
@@ -286,7 +301,7 @@ def _accumulate(model, micro_batches: list[dict], label_tokens, device, cfg: Con
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, cfg.pipeline.reduce_grad_per_microbatch)
-        loss = ce_sum(model, mb, device, cfg.model.ce_chunk_tokens > 0) / label_tokens.clamp(min=1)
+        loss = ce_sum(model, mb, device, _ce_in_model(cfg)) / label_tokens.clamp(min=1)
         loss.backward()
         step_loss += loss.detach()
     return step_loss
@@ -394,8 +409,8 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal, on_step=No
     def validate() -> float:
         if pipe is not None:
             return eval_loss_pipelined(eval_schedule, val_batches, num_microbatches, device, dp_mesh.get_group(),
-                                        pp_group, cfg.model.ce_chunk_tokens > 0)
-        return eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group(), cfg.model.ce_chunk_tokens > 0)
+                                        pp_group, _ce_in_model(cfg))
+        return eval_loss_unpipelined(model, val_batches, device, dp_mesh.get_group(), _ce_in_model(cfg))
 
     result = RunResult(run_dir=run_dir)
     batches = iter(data)

@@ -103,7 +103,8 @@ class Qwen3_5Model(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids=None, embed: bool = True, head: bool = True,
-                 kernels: str = "torch", ce_chunk_tokens: int = 0, attention_kernel: str = "auto"):
+                 kernels: str = "torch", ce_chunk_tokens: int = 0, attention_kernel: str = "auto",
+                 ce_kernel: str = "torch"):
         super().__init__()
         t = cfg.text
         self.cfg = cfg
@@ -120,7 +121,7 @@ class Qwen3_5Model(nn.Module):
         self.rotary = RotaryEmbedding(t)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels, attention_kernel) for i in ids})
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
-        self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens) if head else None
+        self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens, ce_kernel) if head else None
         self.tie_weights()
 
     def tie_weights(self):

@@ -1,0 +1,71 @@
+"""Cross-entropy of a chunk of bf16 logits and its gradient, in one Triton kernel over the logits in place.
+
+One program per token row: a first pass over the row finds the log-sum-exp (running max and sum per lane,
+in fp32), a second overwrites the logits with d CE / d logits = softmax - one_hot(label), rounded to the
+logits' dtype, which is what the matmuls of the head's backward consume. Two reads and one write of the bf16
+logits, where torch's path writes fp32 logits, their log-softmax and an fp32 gradient (about 7x the traffic).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096
+
+
+@triton.jit
+def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, V, IGNORE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = logits_ptr + row * stride
+    cols = tl.arange(0, BLOCK)
+    max_l = tl.full([BLOCK], -3.0e38, tl.float32)
+    sum_l = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        mask = start + cols < V
+        x = tl.load(ptr + start + cols, mask=mask, other=-3.0e38).to(tl.float32)
+        new_max = tl.maximum(max_l, x)
+        sum_l = sum_l * tl.exp(max_l - new_max) + tl.where(mask, tl.exp(x - new_max), 0.0)
+        max_l = new_max
+    row_max = tl.max(max_l, 0)
+    lse = row_max + tl.log(tl.sum(sum_l * tl.exp(max_l - row_max), 0))
+    target = tl.load(target_ptr + row)
+    valid = target != IGNORE
+    safe_target = tl.where(valid, target, 0)
+    x_target = tl.load(ptr + safe_target).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
+    scale = tl.where(valid, 1.0, 0.0)
+    for start in range(0, V, BLOCK):
+        mask = start + cols < V
+        x = tl.load(ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) - tl.where(start + cols == safe_target, 1.0, 0.0)
+        tl.store(ptr + start + cols, (grad * scale).to(ptr.dtype.element_ty), mask=mask)
+
+
+def ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Per-token CE (0 where the label is `ignore_index`) in fp32; `logits_nv` becomes the CE's gradient."""
+    n, v = logits_nv.shape
+    assert logits_nv.stride(1) == 1, "rows of the logits must be contiguous"
+    loss_n = torch.empty(n, device=logits_nv.device, dtype=torch.float32)
+    if n:
+        _ce_grad_kernel[(n,)](logits_nv, logits_nv.stride(0), labels_n, loss_n, v, IGNORE=ignore_index,
+                              BLOCK=BLOCK, num_warps=8)
+    return loss_n
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    scale = tl.load(scale_ptr)
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale (a 0-dim fp32 tensor on x's device), formed in fp32 and rounded once to x's dtype: torch's
+    bf16 `mul_` by an fp32 tensor rounds differently (the scale is not kept in fp32)."""
+    assert x.is_contiguous()
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, 8192),)](x, scale.float(), n, BLOCK=8192)
+    return x
