@@ -123,7 +123,14 @@ def main():
                         help="with --profile: every rank writes its timeline to DIR/rank<R>.json.gz (where the GPU idles, "
                              "which rank a collective waits for)")
     parser.add_argument("--plan", action="store_true", help="also report qwenft plan's predicted peak per rank")
+    parser.add_argument("--fake-world", type=int, default=None, metavar="N",
+                        help="run rank 0 of N ranks on torch's fake process group: collectives return at once, "
+                             "kernels run at one rank's real sizes (a tensor parallel rank's ceiling on one GPU)")
     args, overrides = parser.parse_known_args()
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
     if args.trace and not args.profile:
         parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win

@@ -1,0 +1,151 @@
+"""Time and check qwenft's own CUDA kernels against the torch paths they replace, at the 27B benchmark's sizes.
+
+    python scripts/bench_kernels.py [--json out.json] [--params 1.0e9] [--tokens 4096]
+
+- AdamW: `LowPrecisionAdamW` over bf16 weights, gradients and moments, foreach (torch ops) against fused (one
+  Triton kernel per tensor): ms per step per billion parameters, and the two paths' results with rounding to
+  nearest (max difference in bf16 ulps), plus the stochastic-rounding bias of the fused path.
+- Cross-entropy of the lm_head (hidden 5120, vocabulary 248,320): torch (bf16 logits, fp32 CE, as
+  `model.kernels.ce=torch`) against the fused linear CE (`model.kernels.ce=fused`) whole and chunked:
+  forward + backward ms, memory above the inputs, and gradient errors against an fp32 computation.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qwenft.models.linear_ce import IGNORE_INDEX, fused_linear_ce_sum  # noqa: E402
+from qwenft.train.optim import LowPrecisionAdamW  # noqa: E402
+
+
+def _time_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_adamw(total_params: float) -> dict:
+    shapes = [(5120, 17408), (17408, 5120), (5120, 5120), (5120,)]
+    per_round = sum(torch.Size(s).numel() for s in shapes)
+    rounds = max(1, round(total_params / per_round))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make():
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).mul_(0.02).bfloat16())
+              for _ in range(rounds) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).mul_(1e-3).bfloat16()
+        return ps
+
+    n = rounds * per_round
+    out = {"params": n}
+    hyper = dict(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state_dtype=torch.bfloat16)
+    for fused in (False, True):
+        ps = make()
+        opt = LowPrecisionAdamW(ps, fused=fused, **hyper)
+        ms = _time_ms(opt.step, repeat=5, warmup=2)
+        out[f"{'fused' if fused else 'foreach'}_ms_per_1e9_params"] = ms * 1e9 / n
+        del ps, opt
+        torch.cuda.empty_cache()
+    # the two paths with rounding to nearest, a few steps from the same start
+    small = [(513, 1031), (4097,)]
+    results = []
+    for fused in (False, True):
+        g = torch.Generator(device="cuda").manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).bfloat16()) for s in small]
+        opt = LowPrecisionAdamW(ps, fused=fused, stochastic_rounding=False, **dict(hyper, lr=1e-2))
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g).bfloat16()
+            opt.step()
+        results.append(ps)
+    ulps = 0.0
+    for a, b in zip(*results):
+        ulp = torch.finfo(torch.bfloat16).eps * b.float().abs().clamp(min=1e-30)
+        ulps = max(ulps, ((a.float() - b.float()).abs() / ulp).max().item())
+    out["nearest_max_diff_bf16_ulps"] = ulps
+    # stochastic rounding: a tiny update on 1.0, averaged over 2^20 elements, keeps its mean
+    p = torch.nn.Parameter(torch.ones(1 << 20, device="cuda", dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    opt = LowPrecisionAdamW([p], fused=True, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                            state_dtype=torch.float32)
+    opt.step()
+    out["sr_mean_update"] = (1.0 - p.float().mean().item())
+    out["sr_expected_update"] = 1e-4
+    return out
+
+
+def bench_ce(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(tokens, hidden, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    labels[::7] = IGNORE_INDEX
+    scale = 1.0 / tokens
+
+    def torch_path():
+        return F.cross_entropy((h @ w.t()).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    ref_loss = F.cross_entropy(h.float() @ w.float().t(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    ref_dh, ref_dw = torch.autograd.grad(ref_loss * scale, (h, w))
+    ref_dh, ref_dw = ref_dh.float(), ref_dw.float()
+    variants = {"torch": torch_path}
+    for chunk in (0, 2048, 1024):
+        variants[f"fused_chunk{chunk}"] = lambda chunk=chunk: fused_linear_ce_sum(h, w, labels, chunk)
+    out = {"tokens": tokens, "vocab": vocab, "hidden": hidden}
+    for name, fn in variants.items():
+        def step():
+            loss = fn() * scale
+            dh, dw = torch.autograd.grad(loss, (h, w))
+            return loss, dh, dw
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss, dh, dw = step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
+        out[name] = {"ms": _time_ms(step), "peak_gib_above_inputs": peak,
+                     "loss_rel_err": abs(loss.item() / scale - ref_loss.item()) / abs(ref_loss.item()),
+                     "dh_rel_err": rel(dh, ref_dh), "dw_rel_err": rel(dw, ref_dw)}
+        del loss, dh, dw
+    # the backward scales bf16 gradients by the fp32 incoming gradient: it must round once, from fp32
+    x = torch.randn(1 << 20, device="cuda").bfloat16()
+    s = torch.tensor(1.0 / 3001, device="cuda")
+    out["bf16_mul_fp32_scalar_exact"] = torch.equal(x.clone().mul_(s), (x.float() * s).bfloat16())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--params", type=float, default=1.0e9, help="AdamW: parameters per step")
+    parser.add_argument("--tokens", type=int, default=4096, help="CE: tokens per microbatch")
+    args = parser.parse_args()
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "adamw": bench_adamw(args.params), "ce": bench_ce(args.tokens)}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

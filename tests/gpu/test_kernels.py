@@ -1,0 +1,95 @@
+"""qwenft's own Triton kernels against their torch references, on CUDA (skipped without a GPU)."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_ce_kernel_equals_torch_ops():
+    from qwenft.models.ce_kernel import ce_grad_
+    from qwenft.models.linear_ce import IGNORE_INDEX, _ce_grad_torch_
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(300, 50_000, device="cuda", generator=gen) * 4).bfloat16()
+    labels = torch.randint(0, 50_000, (300,), device="cuda", generator=gen)
+    labels[::5] = IGNORE_INDEX
+    ours, ref = logits.clone(), logits.clone()
+    loss, ref_loss = ce_grad_(ours, labels, IGNORE_INDEX), _ce_grad_torch_(ref, labels)
+    assert _rel(loss, ref_loss) < 1e-6
+    assert _rel(ours.float(), ref.float()) < 1e-3  # both fp32 math rounded once to bf16; exp differs in the last bits
+    assert not ours[::5].any()  # unlabelled tokens: no gradient
+
+
+def test_scale_rounds_once_from_fp32():
+    from qwenft.models.ce_kernel import scale_
+
+    x = torch.randn(1 << 20, device="cuda").bfloat16()
+    s = torch.tensor(1.0 / 3001, device="cuda")
+    assert torch.equal(scale_(x.clone(), s), (x.float() * s).bfloat16())
+
+
+def test_fused_linear_ce_within_bf16_of_fp32():
+    from qwenft.models.linear_ce import fused_linear_ce_sum
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(512, 256, device="cuda", generator=gen)
+    w = torch.randn(32_000, 256, device="cuda", generator=gen) * 0.05
+    labels = torch.randint(0, 32_000, (512,), device="cuda", generator=gen)
+    labels[::4] = -100
+    h32, w32 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h32 @ w32.t(), labels, ignore_index=-100, reduction="sum")
+    (ref / 3001).backward()
+    for chunk in (0, 100):
+        hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        out = fused_linear_ce_sum(hb, wb, labels, chunk)
+        (out / 3001).backward()
+        assert abs(out.item() - ref.item()) < 1e-2 * abs(ref.item())
+        assert _rel(hb.grad, h32.grad) < 2e-2 and _rel(wb.grad, w32.grad) < 2e-2
+
+
+def _adamw_run(fused, dtype, state_dtype, rounding, steps=3):
+    from qwenft.train.optim import LowPrecisionAdamW
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).to(dtype)) for s in ((513, 1031), (7,))]
+    opt = LowPrecisionAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state_dtype=state_dtype,
+                            stochastic_rounding=rounding, fused=fused)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
+        opt.step()
+    return params, opt
+
+
+def test_fused_adamw_equals_foreach_in_fp32():
+    ours, _ = _adamw_run(True, torch.float32, torch.float32, False)
+    ref, _ = _adamw_run(False, torch.float32, torch.float32, False)
+    for a, b in zip(ours, ref):
+        assert _rel(a, b) < 1e-6
+
+
+def test_fused_adamw_bf16_nearest_within_one_ulp_of_foreach():
+    ours, _ = _adamw_run(True, torch.bfloat16, torch.bfloat16, False, steps=1)
+    ref, _ = _adamw_run(False, torch.bfloat16, torch.bfloat16, False, steps=1)
+    for a, b in zip(ours, ref):
+        ulp = torch.finfo(torch.bfloat16).eps * b.float().abs()
+        assert ((a.float() - b.float()).abs() <= ulp).all()
+
+
+def test_fused_adamw_stochastic_rounding_is_unbiased():
+    """An update of 1e-4 on 1.0 is far below half a bf16 ulp (2^-8 below 1): rounding to nearest loses it,
+    stochastic rounding keeps it in the mean over 2^20 elements (standard error about 2e-6)."""
+    from qwenft.train.optim import LowPrecisionAdamW
+
+    for rounding, expected in ((True, 1e-4), (False, 0.0)):
+        p = torch.nn.Parameter(torch.ones(1 << 20, device="cuda", dtype=torch.bfloat16))
+        p.grad = torch.ones_like(p)
+        LowPrecisionAdamW([p], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, state_dtype=torch.float32,
+                          stochastic_rounding=rounding, fused=True).step()
+        assert abs((1 - p.float().mean().item()) - expected) < 5e-6
