@@ -232,7 +232,7 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
 @pytest.mark.parametrize("knob, microbatches, gathers", [(False, 2, 1), (True, 2, 4), (False, 1, 2)])
 def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob, microbatches, gathers):
     """pp1, 2 microbatches: knob off, parameters stay gathered from the first forward to the step's one
-    reduce-scatter (pipeline.reshard_policy); knob on, each layer gathers in every forward and every backward.
+    reduce-scatter (pipeline.stage.reshard_policy); knob on, each layer gathers in every forward and every backward.
     One microbatch: nothing to keep them for (the backward reduces at once), so they reshard after the
     forward as with the knob on, not held all through it."""
     for counts in run_distributed(_all_gathers_per_step, 2, knob, microbatches):

@@ -101,12 +101,12 @@ def _real_step_bytes(rank, world_size, overrides):
     """Run the real runner for one step and record, on this rank: the gradients held after the first microbatch's
     backward (knob off: the unsharded accumulator), and after the optimizer step (before zero_grad) the
     parameters, sharded gradients and optimizer state."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import stage as pp_stage
     from qwenft.train import runner
 
     seen = {}
 
-    class RecordingStage(pp_lib.ReduceGradStage):
+    class RecordingStage(pp_stage.ReduceGradStage):
         def backward_maybe_with_nosync(self, *args, **kwargs):
             result = super().backward_maybe_with_nosync(*args, **kwargs)
             seen.setdefault("first_backward_grads", _storage_bytes(
@@ -129,7 +129,7 @@ def _real_step_bytes(rank, world_size, overrides):
         optimizer.zero_grad = measure_then_zero_grad
         return optimizer
 
-    pp_lib.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
+    pp_stage.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
     runner.build_optimizer = recording_optimizer
     runner.run(compose(overrides))
     return seen

@@ -52,18 +52,18 @@ def eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_i
 
 def build_eval_schedule(pipe, cfg: Config, device, pp_group, num_microbatches: int):
     """A forward-only schedule over new PipelineStages of the same stage modules (see pipeline_eval_loss)."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import schedule as pp_schedule
     from torch.distributed.pipelining import PipelineStage
 
     stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
-    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
-    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
+    loss_fn = pp_schedule.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
+    return stages, pp_schedule.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
 
 
 def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
                          pp_group, ce_in_model: bool) -> float:
     """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import schedule as pp_schedule
 
     stages, schedule = eval_schedule
     for s in stages:
@@ -74,8 +74,8 @@ def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches
         group = val_batches[start:start + num_microbatches]
         filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
         group = group + [filler] * (num_microbatches - len(group))
-        batch = pp_lib.PipelineBatch.from_microbatches(group, device)
-        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
+        batch = pp_schedule.PipelineBatch.from_microbatches(group, device)
+        group_ce, group_tokens = pp_schedule.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
         ce += group_ce
         tokens += group_tokens
     for s in stages:

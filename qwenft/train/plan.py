@@ -261,7 +261,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
-        # Knob off nothing is resharded within a step (pipeline.reshard_policy, pp = 1 too); otherwise FSDP
+        # Knob off nothing is resharded within a step (pipeline.stage.reshard_policy, pp = 1 too); otherwise FSDP
         # holds the root and `window` units while the forward runs, and the head's unit (with the layers it
         # prefetches and the head's gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
         # head's unit; without, the CE runs on the logits after the head has resharded, and the head's backward

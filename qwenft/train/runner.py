@@ -213,15 +213,15 @@ def check_mesh_keys(cfg: Config, layout) -> None:
 
 def stage_split(cfg: Config, model_cfg, layout) -> tuple[int, list[list[int]]]:
     """(pipeline stages per pp rank, layer indices of every stage) for mesh.pp > 1."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import split as pp_split
 
     name = cfg.pipeline.schedule
-    virtual = cfg.pipeline.virtual_stages or pp_lib.default_virtual_stages(name)
-    pp_lib.check_virtual_stages(name, virtual)
+    virtual = cfg.pipeline.virtual_stages or pp_split.default_virtual_stages(name)
+    pp_split.check_virtual_stages(name, virtual)
     if model_cfg.tie_word_embeddings:
         raise ValueError(f"model {cfg.model.path or cfg.model.name} ties lm_head to the embeddings, which "
                          f"mesh.pp={layout.pp} puts on different stages; use mesh.pp=1")
-    layers = pp_lib.split_layers(model_cfg.text.num_hidden_layers, layout.pp * virtual, model_cfg.vision is not None,
+    layers = pp_split.split_layers(model_cfg.text.num_hidden_layers, layout.pp * virtual, model_cfg.vision is not None,
                                  cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
     return virtual, layers
 
@@ -230,10 +230,10 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
     """This rank's share of the model as (pipeline stage index, module) pairs: the whole model at pp = 1, else
     its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded.
     `qwenft plan` builds every rank's share through here as well (qwenft.train.plan)."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
     from qwenft.models.loader import build_model
 
-    reshard = pp_lib.reshard_policy(cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch)
+    reshard = pp_stage.reshard_policy(cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch)
     if layout.pp == 1:
         # one microbatch a step: its backward reduces at once, nothing to keep parameters gathered for
         reshard = reshard or _microbatching(cfg, layout.dp)[1] == 1
@@ -246,8 +246,8 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
     name = cfg.pipeline.schedule
     virtual, layers = stage_split(cfg, model_cfg, layout)
     out = []
-    for i in pp_lib.stage_ids_for_rank(mesh["pp"].get_local_rank(), layout.pp, virtual, name in pp_lib.V_SHAPED):
-        module = pp_lib.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == len(layers) - 1,
+    for i in pp_split.stage_ids_for_rank(mesh["pp"].get_local_rank(), layout.pp, virtual, name in pp_split.V_SHAPED):
+        module = pp_stage.build_stage_model(model_cfg, layers[i], embed=i == 0, head=i == len(layers) - 1,
                                           kernels=cfg.model.kernels.gdn,
                                           attention_kernel=cfg.model.kernels.attention,
                                           ce_chunk_tokens=cfg.model.ce_chunk_tokens).to_dtype(_master_dtype(cfg))
@@ -259,22 +259,22 @@ def build_modules(cfg: Config, model_cfg, mesh, layout, device) -> list[tuple[in
 
 def _build_pipeline(cfg: Config, model_cfg, mesh, layout, device, num_microbatches: int) -> Pipeline:
     """This rank's stages (built on meta, parallelized, loaded) and the schedule that runs them."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import schedule as pp_schedule, stage as pp_stage
 
     name = cfg.pipeline.schedule
     _, layers = stage_split(cfg, model_cfg, layout)
     num_stages = len(layers)
     log.info("pipeline: %s, %d stages, layers per stage %s", name, num_stages, [len(ls) for ls in layers])
-    reshard = pp_lib.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
+    reshard = pp_stage.reshard_policy(name, cfg.pipeline.reduce_grad_per_microbatch)
     stages = []
     for i, module in build_modules(cfg, model_cfg, mesh, layout, device):
         _load(module, cfg, device)
-        stages.append(pp_lib.ReduceGradStage(
+        stages.append(pp_stage.ReduceGradStage(
             module, i, num_stages, device, group=mesh["pp"].get_group(),
             reduce_grad_per_microbatch=cfg.pipeline.reduce_grad_per_microbatch, reshard=reshard))
-    loss_fn = pp_lib.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
+    loss_fn = pp_schedule.TokenCE(ce_in_model=cfg.model.ce_chunk_tokens > 0)
     try:
-        schedule = pp_lib.build_schedule(name, stages, num_microbatches, loss_fn)
+        schedule = pp_schedule.build_schedule(name, stages, num_microbatches, loss_fn)
     except ValueError as e:
         raise ValueError(f"pipeline.schedule={name} with {num_microbatches} microbatches per step and {num_stages} "
                          f"stages: {str(e).splitlines()[0]}") from None
@@ -299,7 +299,7 @@ def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
 
 
 def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal, on_step=None) -> RunResult:
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import schedule as pp_schedule
 
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -408,8 +408,8 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal, on_step=No
         label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(device)
         dist.all_reduce(label_tokens, group=dp_mesh.get_group())
         if pipe is not None:
-            batch = pp_lib.PipelineBatch.from_microbatches(micro_batches, device)
-            step_loss = pp_lib.train_step(pipe.schedule, pipe.stages, batch, pipe.loss_fn, label_tokens,
+            batch = pp_schedule.PipelineBatch.from_microbatches(micro_batches, device)
+            step_loss = pp_schedule.train_step(pipe.schedule, pipe.stages, batch, pipe.loss_fn, label_tokens,
                                           dp_mesh.get_group(), pp_group)
         else:
             step_loss = _accumulate(model, micro_batches, label_tokens, device, cfg)
