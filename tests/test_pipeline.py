@@ -96,11 +96,11 @@ def test_vlm_microbatch_images_padded_and_dropped():
     from qwenft.distributed.pipeline.schedule import PipelineBatch
     from qwenft.distributed.pipeline.stage import build_stage_model
     from qwenft.models.loader import init_random_weights
-    from qwenft.train.runner import _build_data, _model_config
+    from qwenft.train.build import build_data, model_config
 
     cfg = compose(["recipe=tiny_vlm", "data.seq_len=128"])
-    model_cfg = _model_config(cfg)
-    _, data, _ = _build_data(cfg, model_cfg, 2, 0, 1)
+    model_cfg = model_config(cfg)
+    _, data, _ = build_data(cfg, model_cfg, 2, 0, 1)
     batches = iter(data)
     mbs = [next(batches) for _ in range(2)]
     text_only = {**mbs[0], "input_ids": mbs[0]["input_ids"].clamp(min=model_cfg.image_token_id + 1),
@@ -328,7 +328,7 @@ def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
     from qwenft.distributed.pipeline.split import default_virtual_stages
     from qwenft.distributed.tensor_parallel import validate_tp
     from qwenft.models.qwen3_5.configs import named_config
-    from qwenft.train.runner import _microbatching
+    from qwenft.train.spec import resolve_batching
 
     assert main(["show", f"recipe={recipe}"]) == 0
     out = capsys.readouterr()
@@ -337,7 +337,8 @@ def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
     cfg = compose([f"recipe={recipe}", "data.path=/data/chats.jsonl"])
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     assert (layout.tp, layout.pp) == (tp, pp)
-    size, count = _microbatching(cfg, layout.dp)
+    batching = resolve_batching(cfg, layout.dp)
+    size, count = batching.microbatch_size, batching.num_microbatches
     assert count >= pp * default_virtual_stages(cfg.pipeline.schedule)  # 1F1B needs >= one microbatch a stage
     model = named_config(cfg.model.name).text
     validate_tp(model, layout.tp)
