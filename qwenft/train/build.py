@@ -89,16 +89,16 @@ def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple
     from qwenft.distributed.pipeline import stage as pp_stage
     from qwenft.models.loader import build_model
 
-    kernels = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
-                   ce_chunk_tokens=cfg.model.ce_chunk_tokens)
+    model_kwargs = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
+                        ce_chunk_tokens=cfg.model.ce_chunk_tokens)
     layers = spec.parallel.stage_layers
     out = []
     for i in spec.stage_ids(mesh["pp"].get_local_rank()):
         if spec.layout.pp == 1:
-            module = build_model(model_cfg, device="meta", dtype=spec.dtypes.master, **kernels)
+            module = build_model(model_cfg, device="meta", dtype=spec.dtypes.master, **model_kwargs)
         else:
             module = pp_stage.build_stage_model(model_cfg, list(layers[i]), embed=i == 0, head=i == len(layers) - 1,
-                                                **kernels).to_dtype(spec.dtypes.master)
+                                                **model_kwargs).to_dtype(spec.dtypes.master)
         _freeze(module, cfg)
         _parallelize(module, cfg, spec, mesh)
         out.append((i, module))
