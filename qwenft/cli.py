@@ -180,7 +180,7 @@ def _help() -> str:
 def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
     from qwenft.launch import signals
-    from qwenft.train.runner import default_run_dir
+    from qwenft.train.build import default_run_dir
 
     run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
     args = [a for a in overrides if not a.startswith("run_dir=")] + [f"run_dir={run_dir}"]
@@ -204,7 +204,7 @@ def _slurm(args: list[str]) -> int:
     import dataclasses
 
     from qwenft.launch import slurm
-    from qwenft.train.runner import default_run_dir
+    from qwenft.train.build import default_run_dir
 
     overrides = [a for a in args if a != "--dry-run"]
     cfg = compose(overrides)
@@ -268,7 +268,7 @@ def _export(args: list[str]) -> int:
 
     from qwenft.checkpoint import dcp, hf_export
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
-    from qwenft.train.runner import load_preprocessors
+    from qwenft.train.build import load_preprocessors
 
     opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None}
     for arg in args:

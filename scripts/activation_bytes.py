@@ -23,7 +23,8 @@ from qwenft.models.qwen3_5.attention import RotaryEmbedding  # noqa: E402
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
 from qwenft.models.qwen3_5.model import DecoderLayer  # noqa: E402
 from qwenft.train.activations import layer_activation_bytes, saved_tensor_bytes  # noqa: E402
-from qwenft.train.runner import _model_config, _param_dtype  # noqa: E402
+from qwenft.train.build import model_config  # noqa: E402
+from qwenft.train.spec import resolve_dtypes  # noqa: E402
 
 
 def measure(layer, h, rope, cu_seqlens) -> tuple[float, float | None]:
@@ -44,9 +45,9 @@ def main():
     parser.add_argument("--docs", type=int, default=60, help="packed documents in the row (1 = unpacked)")
     args, overrides = parser.parse_known_args()
     cfg = compose(overrides, missing_ok=True)
-    t = _model_config(cfg).text
+    t = model_config(cfg).text
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = _param_dtype(cfg, torch.device("cuda"))
+    dtype = resolve_dtypes(cfg, "cuda").compute
     tokens = cfg.data.seq_len
     bounds = torch.linspace(0, tokens, args.docs + 1).round().to(torch.int32)
     cu_seqlens = bounds.to(device) if args.docs > 1 else None

@@ -42,9 +42,9 @@ def build(cfg):
     from qwenft.distributed.parallelize import apply_compile
     from qwenft.distributed.tensor_parallel import apply_tp, validate_tp
     from qwenft.models.loader import build_model, init_random_weights
-    from qwenft.train.runner import _model_config
+    from qwenft.train.build import model_config
 
-    model_cfg = _model_config(cfg)
+    model_cfg = model_config(cfg)
     validate_tp(model_cfg.text, cfg.mesh.tp)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.mesh.tp)
     layout = resolve_layout(cfg.mesh.tp, 1, 1, cfg.mesh.tp)

@@ -80,9 +80,9 @@ def _train_adamw(rank, world_size, overrides, settings):
     The patch lives and dies with this forked rank."""
     import torch
 
-    from qwenft.train import runner
+    from qwenft.train import build as build_lib, runner
 
-    build_optimizer, built = runner.build_optimizer, []
+    build_optimizer, built = build_lib.build_optimizer, []
 
     def build(params, lr, weight_decay, betas, eps, fused, **kwargs):
         if settings is None:
@@ -93,7 +93,7 @@ def _train_adamw(rank, world_size, overrides, settings):
         built.append(optimizer)
         return optimizer
 
-    runner.build_optimizer = build
+    build_lib.build_optimizer = build
     losses = runner.run(compose(overrides)).losses
     return losses, {key: built[0].param_groups[0][key] for key in ("foreach", "fused")}
 

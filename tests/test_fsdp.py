@@ -131,15 +131,17 @@ def _lists(model):
 
 
 def _prefetch_lists(rank, world_size, overrides):
-    """`_lists` of this rank's stage as `qwenft train` builds it (runner.build_modules)."""
+    """`_lists` of this rank's stage as `qwenft train` builds it (build.build_model_parts)."""
     from qwenft.cli import compose
     from qwenft.distributed.mesh import build_mesh, resolve_layout
-    from qwenft.train import runner
+    from qwenft.train import build
+    from qwenft.train.spec import resolve_spec
 
     cfg = compose(overrides)
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world_size)
-    [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout,
-                                        torch.device("cpu"))
+    model_cfg = build.model_config(cfg)
+    spec = resolve_spec(cfg, layout, model_cfg, "cpu")
+    [(_, model)] = build.build_model_parts(cfg, model_cfg, spec, build_mesh(layout))
     return _lists(model)
 
 
@@ -194,12 +196,13 @@ def test_negative_prefetch_fails_in_validation():
 
 def _all_gathers_per_step(rank, world_size, knob, microbatches):
     """All-gathers of each decoder-layer unit over one step of `microbatches` at dp2, pp1, built as training
-    builds it (runner.build_modules)."""
+    builds it (build.build_model_parts)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     from qwenft.cli import compose
     from qwenft.distributed.mesh import build_mesh, resolve_layout
-    from qwenft.train import runner
+    from qwenft.train import build
+    from qwenft.train.spec import resolve_spec
 
     class Counting(AllGather):
         def __init__(self):
@@ -217,22 +220,25 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
                    "train.micro_batch_size=1", f"train.global_batch_size={microbatches * world_size}"])
     layout = resolve_layout(1, 1, world_size, world_size)
     device = torch.device("cpu")
-    [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout, device)
-    runner._load(model, cfg, device)
+    model_cfg = build.model_config(cfg)
+    spec = resolve_spec(cfg, layout, model_cfg, device.type)
+    [(_, model)] = build.build_model_parts(cfg, model_cfg, spec, build_mesh(layout))
+    build.load_weights(model, cfg, spec.dtypes.master, device)
     counters = {name: Counting() for name in model.layers}
     for name, layer in model.layers.items():
         layer.set_custom_all_gather(counters[name])
     ids, labels = _batch()
     mbs = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1], "position_ids": torch.arange(24)[None],
             "cu_seqlens": torch.tensor([0, 24], dtype=torch.int32)} for i in range(microbatches)]
-    runner._accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device, cfg)
+    build.accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device,
+                     spec.parallel.reduce_grad_per_microbatch, spec.parallel.ce_in_model)
     return {name: c.calls for name, c in counters.items()}
 
 
 @pytest.mark.parametrize("knob, microbatches, gathers", [(False, 2, 1), (True, 2, 4), (False, 1, 2)])
 def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob, microbatches, gathers):
     """pp1, 2 microbatches: knob off, parameters stay gathered from the first forward to the step's one
-    reduce-scatter (pipeline.reshard_policy); knob on, each layer gathers in every forward and every backward.
+    reduce-scatter (pipeline.stage.reshard_policy); knob on, each layer gathers in every forward and every backward.
     One microbatch: nothing to keep them for (the backward reduces at once), so they reshard after the
     forward as with the knob on, not held all through it."""
     for counts in run_distributed(_all_gathers_per_step, 2, knob, microbatches):

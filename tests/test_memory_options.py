@@ -106,10 +106,10 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
     """The 8-bytes-per-parameter layout: bf16 weights, bf16 gradients, bf16 moments (GDN's A_log / dt_bias
     stay fp32)."""
     def body(rank, world_size, overrides):
-        from qwenft.train import runner
+        from qwenft.train import build, runner
 
         seen = {}
-        original = runner.build_optimizer
+        original = build.build_optimizer
 
         def spy(params, *args, **kwargs):  # records what the first optimizer step sees
             opt = original(params, *args, **kwargs)
@@ -126,11 +126,11 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
             opt.register_step_post_hook(after)
             return opt
 
-        runner.build_optimizer = spy
+        build.build_optimizer = spy
         try:
             runner.run(compose(overrides))
         finally:
-            runner.build_optimizer = original
+            build.build_optimizer = original
         return seen
 
     (seen,) = run_distributed(body, 1, _overrides(tmp_path, "dtypes", "train.max_steps=1", "optim.state_dtype=bfloat16",

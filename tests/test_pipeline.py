@@ -16,7 +16,8 @@ import torch
 from distributed import run_distributed
 from test_train_parity import _assert_same  # losses at every step and every parameter, relative
 from qwenft.cli import compose
-from qwenft.distributed.pipeline import SCHEDULES, split_layers
+from qwenft.distributed.pipeline.schedule import SCHEDULES
+from qwenft.distributed.pipeline.split import split_layers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,13 +93,14 @@ def test_vlm_microbatch_images_padded_and_dropped():
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
     from qwenft.cli import compose
-    from qwenft.distributed.pipeline import PipelineBatch, build_stage_model
+    from qwenft.distributed.pipeline.schedule import PipelineBatch
+    from qwenft.distributed.pipeline.stage import build_stage_model
     from qwenft.models.loader import init_random_weights
-    from qwenft.train.runner import _build_data, _model_config
+    from qwenft.train.build import build_data, model_config
 
     cfg = compose(["recipe=tiny_vlm", "data.seq_len=128"])
-    model_cfg = _model_config(cfg)
-    _, data, _ = _build_data(cfg, model_cfg, 2, 0, 1)
+    model_cfg = model_config(cfg)
+    _, data, _ = build_data(cfg, model_cfg, 2, 0, 1)
     batches = iter(data)
     mbs = [next(batches) for _ in range(2)]
     text_only = {**mbs[0], "input_ids": mbs[0]["input_ids"].clamp(min=model_cfg.image_token_id + 1),
@@ -141,7 +143,7 @@ def test_tp2_pp2_dpn_equals_one_process(tmp_path, reference, tp2_reference, worl
 
 def _batch(dp_rank: int, n_microbatches: int, seq_len: int = 32, vocab: int = 512):
     """Two packed documents per row; the same numbers on every pp rank of a dp rank."""
-    from qwenft.distributed.pipeline import PipelineBatch
+    from qwenft.distributed.pipeline.schedule import PipelineBatch
 
     g = torch.Generator().manual_seed(100 + dp_rank)
     input_ids = torch.randint(0, vocab, (n_microbatches, seq_len), generator=g)
@@ -154,7 +156,7 @@ def _batch(dp_rank: int, n_microbatches: int, seq_len: int = 32, vocab: int = 51
 
 def _stage(mesh, cfg, knob: bool, record: bool = False):
     from qwenft.distributed.fsdp import apply_fsdp
-    from qwenft.distributed.pipeline import ReduceGradStage, build_stage_model, reshard_policy
+    from qwenft.distributed.pipeline.stage import ReduceGradStage, build_stage_model, reshard_policy
     from qwenft.models.loader import init_random_weights
 
     i = mesh["pp"].get_local_rank()
@@ -170,7 +172,7 @@ def _stage(mesh, cfg, knob: bool, record: bool = False):
 def _grad_bytes_after_first_microbatch(rank, world_size, knob):
     """pp2 x dp(world_size / 2), 1F1B, 2 microbatches: what a stage holds after microbatch 0's backward."""
     from qwenft.distributed.mesh import Layout, build_mesh
-    from qwenft.distributed.pipeline import TokenCE, build_schedule, train_step
+    from qwenft.distributed.pipeline.schedule import TokenCE, build_schedule, train_step
     from qwenft.models.qwen3_5.configs import named_config
 
     mesh = build_mesh(Layout(pp=2, dp=world_size // 2, tp=1))
@@ -203,7 +205,7 @@ def test_knob_gradient_memory_after_first_microbatch(knob, dp):
 
 def _eval_vs_one_process(rank, world_size):
     from qwenft.distributed.mesh import Layout, build_mesh
-    from qwenft.distributed.pipeline import TokenCE, build_schedule, pipeline_eval_loss
+    from qwenft.distributed.pipeline.schedule import TokenCE, build_schedule, pipeline_eval_loss
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
     from qwenft.train.loss import token_ce_sum
@@ -323,10 +325,10 @@ PARALLEL_RECIPES = {  # recipe: (world size it is meant for, tp, pp)
 def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
     from qwenft.cli import main
     from qwenft.distributed.mesh import resolve_layout
-    from qwenft.distributed.pipeline import default_virtual_stages
+    from qwenft.distributed.pipeline.split import default_virtual_stages
     from qwenft.distributed.tensor_parallel import validate_tp
     from qwenft.models.qwen3_5.configs import named_config
-    from qwenft.train.runner import _microbatching
+    from qwenft.train.spec import resolve_batching
 
     assert main(["show", f"recipe={recipe}"]) == 0
     out = capsys.readouterr()
@@ -335,7 +337,8 @@ def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
     cfg = compose([f"recipe={recipe}", "data.path=/data/chats.jsonl"])
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     assert (layout.tp, layout.pp) == (tp, pp)
-    size, count = _microbatching(cfg, layout.dp)
+    batching = resolve_batching(cfg, layout.dp)
+    size, count = batching.microbatch_size, batching.num_microbatches
     assert count >= pp * default_virtual_stages(cfg.pipeline.schedule)  # 1F1B needs >= one microbatch a stage
     model = named_config(cfg.model.name).text
     validate_tp(model, layout.tp)

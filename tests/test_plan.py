@@ -23,9 +23,9 @@ def _plan(*overrides):
 
 def _model_params(cfg) -> int:
     from qwenft.models.loader import build_model
-    from qwenft.train.runner import _model_config
+    from qwenft.train.build import model_config
 
-    return sum(p.numel() for p in build_model(_model_config(cfg), device="meta").parameters())
+    return sum(p.numel() for p in build_model(model_config(cfg), device="meta").parameters())
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_knob_on_keeps_fewer_gradient_bytes(tp4pp4):
 
 def test_one_microbatch_plans_the_knob_off_as_the_knob_on():
     """pp = 1 with one microbatch a step: the backward reduce-scatters at once and parameters reshard after the
-    forward (runner.build_modules), so the knob off has neither the accumulator nor the gathered stage."""
+    forward (build.build_model_parts), so the knob off has neither the accumulator nor the gathered stage."""
     shape = ["recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
              "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false"]
     ((one,),), ((two,),) = (_plan(*shape, f"train.global_batch_size={n}")[1:] for n in (1, 2))
@@ -101,19 +101,19 @@ def _real_step_bytes(rank, world_size, overrides):
     """Run the real runner for one step and record, on this rank: the gradients held after the first microbatch's
     backward (knob off: the unsharded accumulator), and after the optimizer step (before zero_grad) the
     parameters, sharded gradients and optimizer state."""
-    from qwenft.distributed import pipeline as pp_lib
-    from qwenft.train import runner
+    from qwenft.distributed.pipeline import stage as pp_stage
+    from qwenft.train import build, runner
 
     seen = {}
 
-    class RecordingStage(pp_lib.ReduceGradStage):
+    class RecordingStage(pp_stage.ReduceGradStage):
         def backward_maybe_with_nosync(self, *args, **kwargs):
             result = super().backward_maybe_with_nosync(*args, **kwargs)
             seen.setdefault("first_backward_grads", _storage_bytes(
                 p.grad for p in self.submod.parameters() if p.grad is not None))
             return result
 
-    build_optimizer = runner.build_optimizer
+    build_optimizer = build.build_optimizer
 
     def recording_optimizer(*args, **kwargs):
         optimizer = build_optimizer(*args, **kwargs)
@@ -129,8 +129,8 @@ def _real_step_bytes(rank, world_size, overrides):
         optimizer.zero_grad = measure_then_zero_grad
         return optimizer
 
-    pp_lib.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
-    runner.build_optimizer = recording_optimizer
+    pp_stage.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
+    build.build_optimizer = recording_optimizer
     runner.run(compose(overrides))
     return seen
 
@@ -157,13 +157,13 @@ def test_fsdp_prefetch_gathers_one_more_layer_per_unit_ahead():
     stages (layers 1 and 62), its unsharded parameters at 2 bytes each (4 for the fp32 decay parameters,
     gdn.Decay). fsdp_prefetch=1 is what FSDP2 does implicitly: no change."""
     from qwenft.models.loader import build_model
-    from qwenft.train.runner import _model_config
+    from qwenft.train.build import model_config
 
     gathered = {}
     for n in (0, 1, 2):
         cfg, plans = _plan("recipe=qwen3_5_27b_pp2dp4", f"mesh.fsdp_prefetch={n}")
         gathered[n] = {p.pp_rank: p.unsharded_bytes["knob_on"] for p in plans}
-    layers = build_model(_model_config(cfg), device="meta").layers
+    layers = build_model(model_config(cfg), device="meta").layers
     for stage, layer in ((0, "1"), (1, "62")):
         assert layers[layer].layer_type != FULL_ATTENTION
         decay = {id(p) for p in layers[layer].linear_attn.decay.parameters()}

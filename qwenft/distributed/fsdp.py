@@ -32,7 +32,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     forward, since without `model.ce_chunk_tokens` the loss is computed on the logits after it (a kept head
     would sit gathered next to the fp32 logits). FSDP2's implicit backward prefetch follows the forward's
     order (embedding, layers, head): the head's unit runs first in the backward and prefetches the last
-    layer, and layer 0 prefetches the embedding. Training passes `pipeline.reshard_policy` (at pp = 1 too).
+    layer, and layer 0 prefetches the embedding. Training passes `pipeline.stage.reshard_policy` (at pp = 1 too).
 
     The loss is already divided by the label tokens of the whole global batch (qwenft.train.loss), so the
     default 1/dp averaging of FSDP would count data parallel ranks twice.
@@ -98,7 +98,7 @@ def set_microbatch_grad_sync(model: nn.Module, is_last: bool, reduce_grad_per_mi
     reduce_grad_per_microbatch=False: keep unsharded gradients across microbatches and reduce-scatter once,
     after the last one: fewest collectives, but a full-size gradient accumulator. Parameters also stay
     unsharded from one microbatch's backward to the next one's forward; with reshard_after_forward=False
-    (`pipeline.reshard_policy`, knob off) each unit then all-gathers once per step.
+    (`pipeline.stage.reshard_policy`, knob off) each unit then all-gathers once per step.
     True: reduce-scatter after every microbatch so gradients stay sharded: 1/dp of the memory, more
     collectives.
     """

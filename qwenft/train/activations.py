@@ -111,11 +111,16 @@ def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, virtual: int, n
 
 
 def logits_bytes(vocab: int, tokens: int, compute_bytes: int, *, vocab_parallel: bool, pipelined: bool,
-                 ce_chunk_tokens: int = 0) -> tuple[int, int]:
+                 ce_chunk_tokens: int = 0, fused_hidden: int = 0) -> tuple[int, int]:
     """(peak while the loss of one microbatch is computed, bytes kept until its backward) of the lm_head
     logits and the fp32 cross-entropy. `vocab` is this rank's share of the vocabulary; `pipelined`: a
-    pipeline stage keeps its output (the logits) for the backward."""
+    pipeline stage keeps its output (the logits) for the backward. `fused_hidden` (the hidden size): the fused
+    linear CE, which holds one chunk's logits in the compute dtype and keeps the head's weight and input
+    gradients, formed in the forward, until the backward."""
     c = compute_bytes
+    if fused_hidden:  # qwenft.models.linear_ce.fused_linear_ce_sum
+        kept = c * fused_hidden * (vocab + tokens)
+        return c * vocab * min(ce_chunk_tokens or tokens, tokens) + 4 * tokens + kept, kept
     held_logits = c if pipelined else 0
     if ce_chunk_tokens:  # qwenft.models.linear_ce: one chunk's logits at a time; keeps a log-sum-exp per token
         return (c + 8) * vocab * min(ce_chunk_tokens, tokens) + 4 * tokens, 4 * tokens

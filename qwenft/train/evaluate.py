@@ -4,7 +4,6 @@ and without pipeline parallelism."""
 import torch
 import torch.distributed as dist
 
-from qwenft.conf.schema import Config
 from qwenft.train.loss import count_label_tokens, token_ce_sum
 
 
@@ -50,22 +49,22 @@ def eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_i
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def build_eval_schedule(pipe, cfg: Config, device, pp_group, num_microbatches: int):
-    """A forward-only schedule over new PipelineStages of the same stage modules (see pipeline_eval_loss)."""
-    from qwenft.distributed import pipeline as pp_lib
+def build_eval_schedule(stage_modules: list[tuple[int, torch.nn.Module]], num_stages: int, schedule: str,
+                        num_microbatches: int, ce_in_model: bool, device, pp_group):
+    """A forward-only schedule over new PipelineStages of this rank's (stage index, module) pairs, the modules
+    training runs (see pipeline_eval_loss)."""
+    from qwenft.distributed.pipeline import schedule as pp_schedule
     from torch.distributed.pipelining import PipelineStage
 
-    stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group) for s in pipe.stages]
-    from qwenft.train.runner import _ce_in_model
-
-    loss_fn = pp_lib.TokenCE(ce_in_model=_ce_in_model(cfg))
-    return stages, pp_lib.build_schedule(cfg.pipeline.schedule, stages, num_microbatches, loss_fn)
+    stages = [PipelineStage(module, i, num_stages, device, group=pp_group) for i, module in stage_modules]
+    loss_fn = pp_schedule.TokenCE(ce_in_model=ce_in_model)
+    return stages, pp_schedule.build_schedule(schedule, stages, num_microbatches, loss_fn)
 
 
 def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
                          pp_group, ce_in_model: bool) -> float:
     """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
-    from qwenft.distributed import pipeline as pp_lib
+    from qwenft.distributed.pipeline import schedule as pp_schedule
 
     stages, schedule = eval_schedule
     for s in stages:
@@ -76,8 +75,8 @@ def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches
         group = val_batches[start:start + num_microbatches]
         filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
         group = group + [filler] * (num_microbatches - len(group))
-        batch = pp_lib.PipelineBatch.from_microbatches(group, device)
-        group_ce, group_tokens = pp_lib.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
+        batch = pp_schedule.PipelineBatch.from_microbatches(group, device)
+        group_ce, group_tokens = pp_schedule.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
         ce += group_ce
         tokens += group_tokens
     for s in stages:

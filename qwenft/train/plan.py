@@ -3,7 +3,7 @@
     plans = predict(cfg)                  # one RankPlan per rank of mesh.tp x mesh.pp x mesh.dp
     print(format_table(plans, cfg))
 
-Each rank's share is built the way `qwenft train` builds it (`runner.build_modules`: pipeline stage split,
+Each rank's share is built the way `qwenft train` builds it (`build.build_model_parts`: pipeline stage split,
 tensor parallel plan, activation checkpointing, FSDP2 `fully_shard`), on the meta device, in this one process
 playing every rank in turn on a fake process group. Parameters, gradients and optimizer state are read from
 those modules: local DTensor shards, FSDP's padded shards, its units and its mixed-precision dtypes.
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from qwenft.conf.schema import Config
 from qwenft.train.activations import (layer_activation_bytes, layer_matmul_output_bytes, logits_bytes,
                                       microbatches_in_flight, vision_activation_bytes)
+from qwenft.train.spec import RunSpec
 
 GIB = 2**30
 
@@ -120,18 +121,22 @@ def _nbytes(n: int, dtype: torch.dtype) -> int:
 
 @dataclass
 class _Context:
-    """What every rank of the plan shares."""
+    """What every rank of the plan shares: the specs `qwenft train` would run with (qwenft.train.spec)."""
     cfg: Config
     model_cfg: object
-    layout: object  # qwenft.distributed.mesh.Layout
-    microbatch_size: int
-    num_microbatches: int
-    virtual: int  # pipeline stages per pp rank
-    compute_bytes: int  # element size of activations: FSDP's param dtype
+    spec: RunSpec
+
+    @property
+    def layout(self):
+        return self.spec.layout
+
+    @property
+    def compute_bytes(self) -> int:  # element size of activations: FSDP's param dtype
+        return self.spec.dtypes.compute.itemsize
 
     @property
     def tokens(self) -> int:
-        return self.microbatch_size * self.cfg.data.seq_len
+        return self.spec.batching.microbatch_size * self.cfg.data.seq_len
 
 
 def ac_mode(cfg: Config) -> str:
@@ -172,7 +177,7 @@ def _vision_activations(ctx: _Context, module) -> tuple[float, float]:
     if visual is None:
         return 0.0, 0.0
     patches = (ctx.cfg.plan.image_patches or ctx.cfg.data.seq_len * vision["spatial_merge_size"] ** 2)
-    patches *= ctx.microbatch_size
+    patches *= ctx.spec.batching.microbatch_size
     trained = {n.startswith(f"{VISION_PROJECTOR}.") for n, p in visual.named_parameters() if p.requires_grad}
     c = ctx.compute_bytes
     if False in trained:  # the tower's blocks train, not only its merger
@@ -189,23 +194,25 @@ def _logits(ctx: _Context, modules, chunks: int) -> tuple[int, int, int]:
     if not any(m.lm_head is not None for _, m in modules):
         return 0, 0, 0
     cfg, t, tp, pp = ctx.cfg, ctx.model_cfg.text, ctx.layout.tp, ctx.layout.pp
+    schedule, n = ctx.spec.parallel.schedule, ctx.spec.batching.num_microbatches
     vocab_parallel = tp > 1 and cfg.mesh.vocab_parallel
     vocab = -(-t.vocab_size // tp) if vocab_parallel else t.vocab_size
     peak, held = logits_bytes(vocab, ctx.tokens, ctx.compute_bytes, vocab_parallel=vocab_parallel,
-                              pipelined=pp > 1, ce_chunk_tokens=cfg.model.ce_chunk_tokens)
-    if pp == 1 or cfg.pipeline.schedule in ("1f1b", "zbv", "dualpipev"):
+                              pipelined=pp > 1, ce_chunk_tokens=cfg.model.ce_chunk_tokens,
+                              fused_hidden=t.hidden_size if ctx.spec.parallel.ce_kernel == "fused" else 0)
+    if pp == 1 or schedule in ("1f1b", "zbv", "dualpipev"):
         head_chunks = 1  # the last stage runs each microbatch's backward right after its forward
-    elif cfg.pipeline.schedule in ("gpipe", "looped_bfs"):
-        head_chunks = ctx.num_microbatches
+    elif schedule in ("gpipe", "looped_bfs"):
+        head_chunks = n
     else:
-        head_chunks = -(-chunks // ctx.virtual)
+        head_chunks = -(-chunks // ctx.spec.parallel.virtual_stages)
     others = held * (head_chunks - 1)
-    written = 0 if cfg.model.ce_chunk_tokens else ctx.compute_bytes * vocab * ctx.tokens
+    written = 0 if ctx.spec.parallel.ce_in_model else ctx.compute_bytes * vocab * ctx.tokens
     return peak + others, others, written
 
 
 def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
-    cfg, pp = ctx.cfg, ctx.layout.pp
+    cfg, pp, par = ctx.cfg, ctx.layout.pp, ctx.spec.parallel
     params = [p for stage, module in modules for p in _fsdp_params(stage, module)]
     trained = [p for p in params if p.trainable]
     units = defaultdict(lambda: {"params": 0, "grads": 0, "cast_grads": 0})
@@ -249,19 +256,20 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     chunk = {"ac_off": sum(s[0] for s in per_stage) / len(per_stage),
              "ac_on": sum(s[1] for s in per_stage) / len(per_stage)}
     recompute = {"ac_off": 0.0, "ac_on": max(s[2] for s in per_stage)}  # AC: one layer re-run in the backward
-    chunks = microbatches_in_flight(cfg.pipeline.schedule, pp, coords["pp"], ctx.virtual, ctx.num_microbatches)
+    chunks = microbatches_in_flight(par.schedule, pp, coords["pp"], par.virtual_stages,
+                                    ctx.spec.batching.num_microbatches)
     logits, logits_of_others, logits_written = _logits(ctx, modules, chunks)
 
-    # One microbatch a step at pp = 1: its backward reduce-scatters at once and reshards (runner.build_modules),
-    # so the knob off is the knob on: no accumulator, nothing kept gathered
-    single_pass = pp == 1 and ctx.num_microbatches == 1
+    # One microbatch a step at pp = 1 (single_pass): its backward reduce-scatters at once and reshards, so the
+    # knob off is the knob on: no accumulator, nothing kept gathered
+    single_pass = par.single_pass
     if single_pass:
         for per_knob in (grads, unsharded, grads_in_flight, head_grads):
             per_knob["knob_off"] = per_knob["knob_on"]
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
-        # Knob off nothing is resharded within a step (pipeline.reshard_policy, pp = 1 too); otherwise FSDP
+        # Knob off nothing is resharded within a step (pipeline.stage.reshard_policy, pp = 1 too); otherwise FSDP
         # holds the root and `window` units while the forward runs, and the head's unit (with the layers it
         # prefetches and the head's gradients) in the head's backward. With model.ce_chunk_tokens the CE and its backward run inside the
         # head's unit; without, the CE runs on the logits after the head has resharded, and the head's backward
@@ -269,7 +277,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
         kept = unsharded["knob_off"] if knob == "knob_off" and not single_pass else 0
         forward_gathered = kept or unsharded["knob_on"]
         head = (kept or head_gathered) + head_grads[knob] if logits else kept
-        at_loss = (head + logits if cfg.model.ce_chunk_tokens
+        at_loss = (head + logits if par.ce_in_model
                    else max(kept + logits, head + logits_written + logits_of_others))
         peaks[knob] = {}
         for ac in ("ac_off", "ac_on"):
@@ -278,7 +286,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
             backward_end = (base + unsharded[knob] + grads_in_flight[knob] + (chunks - 1) * chunk[ac]
                             + recompute[ac] + logits_of_others)
             peaks[knob][ac] = round(max(loss_moment, backward_end))
-    knob = "knob_on" if cfg.pipeline.reduce_grad_per_microbatch else "knob_off"
+    knob = "knob_on" if par.reduce_grad_per_microbatch else "knob_off"
     return RankPlan(
         rank=rank, pp_rank=coords["pp"], dp_rank=coords["dp"], tp_rank=coords["tp"],
         stages=[s for s, _ in modules], layers=sum(len(m.layers) for _, m in modules),
@@ -304,33 +312,28 @@ def resolve_plan_layout(cfg: Config):
 def predict(cfg: Config) -> list[RankPlan]:
     """The memory of every rank of `cfg` on GPUs (model.dtype=auto: bf16 compute), in rank order.
 
-    Builds each rank's share through `runner.build_modules` on a fake process group ("fake" backend), one rank
-    at a time, in this process; needs no GPU and no process group of its own."""
+    Builds each rank's share through `build.build_model_parts` on a fake process group ("fake" backend), one
+    rank at a time, in this process; needs no GPU and no process group of its own."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from qwenft.distributed.mesh import build_mesh
-    from qwenft.distributed.tensor_parallel import validate_tp
-    from qwenft.train import runner
+    from qwenft.train import build
+    from qwenft.train.spec import resolve_spec
 
     if dist.is_initialized():
         raise RuntimeError("predict plays every rank on a fake process group of its own; call it outside a "
                            "distributed run")
     layout = resolve_plan_layout(cfg)
-    runner.check_mesh_keys(cfg, layout)
-    microbatch_size, num_microbatches = runner._microbatching(cfg, layout.dp)
-    model_cfg = runner._model_config(cfg)
-    validate_tp(model_cfg.text, layout.tp)
-    virtual = runner.stage_split(cfg, model_cfg, layout)[0] if layout.pp > 1 else 1
-    device = torch.device("cuda")  # what the plan is for; nothing is allocated on it
-    ctx = _Context(cfg, model_cfg, layout, microbatch_size, num_microbatches, virtual,
-                   runner._param_dtype(cfg, device).itemsize)
+    model_cfg = build.model_config(cfg)
+    spec = resolve_spec(cfg, layout, model_cfg, "cuda")  # what the plan is for; nothing is allocated there
+    ctx = _Context(cfg, model_cfg, spec)
     plans = []
     for rank in range(layout.world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
             mesh = build_mesh(layout, device="cpu")
             coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
-            plans.append(_rank_plan(ctx, rank, coords, runner.build_modules(cfg, model_cfg, mesh, layout, device)))
+            plans.append(_rank_plan(ctx, rank, coords, build.build_model_parts(cfg, model_cfg, spec, mesh)))
         finally:
             dist.destroy_process_group()
             _forget_fake_meshes()
@@ -370,15 +373,15 @@ def _settings(cfg: Config) -> tuple[str, str]:
 
 def format_table(plans: list[RankPlan], cfg: Config) -> str:
     """A table of GiB per group of ranks with identical numbers, with a header naming the setup."""
-    from qwenft.train import runner
+    from qwenft.train.spec import resolve_batching, resolve_dtypes
 
     layout, limit = resolve_plan_layout(cfg), cfg.plan.gpu_memory_gib
     unit, size = ("GiB", GIB) if max(p.total_bytes for p in plans) >= GIB else ("MiB", 2**20)
     knob, ac = _settings(cfg)
-    microbatch_size, n = runner._microbatching(cfg, layout.dp)
-    device = torch.device("cuda")
-    dtypes = (f"params {cfg.optim.master_dtype}, compute {runner._param_dtype(cfg, device)}, AdamW state "
-              f"{cfg.optim.state_dtype}").replace("torch.", "")
+    batching, dtypes = resolve_batching(cfg, layout.dp), resolve_dtypes(cfg, "cuda")
+    microbatch_size, n = batching.microbatch_size, batching.num_microbatches
+    dtypes = (f"params {dtypes.master}, compute {dtypes.compute}, AdamW state "
+              f"{dtypes.state}").replace("torch.", "")
     dp_note = " (mesh.dp=-1 planned as 1)" if cfg.mesh.dp == -1 else ""
     lines = [
         f"qwenft plan {cfg.recipe}: {layout.world_size} rank{'s' if layout.world_size > 1 else ''} = "

@@ -1,0 +1,147 @@
+"""Running a step's microbatches through the stages: the batch layout a schedule splits, the loss it calls,
+training and evaluation steps."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from qwenft.distributed.pipeline.split import SINGLE_STAGE
+
+# config name -> torch class name (torch.distributed.pipelining.schedules, torch 2.13)
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+def stack_images(pixel_values: list, image_grid_thw: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-microbatch images -> two tensors whose dim 0 splits evenly into microbatches (zero padding),
+    so a schedule can chunk them like the token tensors. `StageModel` drops the padding again. At least
+    one (padding) row per microbatch, since torch's splitter refuses a dim 0 smaller than the chunk count."""
+    max_patches = max(1, max(p.shape[0] for p in pixel_values))
+    max_images = max(1, max(g.shape[0] for g in image_grid_thw))
+    pv = torch.cat([torch.cat([p, p.new_zeros(max_patches - p.shape[0], *p.shape[1:])]) for p in pixel_values])
+    grid = torch.cat([torch.cat([g, g.new_zeros(max_images - g.shape[0], 3)]) for g in image_grid_thw])
+    return pv, grid
+
+
+class TokenCE:
+    """Pipeline loss: token CE summed over one microbatch / the label tokens of the whole global batch
+    (set `label_tokens` before each step), so schedules run with scale_grads=False.
+
+    `ce_in_model=True` (`model.ce_chunk_tokens`): the last stage was given the labels and returns the CE sum
+    itself (chunked, never the whole logits), so only the division is left here.
+    """
+
+    def __init__(self, ce_in_model: bool = False):
+        self.label_tokens = torch.ones(())
+        self.ce_in_model = ce_in_model
+
+    def __call__(self, output, labels):
+        from qwenft.train.loss import token_ce_sum
+
+        ce = output if self.ce_in_model else token_ce_sum(output, labels)
+        return ce / self.label_tokens.clamp(min=1)
+
+
+def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
+    cls = getattr(torch_schedules, SCHEDULES[name])
+    if name in SINGLE_STAGE:
+        (stage,) = stages
+        return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@dataclass
+class PipelineBatch:
+    """The microbatches of one step on one dp rank, stacked along dim 0 ([n * microbatch_size, seq_len]).
+    M-RoPE `position_ids` are stored batch-first, [n * microbatch_size, 3, seq_len]; images padded per
+    microbatch (`stack_images`)."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    @classmethod
+    def from_microbatches(cls, microbatches: list[dict], device) -> "PipelineBatch":
+        cat = lambda key: torch.cat([mb[key] for mb in microbatches]).to(device)  # noqa: E731
+        images = {}
+        if "pixel_values" in microbatches[0]:
+            pv, grid = stack_images([mb["pixel_values"] for mb in microbatches],
+                                    [mb["image_grid_thw"] for mb in microbatches])
+            images = {"pixel_values": pv.to(device), "image_grid_thw": grid.to(device)}
+        positions = [mb["position_ids"] for mb in microbatches]
+        if positions[0].dim() == 3:  # M-RoPE [3, B, T] -> [B, 3, T]: the schedule splits dim 0 into microbatches
+            positions = [p.transpose(0, 1) for p in positions]
+        position_ids = torch.cat(positions).contiguous().to(device)
+        return cls(cat("input_ids"), position_ids, cat("labels"), **images)
+
+    def kwargs(self, labels: bool = False) -> dict:
+        """Stage kwargs; `labels=True` adds the labels, for a last stage that computes the loss itself."""
+        kw = {"position_ids": self.position_ids}
+        if labels:
+            kw["labels"] = self.labels
+        if self.pixel_values is not None:
+            kw.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
+        return kw
+
+
+def _summed_loss(stages, losses: list, device) -> torch.Tensor:
+    """This rank's summed microbatch losses (zero unless it runs the last stage)."""
+    if any(s.is_last for s in stages) and losses:
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+    return torch.zeros((), device=device)
+
+
+def _first_stage_args(stages, batch: PipelineBatch) -> tuple:
+    """Positional inputs only on the rank that holds stage 0: torch 2.11's PipelineStage refuses positional
+    args on later stages ("Can't supply input args for shape inference on non-first stage", seen on H200)."""
+    return (batch.input_ids,) if any(stage.is_first for stage in stages) else ()
+
+
+def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_tokens: torch.Tensor,
+               dp_group, pp_group) -> torch.Tensor:
+    """Forward + backward of all microbatches; returns the step loss summed over microbatches and dp ranks,
+    on every rank (the last stage's value, all-reduced over pp)."""
+    loss_fn.label_tokens = label_tokens
+    losses: list = []
+    schedule.step(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
+                  **batch.kwargs(labels=loss_fn.ce_in_model))
+    loss = _summed_loss(stages, losses, label_tokens.device)
+    dist.all_reduce(loss, group=dp_group)
+    dist.all_reduce(loss, group=pp_group)
+    return loss
+
+
+def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_group,
+                       ce_in_model: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward-only pass of a batch: (summed token CE, label tokens), both summed over dp ranks, on every rank.
+
+    `schedule` should be one built for evaluation only (its own stages over the same modules, `build_schedule`
+    with a `TokenCE` whose label_tokens stays 1): flipping a training schedule between step() and eval()
+    makes torch redo its stage set-up on every switch. `ce_in_model` as that TokenCE's.
+    """
+    losses: list = []
+    with torch.no_grad():
+        schedule.eval(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
+                      **batch.kwargs(labels=ce_in_model))
+    for stage in stages:  # FSDP may keep parameters unsharded after a forward without backward
+        for m in stage.submod.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+    ce = _summed_loss(stages, losses, batch.labels.device)
+    tokens = (batch.labels != -100).sum().to(ce)
+    dist.all_reduce(ce, group=dp_group)
+    dist.all_reduce(ce, group=pp_group)
+    dist.all_reduce(tokens, group=dp_group)
+    return ce, tokens

@@ -1,0 +1,377 @@
+"""Building a run: the parts its specs (qwenft.train.spec) describe, gathered in a `Job` that
+`qwenft.train.runner` loops over.
+
+    model_cfg = model_config(cfg)
+    spec = resolve_spec(cfg, layout, model_cfg, "cuda")          # qwenft.train.spec: no process group
+    parts = build_model_parts(cfg, model_cfg, spec, mesh)        # meta, frozen, parallelized, not loaded
+    job = build_job(cfg)                                          # all of it, loaded, with its step and validation
+
+`qwenft plan` stops at `build_model_parts` on a fake process group; `qwenft train` builds the whole job.
+"""
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qwenft.checkpoint import dcp as ckpt_lib
+from qwenft.conf.schema import Config
+from qwenft.distributed.fsdp import set_microbatch_grad_sync
+from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
+from qwenft.launch import signals
+from qwenft.train import metrics as metrics_lib
+from qwenft.train.evaluate import (build_eval_schedule, ce_sum, eval_loss_pipelined, eval_loss_unpipelined,
+                                   val_micro_batches)
+from qwenft.train.metrics import MetricsLogger
+from qwenft.train.optim import build_optimizer, build_scheduler
+from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
+
+log = logging.getLogger("qwenft")
+
+
+# ---------------------------------------------------------------- model
+
+def model_config(cfg: Config):
+    """The model's ModelConfig: model.path's config.json, else model.name's; model.num_layers keeps the first n."""
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
+
+    model_cfg = config_from_hf_dir(cfg.model.path) if cfg.model.path else named_config(cfg.model.name)
+    n = cfg.model.num_layers
+    if n is not None:
+        t = model_cfg.text
+        if n > t.num_hidden_layers:
+            raise ValueError(f"model.num_layers={n} but the model has {t.num_hidden_layers} layers")
+        model_cfg.text = dataclasses.replace(t, num_hidden_layers=n, layer_types=t.layer_types[:n])
+    return model_cfg
+
+
+def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
+    """Random init makes room for the tokenizer's vocabulary; a checkpoint must already have it."""
+    if tokenizer_size <= model_cfg.text.vocab_size:
+        return
+    if cfg.model.path:
+        raise ValueError(f"the tokenizer has {tokenizer_size} tokens but model.path={cfg.model.path} has "
+                         f"vocab_size={model_cfg.text.vocab_size}; point data.tokenizer at the model's tokenizer")
+    model_cfg.text.vocab_size = tokenizer_size
+
+
+def _freeze(module: nn.Module, cfg: Config) -> None:
+    from qwenft.models.freeze import checkpoint_vision, freeze
+
+    freeze(module, vision=cfg.model.freeze_vision, language=cfg.model.freeze_language,
+           projector=cfg.model.freeze_projector)
+    if cfg.model.vision_activation_checkpointing and getattr(module, "visual", None) is not None:
+        checkpoint_vision(module)
+
+
+def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
+    """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> compile -> FSDP2."""
+    from qwenft.distributed.parallelize import parallelize
+
+    par = spec.parallel
+    parallelize(module, mesh, param_dtype=spec.dtypes.compute, reduce_dtype=spec.dtypes.reduce,
+                activation_checkpointing=par.activation_checkpointing,
+                vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
+                reshard_after_forward=par.reshard_after_forward, compile_layers=par.compile,
+                fsdp_prefetch=cfg.mesh.fsdp_prefetch)
+
+
+def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:
+    """This rank's share of the model as (pipeline stage index, module) pairs: the whole model at pp = 1, else
+    its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded."""
+    from qwenft.distributed.pipeline import stage as pp_stage
+    from qwenft.models.loader import build_model
+
+    model_kwargs = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
+                        ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=spec.parallel.ce_kernel)
+    layers = spec.parallel.stage_layers
+    out = []
+    for i in spec.stage_ids(mesh["pp"].get_local_rank()):
+        if spec.layout.pp == 1:
+            module = build_model(model_cfg, device="meta", dtype=spec.dtypes.master, **model_kwargs)
+        else:
+            module = pp_stage.build_stage_model(model_cfg, list(layers[i]), embed=i == 0, head=i == len(layers) - 1,
+                                                **model_kwargs).to_dtype(spec.dtypes.master)
+        _freeze(module, cfg)
+        _parallelize(module, cfg, spec, mesh)
+        out.append((i, module))
+    return out
+
+
+def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype, device) -> None:
+    """model.path's weights, or the seed's random init, into this rank's shards of `module`, in `dtype`."""
+    from qwenft.models.loader import init_random_weights, load_hf_weights
+
+    if cfg.model.path:
+        load_hf_weights(module, cfg.model.path, device=device, dtype=dtype)
+    else:
+        init_random_weights(module, seed=cfg.seed, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------- data
+
+def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> tuple:
+    """(tokenizer, VLM processor or None, what an HF export saves next to the weights) from `source`; default
+    data.tokenizer, else model.path, else the built-in tiny tokenizer (tiny_vlm's processor for a VLM)."""
+    source = source or cfg.data.tokenizer or cfg.model.path or ("tiny_vlm" if vision else "tiny")
+    if vision:
+        from qwenft.data.vlm import load_processor
+
+        processor = load_processor(source, min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
+        return processor.tokenizer, processor, [processor.tokenizer, processor.image_processor]
+    from qwenft.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    return tokenizer, None, [tokenizer]
+
+
+def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None):
+    """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
+    model has a vision tower. `path` (default data.path) lets the validation set be read the same way."""
+    from qwenft.data.tiny_chat import TRAIN_PATH
+
+    path = path or (TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path)
+    common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
+                  seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
+                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
+    tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
+    if processor is not None:
+        from qwenft.data.vlm import build_vlm_data
+
+        data = build_vlm_data(path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
+    else:
+        from qwenft.data.loader import build_sft_data
+
+        data = build_sft_data(path, tokenizer, **common)
+    return tokenizer, data, preprocessors
+
+
+# ---------------------------------------------------------------- the step and validation
+
+StepFn = Callable[[list[dict], torch.Tensor], torch.Tensor]
+
+
+def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.Tensor, device,
+               reduce_grad_per_microbatch: bool, ce_in_model: bool) -> torch.Tensor:
+    """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss."""
+    step_loss = torch.zeros((), device=device)
+    for i, mb in enumerate(micro_batches):
+        set_microbatch_grad_sync(model, i == len(micro_batches) - 1, reduce_grad_per_microbatch)
+        loss = ce_sum(model, mb, device, ce_in_model) / label_tokens.clamp(min=1)
+        loss.backward()
+        step_loss += loss.detach()
+    return step_loss
+
+
+def _accumulation_step(model: nn.Module, spec: RunSpec, dp_group, device) -> StepFn:
+    def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
+        loss = accumulate(model, micro_batches, label_tokens, device, spec.parallel.reduce_grad_per_microbatch,
+                          spec.parallel.ce_in_model)
+        dist.all_reduce(loss, group=dp_group)
+        return loss
+    return step
+
+
+def _pipeline_stages(parts: list[tuple[int, nn.Module]], spec: RunSpec, mesh, device) -> list:
+    from qwenft.distributed.pipeline import stage as pp_stage
+
+    par = spec.parallel
+    return [pp_stage.ReduceGradStage(module, i, par.num_stages, device, group=mesh["pp"].get_group(),
+                                     reduce_grad_per_microbatch=par.reduce_grad_per_microbatch,
+                                     reshard=par.reshard_after_forward)
+            for i, module in parts]
+
+
+def _pipeline_step(stages: list, spec: RunSpec, mesh, device) -> StepFn:
+    from qwenft.distributed.pipeline import schedule as pp_schedule
+
+    name, n = spec.parallel.schedule, spec.batching.num_microbatches
+    loss_fn = pp_schedule.TokenCE(ce_in_model=spec.parallel.ce_in_model)
+    try:
+        schedule = pp_schedule.build_schedule(name, stages, n, loss_fn)
+    except ValueError as e:
+        raise ValueError(f"pipeline.schedule={name} with {n} microbatches per step and {spec.parallel.num_stages} "
+                         f"stages: {str(e).splitlines()[0]}") from None
+    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+
+    def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
+        batch = pp_schedule.PipelineBatch.from_microbatches(micro_batches, device)
+        return pp_schedule.train_step(schedule, stages, batch, loss_fn, label_tokens, dp_group, pp_group)
+    return step
+
+
+def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: list[nn.Module]):
+    """A function returning the validation loss (eval.dataset), or None without eval.every_steps."""
+    if not cfg.eval.every_steps:
+        return None
+    from qwenft.data.tiny_chat import VAL_PATH
+
+    size, n = spec.batching.microbatch_size, spec.batching.num_microbatches
+    val_path = VAL_PATH if cfg.eval.dataset == "tiny" else cfg.eval.dataset
+    _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp, path=val_path)
+    val_batches = val_micro_batches(val_data, cfg.eval.max_batches)
+    log.info("validation: %s, %d micro batches of %d per rank every %d steps",
+             cfg.eval.dataset, len(val_batches), size, cfg.eval.every_steps)
+    dp_group, ce_in_model = mesh["dp"].get_group(), spec.parallel.ce_in_model
+    if spec.layout.pp == 1:
+        [model] = modules
+        return lambda: eval_loss_unpipelined(model, val_batches, device, dp_group, ce_in_model)
+    pp_group = mesh["pp"].get_group()
+    stage_ids = spec.stage_ids(mesh["pp"].get_local_rank())
+    eval_schedule = build_eval_schedule(list(zip(stage_ids, modules)), spec.parallel.num_stages,
+                                        spec.parallel.schedule, n, ce_in_model, device, pp_group)
+    return lambda: eval_loss_pipelined(eval_schedule, val_batches, n, device, dp_group, pp_group, ce_in_model)
+
+
+# ---------------------------------------------------------------- the job
+
+def default_run_dir(recipe: str) -> str:
+    return str(Path("outputs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _agree_run_dir(cfg: Config) -> Path:
+    """Every rank must write to the same dir; rank 0's timestamp wins."""
+    choice = [cfg.run_dir or default_run_dir(cfg.recipe)]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0])
+
+
+def _setup_logging(run_dir: Path, is_main: bool) -> None:
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    for handler in log.handlers:  # an earlier run in this process (tests) left its log file open
+        handler.close()
+    log.handlers.clear()
+    log.propagate = False
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler()
+    console.setFormatter(fmt)
+    log.addHandler(console)
+    if is_main:
+        file = logging.FileHandler(run_dir / "train.log")
+        file.setFormatter(fmt)
+        log.addHandler(file)
+
+
+@dataclass
+class Job:
+    """A run ready to train from `start_step`: its specs and its built components."""
+    cfg: Config
+    spec: RunSpec
+    model_cfg: object  # qwenft.models.qwen3_5.configs.ModelConfig, vocabulary fitted to the tokenizer
+    mesh: object  # the (pp, dp, tp) DeviceMesh
+    device: torch.device
+    run_dir: Path
+    is_main: bool  # rank 0: writes the run dir's files
+    data: object  # the training stream (qwenft.data.loader.SFTData or qwenft.data.vlm.VLMData)
+    preprocessors: list  # what an HF export saves next to the weights
+    model_parts: list[nn.Module]  # this rank's model, or the modules of its pipeline stages
+    params: list[nn.Parameter]  # the trained ones, on this rank
+    step: StepFn  # forward + backward of one step's microbatches -> the loss summed over them and dp ranks
+    validate: Callable[[], float] | None  # the validation loss (eval.every_steps), else None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    checkpointer: ckpt_lib.Checkpointer
+    metrics: MetricsLogger
+    max_steps: int
+    start_step: int  # 1, or the step after the checkpoint resumed from
+    flops_per_token: float
+    peak_flops: float | None  # of this device, for MFU
+
+    @property
+    def dp_group(self):
+        return self.mesh["dp"].get_group()
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
+
+def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) -> Job:
+    """Join the process group and build everything a run of `cfg` needs, resumed when checkpoint.resume says
+    so. `save_config(run_dir)` runs on rank 0 once the config has passed its checks against the data and any
+    checkpoint, before the model is built (so a failed resume leaves the run dir as it was)."""
+    init_process_group(cfg.mesh.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
+    batching = resolve_batching(cfg, layout.dp)
+    check_mesh_keys(cfg, layout)
+    mesh = build_mesh(layout)
+    dp_rank = mesh["dp"].get_local_rank()
+    device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
+
+    run_dir = _agree_run_dir(cfg)
+    is_main = rank == 0
+    ckpt_root = run_dir / "checkpoints"
+    resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)  # a bad checkpoint fails before any write
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        signals.clear_marker(run_dir)
+    dist.barrier()
+    _setup_logging(run_dir, is_main)
+    log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
+             run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
+
+    torch.manual_seed(cfg.seed)
+    model_cfg = model_config(cfg)
+    spec = RunSpec(layout, batching, resolve_dtypes(cfg, device.type),
+                   resolve_parallel(cfg, layout, model_cfg, batching, device.type))
+    tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
+    _fit_vocab(cfg, model_cfg, len(tokenizer))
+    if resume_from is not None:
+        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names)
+    if is_main and save_config is not None:
+        save_config(run_dir)
+    max_steps = cfg.train.max_steps
+    if max_steps is None:
+        max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
+    log.info("data: %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s",
+             data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
+
+    if layout.pp > 1:
+        log.info("pipeline: %s, %d stages, layers per stage %s", spec.parallel.schedule, spec.parallel.num_stages,
+                 [len(ls) for ls in spec.parallel.stage_layers])
+    parts = build_model_parts(cfg, model_cfg, spec, mesh)
+    for _, module in parts:
+        load_weights(module, cfg, spec.dtypes.master, device)
+    modules = [module for _, module in parts]
+    if layout.pp > 1:
+        step = _pipeline_step(_pipeline_stages(parts, spec, mesh, device), spec, mesh, device)
+    else:
+        step = _accumulation_step(modules[0], spec, mesh["dp"].get_group(), device)
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for m in modules for p in m.parameters())
+    log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,
+             n_params / 1e6, sum(p.numel() for p in params) / 1e6)
+
+    optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
+                                cfg.optim.eps, cfg.optim.fused, state_dtype=cfg.optim.state_dtype, seed=cfg.seed)
+    fused = getattr(optimizer, "fused", None) or optimizer.defaults.get("fused")
+    log.info("kernels: cross-entropy %s (model.kernels.ce=%s); optimizer %s, %s (optim.fused=%s)",
+             spec.parallel.ce_kernel, cfg.model.kernels.ce, type(optimizer).__name__,
+             "fused" if fused else "foreach", cfg.optim.fused)
+    scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
+                                cfg.lr_scheduler.min_lr_ratio)
+    wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None
+    metrics = MetricsLogger(run_dir, is_main, wandb_config, cfg.logger.wandb_project,
+                            cfg.logger.wandb_mode, run_name=run_dir.name)
+    checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
+                                         cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
+                                         async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names)
+    start_step = 1
+    if resume_from is not None:
+        start_step = checkpointer.load(resume_from) + 1
+        log.info("resumed from %s; continuing at step %d", resume_from, start_step)
+
+    return Job(cfg=cfg, spec=spec, model_cfg=model_cfg, mesh=mesh, device=device, run_dir=run_dir, is_main=is_main,
+               data=data, preprocessors=preprocessors, model_parts=modules, params=params, step=step,
+               validate=_validation(cfg, model_cfg, spec, mesh, device, modules), optimizer=optimizer,
+               scheduler=scheduler, checkpointer=checkpointer, metrics=metrics, max_steps=max_steps,
+               start_step=start_step, flops_per_token=metrics_lib.flops_per_token(model_cfg.text, cfg.data.seq_len),
+               peak_flops=metrics_lib.peak_flops(device))

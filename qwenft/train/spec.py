@@ -1,0 +1,168 @@
+"""Every decision a config implies for a run, computed once into small frozen specs that building, training
+and `qwenft plan` share: how a step's batch is split (`Batching`), the dtypes (`Dtypes`), the pipeline
+placement and FSDP's resharding (`ParallelSpec`), all of it with the layout in a `RunSpec`.
+
+    spec = resolve_spec(cfg, layout, model_cfg, "cuda")      # no process group, no weights
+
+Raises `ValueError` naming the config keys for a config the layout cannot run.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from qwenft.conf.schema import Config
+from qwenft.distributed.mesh import Layout
+from qwenft.distributed.tensor_parallel import validate_tp
+
+
+@dataclass(frozen=True)
+class Batching:
+    """One step's sequences and how a dp rank splits them; the same split serves pipeline microbatches
+    (pp > 1) and gradient accumulation (pp = 1)."""
+    microbatch_size: int  # sequences per microbatch on one dp rank
+    num_microbatches: int  # microbatches per step on one dp rank
+    global_batch_size: int  # sequences per step over all dp ranks
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """What weights, their compute copies, gradients and AdamW state are held in."""
+    compute: torch.dtype  # FSDP's param_dtype: what forward and backward run in
+    master: torch.dtype  # trained weights are stored and updated in it (optim.master_dtype); GDN's decay stays fp32
+    reduce: torch.dtype  # gradients are reduced and kept in it: the master dtype (bf16: 8 bytes a parameter)
+    state: torch.dtype  # AdamW moments (optim.state_dtype)
+
+    @property
+    def optim_names(self) -> dict:
+        """optim.state_dtype and optim.master_dtype as a checkpoint records them."""
+        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+        return {"state_dtype": name(self.state), "master_dtype": name(self.master)}
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Where the layers run and how FSDP gathers, reduces and reshards them."""
+    schedule: str  # pipeline.schedule (1f1b when pp = 1)
+    virtual_stages: int  # pipeline stages per pp rank (1 when pp = 1)
+    stage_layers: tuple[tuple[int, ...], ...]  # layer indices of every stage; one stage of all layers when pp = 1
+    reduce_grad_per_microbatch: bool  # the knob (pipeline.reduce_grad_per_microbatch)
+    single_pass: bool  # pp = 1 with one microbatch a step: its backward reduces at once, nothing is kept gathered
+    reshard_after_forward: bool  # FSDP reshards between microbatches (pipeline.stage.reshard_policy, or single_pass)
+    ce_kernel: str  # model.kernels.ce resolved: torch | fused
+    ce_in_model: bool  # chunked or fused CE: the head returns the CE sum, never the whole logits
+    activation_checkpointing: str  # model.activation_checkpointing's mode
+    compile: bool  # model.compile: per-layer torch.compile
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """All of a run's specs, on its layout."""
+    layout: Layout
+    batching: Batching
+    dtypes: Dtypes
+    parallel: ParallelSpec
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The pipeline stages a pp rank runs ([0] when pp = 1)."""
+        from qwenft.distributed.pipeline import split as pp_split
+
+        if self.layout.pp == 1:
+            return [0]
+        v_shaped = self.parallel.schedule in pp_split.V_SHAPED
+        return pp_split.stage_ids_for_rank(pp_rank, self.layout.pp, self.parallel.virtual_stages, v_shaped)
+
+
+def check_mesh_keys(cfg: Config, layout: Layout) -> None:
+    """Mesh and pipeline keys that contradict the layout; raised before anything is built."""
+    if cfg.mesh.sequence_parallel and layout.tp == 1:
+        raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
+    if layout.pp == 1:
+        if cfg.pipeline.schedule != "1f1b":
+            raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
+                             f"set mesh.pp > 1 or leave pipeline.schedule at 1f1b")
+        for key in ("virtual_stages", "layers_per_stage", "stage_layers"):
+            if getattr(cfg.pipeline, key) is not None:
+                raise ValueError(f"pipeline.{key}={getattr(cfg.pipeline, key)} is set but mesh.pp=1 (no pipeline); "
+                                 f"set mesh.pp > 1 or pipeline.{key}=null")
+
+
+def resolve_batching(cfg: Config, dp: int) -> Batching:
+    """train.global_batch_size split over `dp` ranks into microbatches of pipeline.microbatch_size (default
+    train.micro_batch_size)."""
+    key = "pipeline.microbatch_size" if cfg.pipeline.microbatch_size else "train.micro_batch_size"
+    size = cfg.pipeline.microbatch_size or cfg.train.micro_batch_size
+    per_step = size * dp
+    if cfg.train.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+            f"{key}={size} x dp={dp} = {per_step}")
+    count = cfg.train.global_batch_size // per_step
+    if cfg.pipeline.num_microbatches is not None and cfg.pipeline.num_microbatches != count:
+        raise ValueError(
+            f"pipeline.num_microbatches={cfg.pipeline.num_microbatches} but train.global_batch_size="
+            f"{cfg.train.global_batch_size} / dp={dp} / {key}={size} = {count}; set it to {count} or null")
+    return Batching(size, count, cfg.train.global_batch_size, cfg.data.seq_len)
+
+
+def resolve_dtypes(cfg: Config, device: str) -> Dtypes:
+    """model.dtype=auto computes in bf16 on CUDA or with bf16 master weights, else in fp32."""
+    if cfg.model.dtype == "auto":
+        bf16 = device == "cuda" or cfg.optim.master_dtype == "bfloat16"
+        compute = torch.bfloat16 if bf16 else torch.float32
+    else:
+        compute = getattr(torch, cfg.model.dtype)
+    master = getattr(torch, cfg.optim.master_dtype)
+    return Dtypes(compute=compute, master=master, reduce=master, state=getattr(torch, cfg.optim.state_dtype))
+
+
+def resolve_ce_kernel(cfg: Config, layout: Layout, device: str) -> str:
+    """model.kernels.ce: auto = fused on CUDA (no fp32 logits, less memory, faster) unless the head is
+    vocab-parallel (its weight is then a vocabulary shard), else torch."""
+    if cfg.model.kernels.ce != "auto":
+        return cfg.model.kernels.ce
+    return "fused" if device == "cuda" and not (layout.tp > 1 and cfg.mesh.vocab_parallel) else "torch"
+
+
+def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str) -> ParallelSpec:
+    """The pipeline placement and FSDP's resharding; raises on head counts, a schedule, a stage split or a model
+    that the layout cannot run."""
+    from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
+
+    validate_tp(model_cfg.text, layout.tp)
+    name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
+    num_layers = model_cfg.text.num_hidden_layers
+    virtual, layers = 1, [list(range(num_layers))]
+    if layout.pp > 1:
+        virtual = cfg.pipeline.virtual_stages or pp_split.default_virtual_stages(name)
+        pp_split.check_virtual_stages(name, virtual)
+        if model_cfg.tie_word_embeddings:
+            raise ValueError(f"model {cfg.model.path or cfg.model.name} ties lm_head to the embeddings, which "
+                             f"mesh.pp={layout.pp} puts on different stages; use mesh.pp=1")
+        layers = pp_split.split_layers(num_layers, layout.pp * virtual, model_cfg.vision is not None,
+                                       cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
+    single_pass = layout.pp == 1 and batching.num_microbatches == 1
+    return ParallelSpec(
+        schedule=name, virtual_stages=virtual, stage_layers=tuple(tuple(stage) for stage in layers),
+        reduce_grad_per_microbatch=knob, single_pass=single_pass,
+        reshard_after_forward=pp_stage.reshard_policy(name, knob) or single_pass,
+        ce_kernel=(ce_kernel := resolve_ce_kernel(cfg, layout, device)),
+        ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        compile=cfg.model.compile)
+
+
+def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec:
+    """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu")."""
+    check_mesh_keys(cfg, layout)
+    batching = resolve_batching(cfg, layout.dp)
+    return RunSpec(layout, batching, resolve_dtypes(cfg, device), resolve_parallel(cfg, layout, model_cfg, batching, device))
