@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qwenft.cli import compose  # noqa: E402
+from qwenft.conf import compose  # noqa: E402
 
 
 def _stand_in_delta_rule(q, k, v, g, beta, cu_seqlens):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qwenft.cli import compose, list_recipes, main
+from qwenft.cli import main
+from qwenft.conf import compose, list_recipes
 
 REPO = Path(__file__).resolve().parent.parent
 

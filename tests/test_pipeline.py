@@ -15,7 +15,7 @@ import torch
 
 from distributed import run_distributed
 from test_train_parity import _assert_same  # losses at every step and every parameter, relative
-from qwenft.cli import compose
+from qwenft.conf import compose
 from qwenft.distributed.pipeline import SCHEDULES, split_layers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_vlm_microbatch_images_padded_and_dropped():
     [3, B, T] positions, and a microbatch without images runs with pixel_values=None (same logits as the model)."""
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-    from qwenft.cli import compose
+    from qwenft.conf import compose
     from qwenft.distributed.pipeline import PipelineBatch, build_stage_model
     from qwenft.models.loader import init_random_weights
     from qwenft.train.runner import _build_data, _model_config

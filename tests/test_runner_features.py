@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.cli import compose, list_recipes
+from qwenft.conf import compose, list_recipes
 
 REPO = Path(__file__).resolve().parent.parent
 

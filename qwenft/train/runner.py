@@ -332,7 +332,7 @@ def _run(cfg: Config, return_state: bool, stop: signals.StopOnSignal, on_step=No
     if resume_from is not None:
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, _optim_dtypes(cfg))
     if is_main:  # after the checks, so a failed resume leaves the run's config.yaml as it was
-        from qwenft.cli import to_yaml
+        from qwenft.conf import to_yaml
 
         (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
     max_steps = cfg.train.max_steps
