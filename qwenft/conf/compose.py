@@ -81,6 +81,21 @@ def _bool_choices_as_strings(raw) -> None:
             OmegaConf.update(raw, key, str(value).lower())
 
 
+def _store_schema_defaults() -> None:
+    """Every schema key at its dataclass default, as the base config.yaml composes first: a group option's
+    YAML then holds only what differs, and an override may set any key. Untyped, so the schema's types and
+    choices are checked once, by the merge into `Config` below."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config))
+    del defaults["recipe"]  # the `recipe` group's choice, recorded after composing
+    # data=chat makes data.path required (???), and merging ??? onto a value keeps the value: every data
+    # option sets data.path itself
+    del defaults["data"]["path"]
+    ConfigStore.instance().store(name="schema_defaults", node=defaults)
+
+
 def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake).
 
@@ -101,6 +116,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     extra = os.environ.get(RECIPES_ENV)
     if extra:
         hydra_overrides.insert(0, _user_search_path(Path(extra).resolve()))
+    _store_schema_defaults()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = hydra_compose("config", overrides=hydra_overrides)

@@ -24,7 +24,7 @@ class MeshConfig:
 
 @dataclass
 class KernelsConfig:
-    gdn: str = "auto"  # auto | fla | torch  (auto = fla on CUDA when importable)
+    gdn: str = "auto"  # auto = fla on CUDA when importable, else torch
     # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
     attention: str = "auto"
 
@@ -33,10 +33,10 @@ class KernelsConfig:
 class ModelConfig:
     name: str = "tiny"  # named size from qwenft.models.qwen3_5.configs; ignored when path is set
     path: Optional[str] = None  # HF checkpoint dir: config.json, weights and tokenizer come from it
-    dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU | float32 | bfloat16
+    dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    # recompute decoder layers in the backward: false | true (every layer) | linear_attention | full_attention
-    # (only layers of that kind) | selective (every layer, keeping matmul outputs); docs/performance.md
+    # recompute decoder layers in the backward: true = every layer, linear_attention / full_attention = only
+    # layers of that kind, selective = every layer keeping matmul outputs; docs/performance.md
     activation_checkpointing: str = "false"
     num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
     freeze_vision: bool = False  # VLM: no gradient for the vision tower
@@ -63,10 +63,10 @@ class DataConfig:
     path: str = "tiny"  # JSONL / Parquet / datasets dir; "tiny" = the chat set shipped in the package
     tokenizer: Optional[str] = None  # tokenizer dir; default: model.path, else "tiny" (trained at first use)
     seq_len: int = 256
-    packing: str = "pack"  # pack | pad
-    train_on: str = "assistant"  # assistant | all
-    truncation: str = "truncate_right"  # truncate_right | drop
-    on_bad_row: str = "skip"  # skip | error
+    packing: str = "pack"  # pack documents into rows, or pad one document per row
+    train_on: str = "assistant"  # labels on assistant turns, or on all tokens
+    truncation: str = "truncate_right"  # documents longer than seq_len: cut, or drop them
+    on_bad_row: str = "skip"  # skip (and count) bad rows, or error on the first
     image: ImageConfig = field(default_factory=ImageConfig)
 
 
@@ -76,18 +76,18 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    fused: str = "auto"  # auto = fused AdamW on CUDA | true | false
+    fused: str = "auto"  # auto = fused AdamW on CUDA
     max_grad_norm: float = 1.0  # global-norm clipping; 0 = off
-    state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (4 bytes per parameter less)
-    # trained weights (and their gradients): float32 | bfloat16 = no fp32 master copy, stochastically
-    # rounded updates (6 bytes per parameter less); docs/performance.md, "Memory options"
+    state_dtype: str = "float32"  # AdamW moments; bfloat16 = 4 bytes per parameter less
+    # trained weights (and their gradients); bfloat16 = no fp32 master copy, stochastically rounded updates
+    # (6 bytes per parameter less); docs/performance.md, "Memory options"
     master_dtype: str = "float32"
 
 
 @dataclass
 class LRSchedulerConfig:
     warmup_steps: int = 0
-    decay: str = "cosine"  # cosine | linear | constant
+    decay: str = "cosine"  # after the warmup
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
 
 
@@ -99,12 +99,12 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward on one rank
     log_every: int = 1
     progress_bar: bool = True
-    on_nonfinite: str = "error"  # non-finite loss or grad norm: error | skip (the step, counted as skipped_steps)
+    on_nonfinite: str = "error"  # non-finite loss or grad norm; skip = drop the step, counted as skipped_steps
 
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev
+    schedule: str = "1f1b"  # torch.distributed.pipelining schedule
     microbatch_size: Optional[int] = None  # sequences per microbatch; null = train.micro_batch_size
     num_microbatches: Optional[int] = None  # derived: global batch / dp / microbatch_size; if set, must agree
     virtual_stages: Optional[int] = None  # stages per pp rank; null = 1 (gpipe, 1f1b) or 2 (the others)
@@ -118,7 +118,7 @@ class CheckpointConfig:
     # At the end of training, write the trained model as an HF checkpoint (safetensors + index + config.json
     # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained.
     export_hf: bool = True
-    export_dtype: str = "bfloat16"  # bfloat16 | float32
+    export_dtype: str = "bfloat16"
     # Sharded training checkpoints (model, optimizer, scheduler, data position, RNG) in <run_dir>/checkpoints
     every_steps: int = 0  # save after every N optimizer steps and after the last; 0 = no training checkpoints
     keep: int = 2  # keep the newest N checkpoints
@@ -197,6 +197,8 @@ class Config:
 # submitting shell (sbatch --export=ALL). HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD, ...
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN)$|SECRET|PASSWORD", re.IGNORECASE)
 
+# Every key that takes one of a fixed set of values, with that set: validate() checks it, docs/cli.md lists
+# it (tests/test_cli.py checks that the docs name every value).
 CHOICES = {
     "mesh.backend": ("auto", "nccl", "gloo"),
     "model.dtype": ("auto", "float32", "bfloat16"),
