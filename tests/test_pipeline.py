@@ -206,7 +206,7 @@ def _eval_vs_one_process(rank, world_size):
     from qwenft.distributed.pipeline import TokenCE, build_schedule, pipeline_eval_loss
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
-    from qwenft.train.loss import token_ce_sum
+    from qwenft.models.loss import token_ce_sum
 
     mesh = build_mesh(Layout(pp=2, dp=2, tp=1))
     cfg = named_config("tiny")

@@ -44,7 +44,7 @@ def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
 
     from qwenft.data.loader import build_sft_data
     from qwenft.data.tiny_chat import TRAIN_PATH
-    from qwenft.train.loss import token_ce_sum
+    from qwenft.models.loss import token_ce_sum
 
     (loss,) = run_distributed(_first_step_loss, 1, [
         f"model.path={checkpoint}", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from qwenft.data.chat import (IGNORE_INDEX, ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
+from qwenft.constants import IGNORE_INDEX
+from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
                               UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
 from qwenft.data.loader import SFTData, load_rows
 from qwenft.data.packing import build_row, cu_seqlens_from_position_ids

@@ -23,6 +23,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from qwenft.data.packing import cu_seqlens_from_position_ids
 from qwenft.distributed.fsdp import param_groups
+from qwenft.models.loss import count_label_tokens, token_ce_sum
 from qwenft.models.qwen3_5.model import Qwen3_5Model
 
 # config name -> torch class name (torch.distributed.pipelining.schedules, torch 2.13)
@@ -283,8 +284,6 @@ class TokenCE:
         self.ce_in_model = ce_in_model
 
     def __call__(self, output, labels):
-        from qwenft.train.loss import token_ce_sum
-
         ce = output if self.ce_in_model else token_ce_sum(output, labels)
         return ce / self.label_tokens.clamp(min=1)
 
@@ -376,7 +375,7 @@ def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_grou
             if isinstance(m, FSDPModule):
                 m.reshard()
     ce = _summed_loss(stages, losses, batch.labels.device)
-    tokens = (batch.labels != -100).sum().to(ce)
+    tokens = count_label_tokens(batch.labels).to(ce)
     dist.all_reduce(ce, group=dp_group)
     dist.all_reduce(ce, group=pp_group)
     dist.all_reduce(tokens, group=dp_group)
