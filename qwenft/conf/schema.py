@@ -141,6 +141,9 @@ class LoggerConfig:
     wandb_mode: Optional[str] = None  # online | offline | disabled; default: WANDB_MODE or online
 
 
+MASTER_PORT_BASE = 20000  # launcher.master_port's default: MASTER_PORT_BASE + SLURM_JOB_ID % MASTER_PORT_BASE
+
+
 @dataclass
 class LauncherConfig:
     nproc_per_node: int = 1  # `qwenft train` starts this many local workers; SLURM: procs per node without GPUs
