@@ -1,7 +1,9 @@
 """Typed schema of a qwenft run: every key a recipe or an override may set.
 
 Plain dataclasses, so components can take them without importing Hydra or OmegaConf. The CLI merges the
-composed YAML into `Config`, which rejects unknown keys and wrong types before anything is built.
+composed YAML into `Config`, which rejects unknown keys and wrong types before anything is built. Each
+section is an `*Options` class (`ModelOptions` is what a user sets for `model.*`; the architecture itself is
+qwenft.models.qwen3_5.configs.ModelConfig).
 """
 
 import re
@@ -10,7 +12,7 @@ from typing import Optional
 
 
 @dataclass
-class MeshConfig:
+class MeshOptions:
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline parallel degree
     dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp)
@@ -23,18 +25,18 @@ class MeshConfig:
 
 
 @dataclass
-class KernelsConfig:
+class KernelsOptions:
     gdn: str = "auto"  # auto = fla on CUDA when importable, else torch
     # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
     attention: str = "auto"
 
 
 @dataclass
-class ModelConfig:
+class ModelOptions:
     name: str = "tiny"  # named size from qwenft.models.qwen3_5.configs; ignored when path is set
     path: Optional[str] = None  # HF checkpoint dir: config.json, weights and tokenizer come from it
     dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU
-    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    kernels: KernelsOptions = field(default_factory=KernelsOptions)
     # recompute decoder layers in the backward: true = every layer, linear_attention / full_attention = only
     # layers of that kind, selective = every layer keeping matmul outputs; docs/performance.md
     activation_checkpointing: str = "false"
@@ -52,14 +54,14 @@ class ModelConfig:
 
 
 @dataclass
-class ImageConfig:
+class ImageOptions:
     min_pixels: Optional[int] = None  # resize bounds per image; null = the processor's own
     max_pixels: Optional[int] = None
     max_image_bytes: int = 32 * 2**20  # larger image files are bad rows (data.on_bad_row)
 
 
 @dataclass
-class DataConfig:
+class DataOptions:
     path: str = "tiny"  # JSONL / Parquet / datasets dir; "tiny" = the chat set shipped in the package
     tokenizer: Optional[str] = None  # tokenizer dir; default: model.path, else "tiny" (trained at first use)
     seq_len: int = 256
@@ -67,11 +69,11 @@ class DataConfig:
     train_on: str = "assistant"  # labels on assistant turns, or on all tokens
     truncation: str = "truncate_right"  # documents longer than seq_len: cut, or drop them
     on_bad_row: str = "skip"  # skip (and count) bad rows, or error on the first
-    image: ImageConfig = field(default_factory=ImageConfig)
+    image: ImageOptions = field(default_factory=ImageOptions)
 
 
 @dataclass
-class OptimConfig:
+class OptimOptions:
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
@@ -85,14 +87,14 @@ class OptimConfig:
 
 
 @dataclass
-class LRSchedulerConfig:
+class LRSchedulerOptions:
     warmup_steps: int = 0
     decay: str = "cosine"  # after the warmup
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
 
 
 @dataclass
-class TrainConfig:
+class TrainOptions:
     max_steps: Optional[int] = 100  # optimizer steps; null = run `epochs` epochs
     epochs: Optional[float] = None
     global_batch_size: int = 8  # sequences per optimizer step, over all data parallel ranks
@@ -103,7 +105,7 @@ class TrainConfig:
 
 
 @dataclass
-class PipelineConfig:
+class PipelineOptions:
     schedule: str = "1f1b"  # torch.distributed.pipelining schedule
     microbatch_size: Optional[int] = None  # sequences per microbatch; null = train.micro_batch_size
     num_microbatches: Optional[int] = None  # derived: global batch / dp / microbatch_size; if set, must agree
@@ -114,7 +116,7 @@ class PipelineConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointOptions:
     # At the end of training, write the trained model as an HF checkpoint (safetensors + index + config.json
     # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained.
     export_hf: bool = True
@@ -128,14 +130,14 @@ class CheckpointConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalOptions:
     every_steps: int = 0  # validation loss after every N optimizer steps and at the end; 0 = never
     dataset: Optional[str] = None  # chat data like data.path; "tiny" = the shipped tiny_chat_val.jsonl
     max_batches: Optional[int] = None  # micro batches per rank per validation; null = the whole set
 
 
 @dataclass
-class LoggerConfig:
+class LoggerOptions:
     wandb: bool = False
     wandb_project: str = "qwenft"
     wandb_mode: Optional[str] = None  # online | offline | disabled; default: WANDB_MODE or online
@@ -145,7 +147,7 @@ MASTER_PORT_BASE = 20000  # launcher.master_port's default: MASTER_PORT_BASE + S
 
 
 @dataclass
-class LauncherConfig:
+class LauncherOptions:
     nproc_per_node: int = 1  # `qwenft train` starts this many local workers; SLURM: procs per node without GPUs
     # `qwenft slurm` (docs/slurm.md): one sbatch task per node, torchrun on each with c10d rendezvous
     nodes: int = 1
@@ -169,7 +171,7 @@ class LauncherConfig:
 
 
 @dataclass
-class PlanConfig:
+class PlanOptions:
     """`qwenft plan` (docs/performance.md, "Memory planner")."""
     gpu_memory_gib: float = 139.0  # flag ranks whose planned peak is above this (H200: about 139 GiB usable)
     json: Optional[str] = None  # also write the plan as JSON to this path
@@ -182,18 +184,18 @@ class Config:
     description: str = ""
     run_dir: Optional[str] = None  # default outputs/<recipe>/<timestamp>
     seed: int = 0
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    mesh: MeshOptions = field(default_factory=MeshOptions)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    lr_scheduler: LRSchedulerOptions = field(default_factory=LRSchedulerOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    eval: EvalOptions = field(default_factory=EvalOptions)
+    logger: LoggerOptions = field(default_factory=LoggerOptions)
+    launcher: LauncherOptions = field(default_factory=LauncherOptions)
+    plan: PlanOptions = field(default_factory=PlanOptions)
 
 
 # launcher.env names whose values never go into a file (script, config): they travel by name from the
