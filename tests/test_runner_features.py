@@ -25,7 +25,8 @@ def _first_step_loss(rank, world_size, overrides):
 def checkpoint(tmp_path_factory):
     """A tiny random Qwen3.5 saved in HF layout with the tiny tokenizer beside it."""
     from qwenft.data.tokenizer import load_tokenizer
-    from qwenft.models.loader import build_model, init_random_weights, save_hf
+    from qwenft.checkpoint.hf_export import save_hf
+    from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
 
     out = tmp_path_factory.mktemp("ckpt")
