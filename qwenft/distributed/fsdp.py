@@ -84,7 +84,7 @@ def set_prefetch(model: nn.Module, count: int) -> None:
 
 def param_groups(fsdp_state) -> list:
     """FSDP's parameter groups of one `fully_shard.state(...)`: a list from torch 2.13 (`_fsdp_param_groups`),
-    one group or None before (`_fsdp_param_group`, torch 2.11 on the GPU image). No public accessor yet."""
+    one group or None before (`_fsdp_param_group`, torch 2.11). No public accessor yet."""
     groups = getattr(fsdp_state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(fsdp_state, "_fsdp_param_group", None)

@@ -340,7 +340,7 @@ def _summed_loss(stages, losses: list, device) -> torch.Tensor:
 
 def _first_stage_args(stages, batch: PipelineBatch) -> tuple:
     """Positional inputs only on the rank that holds stage 0: torch 2.11's PipelineStage refuses positional
-    args on later stages ("Can't supply input args for shape inference on non-first stage", seen on H200)."""
+    args on later stages ("Can't supply input args for shape inference on non-first stage")."""
     return (batch.input_ids,) if any(stage.is_first for stage in stages) else ()
 
 

@@ -156,7 +156,7 @@ class ShardedLinear(nn.Linear):
         return torch.nn.functional.linear(x, self.weight.to_local(), self.bias.to_local() if sharded_bias else None)
 
 
-# renamed *_single in torch 2.13 (the old names warn there); the GPU image's torch 2.11 has only the old ones
+# renamed *_single in torch 2.13 (the old names warn there); torch 2.11 has only the old ones
 _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 

@@ -22,7 +22,7 @@ class LMHead(nn.Linear):
     """Hidden states -> vocabulary logits; given labels, the CE sum instead (`ce_chunk_tokens` tokens at a time,
     0 = from the whole logits).
 
-    The CE runs in this module's forward so that whatever FSDP unit holds the head (the root today, or its own
+    The CE runs in this module's forward so that whatever FSDP unit holds the head (the root, or its own
     `fully_shard`) has all-gathered the weight: outside a forward, FSDP2 leaves `weight` a sharded DTensor.
     """
 

@@ -221,7 +221,7 @@ def init_value(name: str, shape, seed: int, std: float = 0.02, device="cpu") -> 
     """The full fp32 initial value of a native parameter; depends only on (seed, name, shape, device type),
     so every sharding of the model gets the same numbers. Matches transformers' init scheme for Qwen3.5.
     On CUDA the values come from CUDA's generator (different numbers than on the CPU, the same on every GPU
-    and mesh): drawing 5.6 B values on the CPU took ~50 s per rank, on an H200 well under a second."""
+    and mesh): drawing 5.6 B values on the CPU took ~50 s per rank, on a GPU well under a second."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
     with torch.device(device):
