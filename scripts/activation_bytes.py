@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qwenft.cli import compose  # noqa: E402
+from qwenft.conf import compose  # noqa: E402
 from qwenft.models.qwen3_5.attention import RotaryEmbedding  # noqa: E402
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
 from qwenft.models.qwen3_5.model import DecoderLayer  # noqa: E402

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qwenft.cli import compose  # noqa: E402
+from qwenft.conf import compose  # noqa: E402
 from qwenft.train.runner import run  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from qwenft.cli import compose  # noqa: E402
+from qwenft.conf import compose  # noqa: E402
 
 
 def _stand_in_delta_rule(q, k, v, g, beta, cu_seqlens):
@@ -38,7 +38,8 @@ def build(cfg):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
-    from qwenft.distributed.mesh import build_mesh, resolve_layout
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.distributed.mesh import build_mesh
     from qwenft.distributed.parallelize import apply_compile
     from qwenft.distributed.tensor_parallel import apply_tp, validate_tp
     from qwenft.models.loader import build_model, init_random_weights

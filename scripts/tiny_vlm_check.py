@@ -15,7 +15,7 @@ from qwenft.data.vlm import build_vlm_data, load_processor
 from qwenft.models.freeze import freeze
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
-from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.models.loss import count_label_tokens, token_ce_sum
 from qwenft.train.optim import build_optimizer, build_scheduler
 
 

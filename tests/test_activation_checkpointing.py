@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from distributed import run_distributed
-from qwenft.cli import compose
+from qwenft.conf import compose
 from qwenft.distributed.activation_checkpointing import MODES, apply_activation_checkpointing
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config

@@ -43,7 +43,7 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
 
 
 def _profile_steps(rank, world_size, tmp_path):
-    from qwenft.cli import compose
+    from qwenft.conf import compose
 
     cfg = compose(["recipe=tiny", "train.max_steps=3", "data.seq_len=64", "train.progress_bar=false",
                    "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"])

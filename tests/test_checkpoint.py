@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from distributed import run_distributed
-from qwenft.cli import compose
+from qwenft.conf import compose
 
 
 def _train(rank, world_size, overrides):

@@ -2,13 +2,16 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from qwenft.cli import compose, list_recipes, main
+from qwenft.cli import main
+from qwenft.conf import compose, list_recipes
+from qwenft.conf.schema import CHOICES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,6 +29,18 @@ def test_show_resolves_recipe_and_overrides():
     out = qwenft("show", "train.max_steps=7", "model.kernels.gdn=torch")
     assert out.returncode == 0, out.stderr
     assert "max_steps: 7" in out.stdout and "gdn: torch" in out.stdout
+
+
+def test_docs_list_every_choice():
+    """docs/cli.md's key table names every valid value of every key that takes a fixed set of them."""
+    rows = [line for line in (REPO / "docs" / "cli.md").read_text().splitlines() if line.startswith("| `")]
+    for key, valid in CHOICES.items():
+        section, leaf = key.rsplit(".", 1)
+        row = next((r for r in rows if f"`{key}`" in r.split("|")[1]
+                    or f"`{section}." in r.split("|")[1] and f"`{leaf}`" in r.split("|")[1]), None)
+        assert row is not None, f"docs/cli.md has no row for {key}"
+        missing = [v for v in valid if not re.search(rf"(?<![\w.]){re.escape(v)}(?!\w)", row)]
+        assert not missing, f"docs/cli.md's row for {key} does not name {missing}"
 
 
 def test_reset_override_returns_schema_default():

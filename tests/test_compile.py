@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.cli import ConfigError, compose
+from qwenft.conf import ConfigError, compose
 from test_memory_options import _assert_same as assert_same, _overrides as memory_options_overrides
 
 

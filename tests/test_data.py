@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from qwenft.data.chat import IGNORE_INDEX, tokenize_rows
+from qwenft.constants import IGNORE_INDEX
+from qwenft.data.chat import tokenize_rows
 from qwenft.data.loader import build_sft_data, load_rows
 from qwenft.data.tiny_chat import TRAIN_PATH, VAL_PATH
 from qwenft.data.tokenizer import load_tokenizer

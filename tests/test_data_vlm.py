@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from qwenft.data.chat import IGNORE_INDEX
+from qwenft.constants import IGNORE_INDEX
 from qwenft.data.loader import load_rows
 from qwenft.data.vlm import (VLMProcessor, build_vlm_data, document_positions, load_processor, parse_row,
                              split_microbatches, tokenize_vlm_row, tokenize_vlm_rows)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from qwenft.cli import compose
+from qwenft.conf import compose
 
 
 def _train(rank, world_size, overrides):

@@ -92,7 +92,7 @@ def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
 
 
 def _train(rank, world_size, overrides):
-    from qwenft.cli import compose
+    from qwenft.conf import compose
     from qwenft.train.runner import run
 
     result = run(compose(overrides), return_state=True)
@@ -132,8 +132,9 @@ def _lists(model):
 
 def _prefetch_lists(rank, world_size, overrides):
     """`_lists` of this rank's stage as `qwenft train` builds it (build.build_model_parts)."""
-    from qwenft.cli import compose
-    from qwenft.distributed.mesh import build_mesh, resolve_layout
+    from qwenft.conf import compose
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.distributed.mesh import build_mesh
     from qwenft.train import build
     from qwenft.train.spec import resolve_spec
 
@@ -186,7 +187,7 @@ def test_prefetch_chain_is_per_pipeline_stage():
 
 
 def test_negative_prefetch_fails_in_validation():
-    from qwenft.cli import compose
+    from qwenft.conf import compose
 
     with pytest.raises(ValueError) as e:
         compose(["mesh.fsdp_prefetch=-1"])
@@ -199,8 +200,9 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
     builds it (build.build_model_parts)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-    from qwenft.cli import compose
-    from qwenft.distributed.mesh import build_mesh, resolve_layout
+    from qwenft.conf import compose
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.distributed.mesh import build_mesh
     from qwenft.train import build
     from qwenft.train.spec import resolve_spec
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from qwenft.models.linear_ce import chunked_linear_ce_sum
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
-from qwenft.train.loss import token_ce_sum
+from qwenft.models.loss import token_ce_sum
 
 
 def rel_err(a, b):

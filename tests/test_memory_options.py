@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.cli import compose
+from qwenft.conf import compose
 
 
 def _train(rank, world_size, overrides):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
-from qwenft.models.loader import build_model, load_hf_weights, save_hf
+from qwenft.checkpoint.hf_export import save_hf
+from qwenft.models.loader import build_model, load_hf_weights
 from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir, named_config, to_hf_config
 from qwenft.models.qwen3_5.vision import mrope_position_ids, tiny_vision_config

@@ -15,7 +15,7 @@ import torch
 
 from distributed import run_distributed
 from test_train_parity import _assert_same  # losses at every step and every parameter, relative
-from qwenft.cli import compose
+from qwenft.conf import compose
 from qwenft.distributed.pipeline.schedule import SCHEDULES
 from qwenft.distributed.pipeline.split import split_layers
 
@@ -92,7 +92,7 @@ def test_vlm_microbatch_images_padded_and_dropped():
     [3, B, T] positions, and a microbatch without images runs with pixel_values=None (same logits as the model)."""
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-    from qwenft.cli import compose
+    from qwenft.conf import compose
     from qwenft.distributed.pipeline.schedule import PipelineBatch
     from qwenft.distributed.pipeline.stage import build_stage_model
     from qwenft.models.loader import init_random_weights
@@ -171,7 +171,8 @@ def _stage(mesh, cfg, knob: bool, record: bool = False):
 
 def _grad_bytes_after_first_microbatch(rank, world_size, knob):
     """pp2 x dp(world_size / 2), 1F1B, 2 microbatches: what a stage holds after microbatch 0's backward."""
-    from qwenft.distributed.mesh import Layout, build_mesh
+    from qwenft.conf.layout import Layout
+    from qwenft.distributed.mesh import build_mesh
     from qwenft.distributed.pipeline.schedule import TokenCE, build_schedule, train_step
     from qwenft.models.qwen3_5.configs import named_config
 
@@ -204,11 +205,12 @@ def test_knob_gradient_memory_after_first_microbatch(knob, dp):
 
 
 def _eval_vs_one_process(rank, world_size):
-    from qwenft.distributed.mesh import Layout, build_mesh
+    from qwenft.conf.layout import Layout
+    from qwenft.distributed.mesh import build_mesh
     from qwenft.distributed.pipeline.schedule import TokenCE, build_schedule, pipeline_eval_loss
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
-    from qwenft.train.loss import token_ce_sum
+    from qwenft.models.loss import token_ce_sum
 
     mesh = build_mesh(Layout(pp=2, dp=2, tp=1))
     cfg = named_config("tiny")
@@ -324,7 +326,7 @@ PARALLEL_RECIPES = {  # recipe: (world size it is meant for, tp, pp)
 @pytest.mark.parametrize("recipe", list(PARALLEL_RECIPES))
 def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
     from qwenft.cli import main
-    from qwenft.distributed.mesh import resolve_layout
+    from qwenft.conf.layout import resolve_layout
     from qwenft.distributed.pipeline.split import default_virtual_stages
     from qwenft.distributed.tensor_parallel import validate_tp
     from qwenft.models.qwen3_5.configs import named_config

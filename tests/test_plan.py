@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.cli import compose, main
+from qwenft.cli import main
+from qwenft.conf import compose
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
 from qwenft.train import plan as plan_lib
 from qwenft.train.activations import saved_tensor_bytes

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_distributed
-from qwenft.cli import compose
+from qwenft.conf import compose
 from qwenft.launch.signals import EXIT_PREEMPTED, MARKER
 
 REPO = Path(__file__).resolve().parent.parent

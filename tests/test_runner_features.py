@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.cli import compose, list_recipes
+from qwenft.conf import compose, list_recipes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,8 @@ def _first_step_loss(rank, world_size, overrides):
 def checkpoint(tmp_path_factory):
     """A tiny random Qwen3.5 saved in HF layout with the tiny tokenizer beside it."""
     from qwenft.data.tokenizer import load_tokenizer
-    from qwenft.models.loader import build_model, init_random_weights, save_hf
+    from qwenft.checkpoint.hf_export import save_hf
+    from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
 
     out = tmp_path_factory.mktemp("ckpt")
@@ -44,7 +45,7 @@ def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
 
     from qwenft.data.loader import build_sft_data
     from qwenft.data.tiny_chat import TRAIN_PATH
-    from qwenft.train.loss import token_ce_sum
+    from qwenft.models.loss import token_ce_sum
 
     (loss,) = run_distributed(_first_step_loss, 1, [
         f"model.path={checkpoint}", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",

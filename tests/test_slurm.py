@@ -16,7 +16,7 @@ import pytest
 
 import slurm_cluster
 from qwenft.cli import main
-from qwenft.launch.slurm import env_from_slurm, first_host
+from qwenft.distributed.slurm_env import env_from_slurm, first_host
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.models.loader import build_model, init_random_weights, load_hf_weights, save_hf
+from qwenft.checkpoint.hf_export import save_hf
+from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 from qwenft.models.qwen3_5.gdn import positions_in_document
-from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.models.loss import count_label_tokens, token_ce_sum
 
 TOL = 1e-5
 

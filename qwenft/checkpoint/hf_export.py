@@ -2,10 +2,13 @@
 
     export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16)   # end of training
     write_hf(state, model_cfg, preprocessors, out_dir)       # `qwenft export`: a state loaded from a DCP checkpoint
+    save_hf(model, model_cfg, out_dir)                        # one model (any TP/FSDP sharding), weights + config
 
-Both end in `write_hf`, so a run's own export and an offline export of its checkpoint are the same files.
+All end in `write_hf_checkpoint`, so a run's own export and an offline export of its checkpoint are the same
+files. Reading an HF checkpoint is qwenft.models.loader's.
 """
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -16,8 +19,6 @@ import torch.distributed as dist
 
 def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, torch.Tensor]:
     """Unsharded fp32 CPU copies of every parameter of every pipeline stage, on every rank (collective)."""
-    from qwenft.models.loader import full_native_state_dict
-
     out = {name: t.float().clone() for module in modules for name, t in full_native_state_dict(module).items()}
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         parts = [None] * dist.get_world_size(pp_group)
@@ -40,7 +41,6 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
     Written to a temp dir next to `out_dir` and renamed, so `out_dir` is never half written. `replace=True`
     (the run's own <run_dir>/hf, e.g. after a requeue) swaps an earlier export out whole; otherwise an existing
     non-empty `out_dir` is an error."""
-    from qwenft.models.loader import write_hf_checkpoint
     from qwenft.models.qwen3_5 import adapter
 
     if not replace:
@@ -81,3 +81,70 @@ def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, ou
     if dist.get_rank() == 0:
         write_hf(state, model_cfg, preprocessors, out_dir, replace=True)
     dist.barrier()
+
+
+def full_native_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copies of all parameters (collective under DTensor: every rank must call it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().cpu()
+    return out
+
+
+def _parse_size(size) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = str(size).strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * units[unit])
+    return int(s)
+
+
+def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg, out_dir, max_shard_size="5GB"):
+    """Write an HF state dict as safetensors shards + index + config.json."""
+    from safetensors.torch import save_file
+
+    from qwenft.models.loader import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+    from qwenft.models.qwen3_5.configs import to_hf_config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    limit = _parse_size(max_shard_size)
+    shards, current, size = [], {}, 0
+    for key in sorted(hf_sd):
+        t = hf_sd[key].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    to_hf_config(cfg).save_pretrained(str(out_dir))
+
+
+def save_hf(model: torch.nn.Module, cfg, out_dir, max_shard_size="5GB") -> None:
+    """Gather full tensors and write a transformers-loadable checkpoint (rank 0 writes). Text-only configs use
+    the Qwen3_5ForCausalLM layout (`model.`), VLM configs `model.language_model.` + `model.visual.`.
+    Pipeline stages each hold part of the model: gather their `full_native_state_dict`s and call
+    `write_hf_checkpoint(adapter.to_hf_state_dict(...))` instead."""
+    from qwenft.models.qwen3_5 import adapter
+
+    native = full_native_state_dict(model)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    prefix = adapter.CAUSAL_LM_PREFIX if cfg.vision is None else adapter.VLM_PREFIX
+    hf_sd = adapter.to_hf_state_dict(native, cfg.text, prefix, tied=cfg.tie_word_embeddings)
+    write_hf_checkpoint(hf_sd, cfg, out_dir, max_shard_size)

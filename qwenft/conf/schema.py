@@ -1,7 +1,9 @@
 """Typed schema of a qwenft run: every key a recipe or an override may set.
 
 Plain dataclasses, so components can take them without importing Hydra or OmegaConf. The CLI merges the
-composed YAML into `Config`, which rejects unknown keys and wrong types before anything is built.
+composed YAML into `Config`, which rejects unknown keys and wrong types before anything is built. Each
+section is an `*Options` class (`ModelOptions` is what a user sets for `model.*`; the architecture itself is
+qwenft.models.qwen3_5.configs.ModelConfig).
 """
 
 import re
@@ -10,7 +12,7 @@ from typing import Optional
 
 
 @dataclass
-class MeshConfig:
+class MeshOptions:
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline parallel degree
     dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp)
@@ -23,8 +25,8 @@ class MeshConfig:
 
 
 @dataclass
-class KernelsConfig:
-    gdn: str = "auto"  # auto | fla | torch  (auto = fla on CUDA when importable)
+class KernelsOptions:
+    gdn: str = "auto"  # auto = fla on CUDA when importable, else torch
     # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
     attention: str = "auto"
     # the lm_head's cross-entropy: fused = gradients formed in the forward, no fp32 logits
@@ -33,13 +35,13 @@ class KernelsConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelOptions:
     name: str = "tiny"  # named size from qwenft.models.qwen3_5.configs; ignored when path is set
     path: Optional[str] = None  # HF checkpoint dir: config.json, weights and tokenizer come from it
-    dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU | float32 | bfloat16
-    kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    # recompute decoder layers in the backward: false | true (every layer) | linear_attention | full_attention
-    # (only layers of that kind) | selective (every layer, keeping matmul outputs); docs/performance.md
+    dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU
+    kernels: KernelsOptions = field(default_factory=KernelsOptions)
+    # recompute decoder layers in the backward: true = every layer, linear_attention / full_attention = only
+    # layers of that kind, selective = every layer keeping matmul outputs; docs/performance.md
     activation_checkpointing: str = "false"
     num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
     freeze_vision: bool = False  # VLM: no gradient for the vision tower
@@ -55,59 +57,59 @@ class ModelConfig:
 
 
 @dataclass
-class ImageConfig:
+class ImageOptions:
     min_pixels: Optional[int] = None  # resize bounds per image; null = the processor's own
     max_pixels: Optional[int] = None
     max_image_bytes: int = 32 * 2**20  # larger image files are bad rows (data.on_bad_row)
 
 
 @dataclass
-class DataConfig:
+class DataOptions:
     path: str = "tiny"  # JSONL / Parquet / datasets dir; "tiny" = the chat set shipped in the package
     tokenizer: Optional[str] = None  # tokenizer dir; default: model.path, else "tiny" (trained at first use)
     seq_len: int = 256
-    packing: str = "pack"  # pack | pad
-    train_on: str = "assistant"  # assistant | all
-    truncation: str = "truncate_right"  # truncate_right | drop
-    on_bad_row: str = "skip"  # skip | error
-    image: ImageConfig = field(default_factory=ImageConfig)
+    packing: str = "pack"  # pack documents into rows, or pad one document per row
+    train_on: str = "assistant"  # labels on assistant turns, or on all tokens
+    truncation: str = "truncate_right"  # documents longer than seq_len: cut, or drop them
+    on_bad_row: str = "skip"  # skip (and count) bad rows, or error on the first
+    image: ImageOptions = field(default_factory=ImageOptions)
 
 
 @dataclass
-class OptimConfig:
+class OptimOptions:
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    fused: str = "auto"  # auto = fused AdamW on CUDA | true | false
+    fused: str = "auto"  # auto = fused AdamW on CUDA
     max_grad_norm: float = 1.0  # global-norm clipping; 0 = off
-    state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (4 bytes per parameter less)
-    # trained weights (and their gradients): float32 | bfloat16 = no fp32 master copy, stochastically
-    # rounded updates (6 bytes per parameter less); docs/performance.md, "Memory options"
+    state_dtype: str = "float32"  # AdamW moments; bfloat16 = 4 bytes per parameter less
+    # trained weights (and their gradients); bfloat16 = no fp32 master copy, stochastically rounded updates
+    # (6 bytes per parameter less); docs/performance.md, "Memory options"
     master_dtype: str = "float32"
 
 
 @dataclass
-class LRSchedulerConfig:
+class LRSchedulerOptions:
     warmup_steps: int = 0
-    decay: str = "cosine"  # cosine | linear | constant
+    decay: str = "cosine"  # after the warmup
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
 
 
 @dataclass
-class TrainConfig:
+class TrainOptions:
     max_steps: Optional[int] = 100  # optimizer steps; null = run `epochs` epochs
     epochs: Optional[float] = None
     global_batch_size: int = 8  # sequences per optimizer step, over all data parallel ranks
     micro_batch_size: int = 1  # sequences per forward on one rank
     log_every: int = 1
     progress_bar: bool = True
-    on_nonfinite: str = "error"  # non-finite loss or grad norm: error | skip (the step, counted as skipped_steps)
+    on_nonfinite: str = "error"  # non-finite loss or grad norm; skip = drop the step, counted as skipped_steps
 
 
 @dataclass
-class PipelineConfig:
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev
+class PipelineOptions:
+    schedule: str = "1f1b"  # torch.distributed.pipelining schedule
     microbatch_size: Optional[int] = None  # sequences per microbatch; null = train.micro_batch_size
     num_microbatches: Optional[int] = None  # derived: global batch / dp / microbatch_size; if set, must agree
     virtual_stages: Optional[int] = None  # stages per pp rank; null = 1 (gpipe, 1f1b) or 2 (the others)
@@ -117,11 +119,11 @@ class PipelineConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointOptions:
     # At the end of training, write the trained model as an HF checkpoint (safetensors + index + config.json
     # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained.
     export_hf: bool = True
-    export_dtype: str = "bfloat16"  # bfloat16 | float32
+    export_dtype: str = "bfloat16"
     # Sharded training checkpoints (model, optimizer, scheduler, data position, RNG) in <run_dir>/checkpoints
     every_steps: int = 0  # save after every N optimizer steps and after the last; 0 = no training checkpoints
     keep: int = 2  # keep the newest N checkpoints
@@ -131,21 +133,24 @@ class CheckpointConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalOptions:
     every_steps: int = 0  # validation loss after every N optimizer steps and at the end; 0 = never
     dataset: Optional[str] = None  # chat data like data.path; "tiny" = the shipped tiny_chat_val.jsonl
     max_batches: Optional[int] = None  # micro batches per rank per validation; null = the whole set
 
 
 @dataclass
-class LoggerConfig:
+class LoggerOptions:
     wandb: bool = False
     wandb_project: str = "qwenft"
     wandb_mode: Optional[str] = None  # online | offline | disabled; default: WANDB_MODE or online
 
 
+MASTER_PORT_BASE = 20000  # launcher.master_port's default: MASTER_PORT_BASE + SLURM_JOB_ID % MASTER_PORT_BASE
+
+
 @dataclass
-class LauncherConfig:
+class LauncherOptions:
     nproc_per_node: int = 1  # `qwenft train` starts this many local workers; SLURM: procs per node without GPUs
     # `qwenft slurm` (docs/slurm.md): one sbatch task per node, torchrun on each with c10d rendezvous
     nodes: int = 1
@@ -169,7 +174,7 @@ class LauncherConfig:
 
 
 @dataclass
-class PlanConfig:
+class PlanOptions:
     """`qwenft plan` (docs/performance.md, "Memory planner")."""
     gpu_memory_gib: float = 139.0  # flag ranks whose planned peak is above this (H200: about 139 GiB usable)
     json: Optional[str] = None  # also write the plan as JSON to this path
@@ -182,24 +187,26 @@ class Config:
     description: str = ""
     run_dir: Optional[str] = None  # default outputs/<recipe>/<timestamp>
     seed: int = 0
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    mesh: MeshOptions = field(default_factory=MeshOptions)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    lr_scheduler: LRSchedulerOptions = field(default_factory=LRSchedulerOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    eval: EvalOptions = field(default_factory=EvalOptions)
+    logger: LoggerOptions = field(default_factory=LoggerOptions)
+    launcher: LauncherOptions = field(default_factory=LauncherOptions)
+    plan: PlanOptions = field(default_factory=PlanOptions)
 
 
 # launcher.env names whose values never go into a file (script, config): they travel by name from the
 # submitting shell (sbatch --export=ALL). HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, DB_PASSWORD, ...
 SECRET_NAME = re.compile(r"(_KEY|_TOKEN)$|SECRET|PASSWORD", re.IGNORECASE)
 
+# Every key that takes one of a fixed set of values, with that set: validate() checks it, docs/cli.md lists
+# it (tests/test_cli.py checks that the docs name every value).
 CHOICES = {
     "mesh.backend": ("auto", "nccl", "gloo"),
     "model.dtype": ("auto", "float32", "bfloat16"),

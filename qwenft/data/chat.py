@@ -12,14 +12,15 @@ prefixes, keeps it right when BPE merges across a turn boundary or the template 
 turns differently once later turns exist (Qwen3 drops reasoning from old assistant turns).
 
 Labels come out pre-shifted: `labels[t]` is the target for the logits at position `t`, i.e. the id of
-token `t + 1` when that token is a target, else -100; a document's last position is always -100.
+token `t + 1` when that token is a target, else IGNORE_INDEX; a document's last position is always IGNORE_INDEX.
 """
 
 import os
 from collections import Counter
 from dataclasses import dataclass
 
-IGNORE_INDEX = -100
+from qwenft.constants import IGNORE_INDEX
+
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "all")
 TRUNCATION = ("drop", "truncate_right")

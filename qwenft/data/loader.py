@@ -7,7 +7,7 @@ API (what the runner uses):
                           on_bad_row="skip")            # -> SFTData
     batch = next(data)       # infinite over epochs; `for batch in data:` works too
     batch["input_ids"]       # [B, T] long          B = micro_batch_size, T = seq_len
-    batch["labels"]          # [B, T] long, -100 = ignored, PRE-SHIFTED: loss = CE(logits[:, t], labels[:, t])
+    batch["labels"]          # [B, T] long, IGNORE_INDEX = ignored, PRE-SHIFTED: loss = CE(logits[:, t], labels[:, t])
     batch["position_ids"]    # [B, T] long, restart at 0 for every document and for the padding tail
     batch["cu_seqlens"]      # [n_segments + 1] int32 offsets of segment starts over the flattened B*T
     data.epoch, data.epoch_progress   # epoch of the next row; epochs done as a float, for logging

@@ -4,13 +4,14 @@ A row is `seq_len` tokens holding one or more whole documents followed by paddin
 the padding tail restart `position_ids` at 0, so a row's segments — and `cu_seqlens`, the offsets of
 segment starts over the flattened `[B*T]` micro batch — follow from `position_ids` alone
 (`cu_seqlens_from_position_ids`), which is how a pipeline stage can recompute them for a slice of rows.
-Labels are pre-shifted by `chat.tokenize_rows` (each document's last label is -100), so concatenating
+Labels are pre-shifted by `chat.tokenize_rows` (each document's last label is IGNORE_INDEX), so concatenating
 documents never makes one predict into the next.
 """
 
 import torch
 
-from qwenft.data.chat import IGNORE_INDEX, Document
+from qwenft.constants import IGNORE_INDEX
+from qwenft.data.chat import Document
 
 PACKING = ("pack", "pad")
 
@@ -38,7 +39,7 @@ def pack_documents(lengths: list[int], seq_len: int, open_rows: int = 64) -> lis
 
 
 def build_row(docs: list[Document], seq_len: int, pad_id: int) -> tuple[list[int], list[int], list[int]]:
-    """`input_ids`, `labels`, `position_ids` of one row holding `docs` then padding (label -100)."""
+    """`input_ids`, `labels`, `position_ids` of one row holding `docs` then padding (label IGNORE_INDEX)."""
     input_ids, labels, position_ids = [], [], []
     for doc in docs:
         input_ids += doc.input_ids

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from qwenft.data.tokenizer import SPECIAL_TOKENS, cached_dir, train_tiny_tokenizer
+from qwenft.data.tiny_tokenizer import SPECIAL_TOKENS, cached_dir, train_tiny_tokenizer
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
 # ids 0..6: <|endoftext|>, <|im_start|>, <|im_end|>, then these (named_config("tiny_vlm") relies on it)

@@ -37,10 +37,12 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from qwenft.data.chat import (IGNORE_INDEX, ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
+from qwenft.constants import IGNORE_INDEX
+from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
                               UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
 from qwenft.data.loader import SFTData, load_rows
 from qwenft.data.packing import build_row, cu_seqlens_from_position_ids
+from qwenft.mrope import document_mrope_position_ids
 
 DEFAULT_MAX_IMAGE_BYTES = 32 * 1024 * 1024
 IMAGE_PART_TYPES = ("image", "image_url")
@@ -373,8 +375,6 @@ class VLMData(SFTData):
 
 def document_positions(doc: VLMDocument, processor: VLMProcessor) -> torch.Tensor:
     """M-RoPE positions `[3, len(doc)]` of one document, from 0 (transformers' get_rope_index rule)."""
-    from qwenft.models.qwen3_5.vision import document_mrope_position_ids
-
     grids = torch.tensor(doc.grids, dtype=torch.long).reshape(-1, 3)
     positions, used = document_mrope_position_ids(torch.tensor(doc.input_ids), grids, processor.image_token_id,
                                                   processor.merge_size)

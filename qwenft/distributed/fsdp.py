@@ -34,7 +34,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     order (embedding, layers, head): the head's unit runs first in the backward and prefetches the last
     layer, and layer 0 prefetches the embedding. Training passes `pipeline.stage.reshard_policy` (at pp = 1 too).
 
-    The loss is already divided by the label tokens of the whole global batch (qwenft.train.loss), so the
+    The loss is already divided by the label tokens of the whole global batch (qwenft.models.loss), so the
     default 1/dp averaging of FSDP would count data parallel ranks twice.
 
     `reduce_dtype` is also the dtype gradients accumulate in over the microbatches of a step while sync is off
@@ -84,7 +84,7 @@ def set_prefetch(model: nn.Module, count: int) -> None:
 
 def param_groups(fsdp_state) -> list:
     """FSDP's parameter groups of one `fully_shard.state(...)`: a list from torch 2.13 (`_fsdp_param_groups`),
-    one group or None before (`_fsdp_param_group`, torch 2.11 on the GPU image). No public accessor yet."""
+    one group or None before (`_fsdp_param_group`, torch 2.11). No public accessor yet."""
     groups = getattr(fsdp_state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(fsdp_state, "_fsdp_param_group", None)

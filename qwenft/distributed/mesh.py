@@ -7,38 +7,13 @@ a node), pp the outermost.
 import datetime
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from qwenft.launch.slurm import env_from_slurm
-
-
-@dataclass(frozen=True)
-class Layout:
-    pp: int
-    dp: int
-    tp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-
-def resolve_layout(tp: int, pp: int, dp: int, world_size: int) -> Layout:
-    """Check the requested degrees against the world size before anything is built."""
-    if world_size % (tp * pp) != 0:
-        raise ValueError(
-            f"mesh.tp={tp} x mesh.pp={pp} = {tp * pp} does not divide the world size {world_size}")
-    if dp == -1:
-        dp = world_size // (tp * pp)
-    if tp * pp * dp != world_size:
-        raise ValueError(
-            f"mesh.tp={tp} x mesh.pp={pp} x mesh.dp={dp} = {tp * pp * dp} but the world size is {world_size}; "
-            f"set mesh.dp=-1 to infer it")
-    return Layout(pp=pp, dp=dp, tp=tp)
+from qwenft.conf.layout import Layout
+from qwenft.distributed.slurm_env import env_from_slurm
 
 
 def device_type() -> str:

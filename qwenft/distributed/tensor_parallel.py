@@ -10,7 +10,7 @@
 | GDN gated norm weight          | replicated; grad summed over tp                                        |
 | GDN out_proj, MLP down_proj    | row-parallel                                                           |
 | MLP gate/up_proj               | column-parallel                                                        |
-| embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits stay a DTensor sharded on vocab, `qwenft.train.loss.token_ce_sum` takes it); else plain, replicated |
+| embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits stay a DTensor sharded on vocab, `qwenft.models.loss.token_ce_sum` takes it); else plain, replicated |
 | layer norms, final norm, vision tower | plain, replicated (identical compute and grads on every tp rank); with sequence_parallel the layer norms' weights are replicated DTensors run on T/tp tokens |
 
 Without sequence_parallel the residual stream between blocks is replicated on every tp rank.
@@ -156,7 +156,7 @@ class ShardedLinear(nn.Linear):
         return torch.nn.functional.linear(x, self.weight.to_local(), self.bias.to_local() if sharded_bias else None)
 
 
-# renamed *_single in torch 2.13 (the old names warn there); the GPU image's torch 2.11 has only the old ones
+# renamed *_single in torch 2.13 (the old names warn there); torch 2.11 has only the old ones
 _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 

@@ -1,4 +1,5 @@
-"""SLURM: the sbatch script `qwenft slurm` submits, and the environment mapping for a hand-written srun.
+"""SLURM: the sbatch script `qwenft slurm` submits (a hand-written srun's environment mapping is
+qwenft.distributed.slurm_env).
 
 The script runs one task per node; `srun` starts torchrun on every node, and the torchruns meet by c10d
 rendezvous on the first node's address. That address is the first node's NodeAddr from `scontrol show
@@ -10,18 +11,18 @@ the script, once srun has returned, requeues the job, which resumes from `latest
 """
 
 import os
-import re
 import shlex
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Mapping
 
+from qwenft.conf.layout import resolve_layout
+from qwenft.conf.schema import MASTER_PORT_BASE
 from qwenft.launch.signals import EXIT_PREEMPTED, MARKER
 
 if TYPE_CHECKING:
     from qwenft.conf.schema import Config
 
-MASTER_PORT_BASE = 20000
 SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
@@ -44,13 +45,8 @@ def check(cfg: "Config") -> int:
     world = launcher.nodes * procs
     per_node = (f"launcher.gpus_per_node={procs}" if launcher.gpus_per_node
                 else f"launcher.nproc_per_node={procs}")
-    ranks = f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks"
-    if world % (mesh.tp * mesh.pp):
-        raise ValueError(f"{ranks}, but mesh.tp={mesh.tp} x mesh.pp={mesh.pp} = {mesh.tp * mesh.pp} "
-                         f"does not divide {world}")
-    if mesh.dp != -1 and mesh.tp * mesh.pp * mesh.dp != world:
-        raise ValueError(f"{ranks}, but mesh.tp={mesh.tp} x mesh.pp={mesh.pp} x mesh.dp={mesh.dp} = "
-                         f"{mesh.tp * mesh.pp * mesh.dp}; set mesh.dp=-1 to infer it")
+    resolve_layout(mesh.tp, mesh.pp, mesh.dp, world,
+                   ranks=f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks")
     return world
 
 
@@ -164,41 +160,3 @@ def submit(script_path: str) -> str:
         reason = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
         raise ValueError(f"sbatch {script_path} failed: {reason}")
     return out.stdout.strip().split(";")[0]
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM hostlist: 'gpu[003-010,012],cpu1' -> 'gpu003'."""
-    prefix, ranges, suffix = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,\[]*)", nodelist).groups()
-    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "") + suffix
-
-
-def node_address(name: str) -> str:
-    """The NodeAddr SLURM has for a node (names need not resolve); the name itself without scontrol."""
-    try:
-        out = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return name
-    match = re.search(r"NodeAddr=(\S+)", out.stdout)
-    return match.group(1) if match else name
-
-
-def env_from_slurm(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """torch.distributed variables for a process that `srun` started as one rank (no torchrun).
-
-    Applies only inside a job step (SLURM_STEP_ID and SLURM_PROCID set) when RANK and WORLD_SIZE are not set
-    (torchrun sets them, and then they win). Maps RANK <- SLURM_PROCID, WORLD_SIZE <- SLURM_STEP_NUM_TASKS,
-    LOCAL_RANK <- SLURM_LOCALID; MASTER_ADDR <- NodeAddr of the step's first node (SLURM_STEP_NODELIST),
-    MASTER_PORT <- 20000 + SLURM_JOB_ID % 20000; MASTER_ADDR / MASTER_PORT already set are kept. The batch
-    shell itself has no SLURM_STEP_ID: a plain `qwenft train` there stays a single process.
-    """
-    env = os.environ if environ is None else environ
-    if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env or "RANK" in env or "WORLD_SIZE" in env:
-        return {}
-    world = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
-    mapped = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
-    if "MASTER_ADDR" not in env:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        mapped["MASTER_ADDR"] = node_address(first_host(nodelist)) if nodelist else "127.0.0.1"
-    if "MASTER_PORT" not in env:
-        mapped["MASTER_PORT"] = str(MASTER_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % MASTER_PORT_BASE)
-    return mapped

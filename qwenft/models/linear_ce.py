@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100  # the label of a token that has no loss (qwenft.train.loss uses the same value)
+from qwenft.constants import IGNORE_INDEX
+
 
 
 class LMHead(nn.Linear):
     """Hidden states -> vocabulary logits; given labels, the CE sum instead (`ce_chunk_tokens` tokens at a time,
     0 = from the whole logits). `ce_kernel="fused"`: `fused_linear_ce_sum`, chunked the same way.
 
-    The CE runs in this module's forward so that whatever FSDP unit holds the head (the root today, or its own
+    The CE runs in this module's forward so that whatever FSDP unit holds the head (the root, or its own
     `fully_shard`) has all-gathered the weight: outside a forward, FSDP2 leaves `weight` a sharded DTensor.
     """
 
@@ -46,7 +47,7 @@ class LMHead(nn.Linear):
 def chunked_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels_n: torch.Tensor,
                           chunk_tokens: int) -> torch.Tensor:
     """Sum over tokens with a label of CE(hidden @ weight.T, label), in fp32; same value and gradients as
-    `F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100, reduction="sum")`.
+    `F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")`.
 
     `weight_vh` must be a plain tensor holding the whole vocabulary (inside an FSDP unit's forward, the
     all-gathered parameter); a vocab-sharded DTensor (tensor parallelism with vocab_parallel) is refused.
@@ -63,7 +64,7 @@ def chunked_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labe
 
 
 def _chunk_logits(h_ch: torch.Tensor, weight_vh: torch.Tensor) -> torch.Tensor:
-    # in the compute dtype, like nn.Linear, then fp32 like token_ce_sum
+    # in the compute dtype, like nn.Linear, then fp32 like qwenft.models.loss.token_ce_sum
     return (h_ch @ weight_vh.t()).float()
 
 

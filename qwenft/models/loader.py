@@ -4,7 +4,8 @@
     ... TP / FSDP2 fully_shard may turn parameters into DTensors here ...
     load_hf_weights(model, ckpt_dir, device="cuda")               # or init_random_weights(model, seed)
 
-A DTensor parameter gets only its local chunk, read straight from the safetensors rows it owns.
+A DTensor parameter gets only its local chunk, read straight from the safetensors rows it owns. Writing an
+HF checkpoint is qwenft.checkpoint.hf_export's.
 """
 
 import hashlib
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from qwenft.models.qwen3_5 import adapter
-from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir, to_hf_config
+from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir
 from qwenft.models.qwen3_5.gdn import param_dtype
 from qwenft.models.qwen3_5.model import Qwen3_5Model
 
@@ -220,7 +221,7 @@ def init_value(name: str, shape, seed: int, std: float = 0.02, device="cpu") -> 
     """The full fp32 initial value of a native parameter; depends only on (seed, name, shape, device type),
     so every sharding of the model gets the same numbers. Matches transformers' init scheme for Qwen3.5.
     On CUDA the values come from CUDA's generator (different numbers than on the CPU, the same on every GPU
-    and mesh): drawing 5.6 B values on the CPU took ~50 s per rank, on an H200 well under a second."""
+    and mesh): drawing 5.6 B values on the CPU took ~50 s per rank, on a GPU well under a second."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
     with torch.device(device):
@@ -267,67 +268,3 @@ def init_random_weights(model: nn.Module, seed: int = 0, device=None, dtype: tor
     _fill(model, read_full, read_box)
     _reinit_buffers(model)
     return model
-
-
-# ---------------------------------------------------------------- save
-
-def full_native_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded CPU copies of all parameters (collective under DTensor: every rank must call it)."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if _is_dtensor(p) else p
-        out[name] = t.detach().cpu()
-    return out
-
-
-def _parse_size(size) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    s = str(size).strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * units[unit])
-    return int(s)
-
-
-def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir, max_shard_size="5GB"):
-    """Write an HF state dict as safetensors shards + index + config.json."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    limit = _parse_size(max_shard_size)
-    shards, current, size = [], {}, 0
-    for key in sorted(hf_sd):
-        t = hf_sd[key].contiguous()
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > limit:
-            shards.append(current)
-            current, size = {}, 0
-        current[key] = t
-        size += nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in hf_sd.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    to_hf_config(cfg).save_pretrained(str(out_dir))
-
-
-def save_hf(model: nn.Module, cfg: ModelConfig, out_dir, max_shard_size="5GB") -> None:
-    """Gather full tensors and write a transformers-loadable checkpoint (rank 0 writes). Text-only configs use
-    the Qwen3_5ForCausalLM layout (`model.`), VLM configs `model.language_model.` + `model.visual.`.
-    Pipeline stages each hold part of the model: gather their `full_native_state_dict`s and call
-    `write_hf_checkpoint(adapter.to_hf_state_dict(...))` instead."""
-    native = full_native_state_dict(model)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
-    prefix = adapter.CAUSAL_LM_PREFIX if cfg.vision is None else adapter.VLM_PREFIX
-    hf_sd = adapter.to_hf_state_dict(native, cfg.text, prefix, tied=cfg.tie_word_embeddings)
-    write_hf_checkpoint(hf_sd, cfg, out_dir, max_shard_size)

@@ -24,7 +24,8 @@ from torch import nn
 from qwenft.checkpoint import dcp as ckpt_lib
 from qwenft.conf.schema import Config
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
-from qwenft.distributed.mesh import build_mesh, device_type, init_process_group, resolve_layout
+from qwenft.conf.layout import resolve_layout
+from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
 from qwenft.launch import signals
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.evaluate import (build_eval_schedule, ce_sum, eval_loss_pipelined, eval_loss_unpipelined,

@@ -4,7 +4,8 @@ and without pipeline parallelism."""
 import torch
 import torch.distributed as dist
 
-from qwenft.train.loss import count_label_tokens, token_ce_sum
+from qwenft.constants import IGNORE_INDEX
+from qwenft.models.loss import count_label_tokens, token_ce_sum
 
 
 def forward_batch(model, mb: dict, device, **kwargs):
@@ -73,7 +74,7 @@ def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches
     tokens = torch.zeros((), device=device)
     for start in range(0, len(val_batches), num_microbatches):
         group = val_batches[start:start + num_microbatches]
-        filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], -100))
+        filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], IGNORE_INDEX))
         group = group + [filler] * (num_microbatches - len(group))
         batch = pp_schedule.PipelineBatch.from_microbatches(group, device)
         group_ce, group_tokens = pp_schedule.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)

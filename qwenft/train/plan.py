@@ -303,7 +303,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
 
 def resolve_plan_layout(cfg: Config):
     """The layout planned: mesh.tp x mesh.pp x mesh.dp, with mesh.dp=-1 (take what the world leaves) as 1."""
-    from qwenft.distributed.mesh import resolve_layout
+    from qwenft.conf.layout import resolve_layout
 
     dp = 1 if cfg.mesh.dp == -1 else cfg.mesh.dp
     return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp)

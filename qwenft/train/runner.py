@@ -16,7 +16,7 @@ from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
 from qwenft.train.build import Job, build_job
-from qwenft.train.loss import count_label_tokens
+from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
 
 log = logging.getLogger("qwenft")
@@ -48,7 +48,7 @@ def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
 
 
 def _save_config(cfg: Config, run_dir: Path) -> None:
-    from qwenft.cli import to_yaml
+    from qwenft.conf import to_yaml
 
     (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
 

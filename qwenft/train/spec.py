@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from qwenft.conf.schema import Config
-from qwenft.distributed.mesh import Layout
+from qwenft.conf.layout import Layout
 from qwenft.distributed.tensor_parallel import validate_tp
 
 

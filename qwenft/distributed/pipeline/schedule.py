@@ -10,6 +10,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from qwenft.distributed.pipeline.split import SINGLE_STAGE
+from qwenft.models.loss import count_label_tokens, token_ce_sum
 
 # config name -> torch class name (torch.distributed.pipelining.schedules, torch 2.13)
 SCHEDULES = {
@@ -47,8 +48,6 @@ class TokenCE:
         self.ce_in_model = ce_in_model
 
     def __call__(self, output, labels):
-        from qwenft.train.loss import token_ce_sum
-
         ce = output if self.ce_in_model else token_ce_sum(output, labels)
         return ce / self.label_tokens.clamp(min=1)
 
@@ -105,7 +104,7 @@ def _summed_loss(stages, losses: list, device) -> torch.Tensor:
 
 def _first_stage_args(stages, batch: PipelineBatch) -> tuple:
     """Positional inputs only on the rank that holds stage 0: torch 2.11's PipelineStage refuses positional
-    args on later stages ("Can't supply input args for shape inference on non-first stage", seen on H200)."""
+    args on later stages ("Can't supply input args for shape inference on non-first stage")."""
     return (batch.input_ids,) if any(stage.is_first for stage in stages) else ()
 
 
@@ -140,7 +139,7 @@ def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_grou
             if isinstance(m, FSDPModule):
                 m.reshard()
     ce = _summed_loss(stages, losses, batch.labels.device)
-    tokens = (batch.labels != -100).sum().to(ce)
+    tokens = count_label_tokens(batch.labels).to(ce)
     dist.all_reduce(ce, group=dp_group)
     dist.all_reduce(ce, group=pp_group)
     dist.all_reduce(tokens, group=dp_group)

@@ -82,7 +82,7 @@ def _text(**kw) -> TextConfig:
     return TextConfig(**kw)
 
 
-# Facts: 27B from DESIGN.md (measured); 0.8B from the Qwen3.5-0.8B config.json (two independent copies agree).
+# 27B and 0.8B: the Qwen3.5-27B and Qwen3.5-0.8B config.json (text_config).
 # 2B / 4B / 9B: copies of their config.json (text_config) agree with the slime/Miles Megatron model scripts on
 # every dimension and on tied (2B, 4B) vs untied (9B) embeddings; see docs/models.md.
 def _named() -> dict[str, ModelConfig]:

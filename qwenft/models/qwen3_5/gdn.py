@@ -5,7 +5,7 @@ Kernels (`kernels` argument, config `model.kernels.gdn`):
          and the recurrent state at every document boundary.
   fla    flash-linear-attention's Triton kernels (CUDA only), same semantics via their `cu_seqlens`.
   auto   fla when CUDA is available and `fla` imports, else torch; decided per call, never at import time
-         (importing Triton kernels on a CPU box breaks every forward: "0 active drivers").
+         (importing Triton kernels on a machine without a GPU breaks every forward: "0 active drivers").
 """
 
 import torch

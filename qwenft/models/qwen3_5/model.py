@@ -146,7 +146,7 @@ class Qwen3_5Model(nn.Module):
         later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
         row, or per document when `cu_seqlens` (int32 offsets into the flattened B*T) is given.
         Returns logits [B, T, V] when this module has the head, else hidden states. With `labels` [B, T]
-        (-100 = no loss) the head returns instead the fp32 CE summed over labelled tokens, `ce_chunk_tokens`
+        (IGNORE_INDEX = no loss) the head returns instead the fp32 CE summed over labelled tokens, `ce_chunk_tokens`
         tokens at a time so the whole logits never exist (`qwenft.models.linear_ce.LMHead`). Stages without
         the head ignore `labels`."""
         if self.embed_tokens is not None and hidden_states is None:

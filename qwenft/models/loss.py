@@ -1,10 +1,11 @@
-"""Token cross-entropy summed over label tokens; the runner divides by the global batch's label count."""
+"""Token cross-entropy summed over label tokens (the training loop divides by the global batch's label count),
+with a vocab-parallel path for logits sharded by tensor parallelism."""
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwenft.models.linear_ce import IGNORE_INDEX
+from qwenft.constants import IGNORE_INDEX
 
 
 def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,31 @@
+"""The (pp, dp, tp) layout a config's mesh asks for, checked against a world size: the one divisibility check
+that training, `qwenft plan` and `qwenft slurm` share."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def resolve_layout(tp: int, pp: int, dp: int, world_size: int, ranks: str | None = None) -> Layout:
+    """Check the requested degrees against the world size before anything is built; dp=-1 takes what the
+    world size leaves. `ranks` says where the world size comes from (e.g. the launcher keys), for the error."""
+    if world_size % (tp * pp) != 0:
+        product = f"mesh.tp={tp} x mesh.pp={pp} = {tp * pp} does not divide"
+        raise ValueError(f"{ranks}, but {product} {world_size}" if ranks else
+                         f"{product} the world size {world_size}")
+    if dp == -1:
+        dp = world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        product = f"mesh.tp={tp} x mesh.pp={pp} x mesh.dp={dp} = {tp * pp * dp}"
+        raise ValueError(f"{ranks}, but {product}; set mesh.dp=-1 to infer it" if ranks else
+                         f"{product} but the world size is {world_size}; set mesh.dp=-1 to infer it")
+    return Layout(pp=pp, dp=dp, tp=tp)
