@@ -12,7 +12,7 @@ from qwenft.conf.schema import CHOICES, Config, validate
 
 CONF_DIR = Path(__file__).resolve().parent
 GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "eval", "logger", "launcher",
-          "plan")
+          "plan", "peft")
 RECIPES_ENV = "QWENFT_RECIPES_DIR"
 
 

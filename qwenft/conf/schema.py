@@ -8,7 +8,7 @@ qwenft.models.qwen3_5.configs.ModelConfig).
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -182,6 +182,22 @@ class PlanOptions:
 
 
 @dataclass
+class PeftOptions:
+    """Parameter-efficient finetuning (docs/lora.md): `peft=lora` trains LoRA adapters, the base stays frozen."""
+    method: str = "none"  # none = full finetuning | lora
+    rank: int = 16  # r: the adapters' inner dimension
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input
+    # all-linear = every linear layer of the language model (GatedDeltaNet's in_proj_* and out_proj included, not
+    # lm_head); else a list of transformers' module names (q_proj, in_proj_qkv, ...) or regexes on names like
+    # layers.3.mlp.down_proj
+    target_modules: Any = "all-linear"
+    vision: bool = False  # also adapt the vision tower's linears (else it stays frozen)
+    train_embeddings: bool = False  # train embed_tokens whole (fp32 master copy and AdamW state)
+    train_head: bool = False  # train lm_head whole
+
+
+@dataclass
 class Config:
     recipe: str = "tiny"
     description: str = ""
@@ -199,6 +215,7 @@ class Config:
     logger: LoggerOptions = field(default_factory=LoggerOptions)
     launcher: LauncherOptions = field(default_factory=LauncherOptions)
     plan: PlanOptions = field(default_factory=PlanOptions)
+    peft: PeftOptions = field(default_factory=PeftOptions)
 
 
 # launcher.env names whose values never go into a file (script, config): they travel by name from the
@@ -224,6 +241,7 @@ CHOICES = {
     "lr_scheduler.decay": ("cosine", "linear", "constant"),
     "checkpoint.export_dtype": ("bfloat16", "float32"),
     "train.on_nonfinite": ("error", "skip"),
+    "peft.method": ("none", "lora"),
     "pipeline.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"),
 }
 
@@ -307,6 +325,21 @@ def validate(cfg: Config) -> None:
     if cfg.plan.image_patches is not None and cfg.plan.image_patches < 1:
         raise ValueError(f"plan.image_patches={cfg.plan.image_patches} must be >= 1 (or null)")
     _validate_memory_options(cfg)
+    _validate_peft(cfg)
+
+
+def _validate_peft(cfg: Config) -> None:
+    peft = cfg.peft
+    if peft.rank < 1:
+        raise ValueError(f"peft.rank={peft.rank} must be >= 1")
+    if peft.alpha <= 0:
+        raise ValueError(f"peft.alpha={peft.alpha} must be > 0")
+    if not 0 <= peft.dropout < 1:
+        raise ValueError(f"peft.dropout={peft.dropout} must be in [0, 1)")
+    targets = [peft.target_modules] if isinstance(peft.target_modules, str) else peft.target_modules
+    if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"peft.target_modules={peft.target_modules!r} must be all-linear or a list of module names "
+                         f"or regexes, e.g. [q_proj,in_proj_qkv]")
 
 
 def _validate_memory_options(cfg: Config) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qwenft.models.lora import is_adapter
 from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir
 from qwenft.models.qwen3_5.gdn import param_dtype
@@ -74,10 +75,13 @@ def _materialize(model: nn.Module, device, dtype):
                 p.data = p.data.to(want)
 
 
-def _fill(model: nn.Module, read_full, read_box):
-    """Copy each parameter's local part. read_full(name) -> full tensor; read_box(name, shape, offset) -> box."""
+def _fill(model: nn.Module, read_full, read_box, names=None):
+    """Copy each parameter's local part (of those `names` holds, default all). read_full(name) -> full tensor;
+    read_box(name, shape, offset) -> box."""
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if names is not None and name not in names:
+                continue
             if _is_dtensor(p):
                 box = _local_box(p)
                 if box is None:
@@ -100,9 +104,22 @@ def _reinit_buffers(model: nn.Module):
 
 
 def _model_info(model) -> tuple[ModelConfig, dict[str, torch.Size]]:
+    """The model's config and its base parameters' shapes (LoRA adapters are not in an HF checkpoint)."""
     if not isinstance(model, Qwen3_5Model):
         raise ValueError(f"expected a Qwen3_5Model, got {type(model).__name__}")
-    return model.cfg, {n: p.shape for n, p in model.named_parameters()}
+    return model.cfg, {n: p.shape for n, p in model.named_parameters() if not is_adapter(n)}
+
+
+def _init_adapters(model: nn.Module, seed: int, device) -> None:
+    """LoRA adapters as peft initialises them (`init_value`), the same full tensors on any mesh."""
+    shapes = {n: p.shape for n, p in model.named_parameters() if is_adapter(n)}
+    init_device = torch.device(device) if device is not None and torch.device(device).type == "cuda" else "cpu"
+
+    def read_box(name, local_shape, offset):
+        full = init_value(name, tuple(shapes[name]), seed, device=init_device)
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+
+    _fill(model, lambda name: read_box(name, tuple(shapes[name]), (0,) * len(shapes[name])), read_box, set(shapes))
 
 
 def _checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
@@ -133,10 +150,12 @@ def _first(items, n=5) -> str:
     return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 
-def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype | None = None) -> nn.Module:
+def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype | None = None,
+                    seed: int = 0) -> nn.Module:
     """Materialize `model` (meta -> `device`) and fill it from an HF Qwen3.5 checkpoint, reading only each
     rank's rows. Accepts `model.`- and `model.language_model.`-prefixed layouts; `mtp.*` is skipped, and
-    `model.visual.*` too when the model has no vision tower."""
+    `model.visual.*` too when the model has no vision tower. LoRA adapters (qwenft.models.lora) get peft's
+    initialisation from `seed`."""
     from safetensors import safe_open
 
     ckpt_dir = Path(ckpt_dir)
@@ -200,7 +219,8 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
         return read_box(name, tuple(shapes[name]), (0,) * len(shapes[name]))
 
     _materialize(model, device, dtype)
-    _fill(model, read_full, read_box)
+    _fill(model, read_full, read_box, set(shapes))
+    _init_adapters(model, seed, device)
     _reinit_buffers(model)
     return model
 
@@ -230,6 +250,11 @@ def init_value(name: str, shape, seed: int, std: float = 0.02, device="cpu") -> 
 
 def _init_value(name: str, shape, gen: torch.Generator, std: float) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("lora_A.weight"):  # peft's: kaiming_uniform_(a=sqrt(5)), a bound of 1 / sqrt(fan_in)
+        bound = 1.0 / shape[-1] ** 0.5
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    if name.endswith("lora_B.weight"):  # zeros: the adapted model starts as the base model
+        return torch.zeros(shape)
     if leaf == "A_log":
         return torch.empty(shape).uniform_(0.01, 16, generator=gen).log_()
     if leaf == "dt_bias" or name.endswith("linear_attn.norm.weight"):
@@ -265,6 +290,7 @@ def init_random_weights(model: nn.Module, seed: int = 0, device=None, dtype: tor
         return full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
 
     _materialize(model, device, dtype)
-    _fill(model, read_full, read_box)
+    _fill(model, read_full, read_box, set(shapes))
+    _init_adapters(model, seed, device)
     _reinit_buffers(model)
     return model

@@ -72,6 +72,18 @@ def _freeze(module: nn.Module, cfg: Config) -> None:
         checkpoint_vision(module)
 
 
+def lora_config(cfg: Config):
+    """peft.* as a `qwenft.models.lora.LoRAConfig`, or None for full finetuning (peft=none)."""
+    if cfg.peft.method == "none":
+        return None
+    from qwenft.models.lora import LoRAConfig
+
+    targets = cfg.peft.target_modules
+    return LoRAConfig(rank=cfg.peft.rank, alpha=cfg.peft.alpha, dropout=cfg.peft.dropout,
+                      target_modules=(targets,) if isinstance(targets, str) else tuple(targets),
+                      vision=cfg.peft.vision, train_embeddings=cfg.peft.train_embeddings, train_head=cfg.peft.train_head)
+
+
 def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
     """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> compile -> FSDP2."""
     from qwenft.distributed.parallelize import parallelize
@@ -86,32 +98,42 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
 
 def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:
     """This rank's share of the model as (pipeline stage index, module) pairs: the whole model at pp = 1, else
-    its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded."""
+    its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded.
+    With peft=lora the base is built in the compute dtype (frozen: no master copy) and the adapters in the
+    master dtype, added before tensor parallelism shards them with their projections."""
     from qwenft.distributed.pipeline import stage as pp_stage
     from qwenft.models.loader import build_model
 
+    lora = lora_config(cfg)
+    dtype = spec.dtypes.master if lora is None else spec.dtypes.compute
     model_kwargs = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
                         ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=spec.parallel.ce_kernel)
     layers = spec.parallel.stage_layers
     out = []
     for i in spec.stage_ids(mesh["pp"].get_local_rank()):
         if spec.layout.pp == 1:
-            module = build_model(model_cfg, device="meta", dtype=spec.dtypes.master, **model_kwargs)
+            module = build_model(model_cfg, device="meta", dtype=dtype, **model_kwargs)
         else:
             module = pp_stage.build_stage_model(model_cfg, list(layers[i]), embed=i == 0, head=i == len(layers) - 1,
-                                                **model_kwargs).to_dtype(spec.dtypes.master)
-        _freeze(module, cfg)
+                                                **model_kwargs).to_dtype(dtype)
+        if lora is None:
+            _freeze(module, cfg)
+        else:
+            from qwenft.models.lora import apply_lora
+
+            apply_lora(module, lora, adapter_dtype=spec.dtypes.master)
         _parallelize(module, cfg, spec, mesh)
         out.append((i, module))
     return out
 
 
-def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype, device) -> None:
-    """model.path's weights, or the seed's random init, into this rank's shards of `module`, in `dtype`."""
+def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype | None, device) -> None:
+    """model.path's weights, or the seed's random init, into this rank's shards of `module`, in `dtype` (None:
+    each parameter in the dtype it was built in)."""
     from qwenft.models.loader import init_random_weights, load_hf_weights
 
     if cfg.model.path:
-        load_hf_weights(module, cfg.model.path, device=device, dtype=dtype)
+        load_hf_weights(module, cfg.model.path, device=device, dtype=dtype, seed=cfg.seed)
     else:
         init_random_weights(module, seed=cfg.seed, device=device, dtype=dtype)
 
@@ -321,6 +343,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
 
     torch.manual_seed(cfg.seed)
     model_cfg = model_config(cfg)
+    if (lora := lora_config(cfg)) is not None:
+        from qwenft.models.lora import check_targets
+
+        check_targets(model_cfg, lora)
     spec = RunSpec(layout, batching, resolve_dtypes(cfg, device.type),
                    resolve_parallel(cfg, layout, model_cfg, batching, device.type))
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
@@ -340,7 +366,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
                  [len(ls) for ls in spec.parallel.stage_layers])
     parts = build_model_parts(cfg, model_cfg, spec, mesh)
     for _, module in parts:
-        load_weights(module, cfg, spec.dtypes.master, device)
+        load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)
     modules = [module for _, module in parts]
     if layout.pp > 1:
         step = _pipeline_step(_pipeline_stages(parts, spec, mesh, device), spec, mesh, device)
