@@ -8,6 +8,7 @@
 | GDN q/k/v/z/a/b_proj           | column-parallel: a contiguous split of key heads and of value heads keeps each key head's value heads on its rank |
 | GDN conv_q/conv_k/conv_v, A_log, dt_bias | Shard(0) (per channel / per value head)                      |
 | GDN gated norm weight          | replicated; grad summed over tp                                        |
+| LoRA lora_A / lora_B (peft=lora) | column-parallel projection: A replicated (grad summed over tp), B Shard(0); row-parallel: A Shard(1), B replicated (grad summed over tp) |
 | GDN out_proj, MLP down_proj    | row-parallel                                                           |
 | MLP gate/up_proj               | column-parallel                                                        |
 | embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits stay a DTensor sharded on vocab, `qwenft.models.loss.token_ce_sum` takes it); else plain, replicated |
@@ -144,6 +145,14 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     _shard_param(linear, "weight", mesh, placement)
     if linear.bias is not None:  # row-parallel: replicated, added by `_block_output` after the sum
         _shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
+    column = placement == Shard(0)
+    # LoRA adapters (qwenft.models.lora) follow the weight: column-parallel, A replicated and B split like the
+    # output rows; row-parallel, A split like the input columns and B replicated. Each rank's adapter output is
+    # then a shard of the rows, or a partial sum, exactly as the base's, and the block's one collective covers it.
+    if hasattr(linear, "lora_A"):
+        _shard_param(linear.lora_A, "weight", mesh, Replicate() if column else Shard(1))
+    if hasattr(linear, "lora_B"):
+        _shard_param(linear.lora_B, "weight", mesh, Shard(0) if column else Replicate())
     linear.__class__ = ShardedLinear  # one class for all: compiled graphs guard on the type, not per instance
 
 
