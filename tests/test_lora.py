@@ -156,3 +156,130 @@ def test_layer_options_equal_one_process(tmp_path, reference, option):
     """The adapters' hooks run inside recomputed and compiled layers."""
     (result,) = run_distributed(_train, 1, _overrides(tmp_path, "option", option))
     _assert_same(result, reference)
+
+
+def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
+    """The run's adapter dir, loaded by peft onto transformers' Qwen3_5ForCausalLM, uses every key and gives
+    qwenft's logits (fp32)."""
+    import json
+
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qwenft.checkpoint.hf_export import write_hf_checkpoint
+    from qwenft.models.loader import build_model
+    from qwenft.models.lora import LoRAConfig, apply_lora, is_adapter
+    from qwenft.models.qwen3_5 import adapter
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.runner import run
+
+    def train(rank, world_size, overrides):
+        return run(compose(overrides), return_state=True).state_dict
+
+    overrides = _overrides(tmp_path, "run", "checkpoint.export_hf=true", "checkpoint.export_dtype=float32",
+                           "peft.rank=4", "peft.alpha=8")
+    (state,) = run_distributed(train, 1, overrides)
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
+    base = {k: v for k, v in state.items() if not is_adapter(k)}
+    write_hf_checkpoint(adapter.to_hf_state_dict(base, cfg.text, adapter.CAUSAL_LM_PREFIX), cfg, tmp_path / "base")
+
+    model = build_model(cfg, kernels="torch", device="meta")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8), adapter_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.load_state_dict(state, strict=True)
+    model.init_buffers()
+    model.eval()
+    input_ids = torch.randint(0, cfg.text.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(input_ids=input_ids)
+
+    adapter_dir = tmp_path / "run" / "adapter"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["base_model_name_or_path"] == "tiny"
+    assert set(config["target_modules"]) == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                                             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    hf = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = hf(input_ids=input_ids).logits
+    peft_model = PeftModel.from_pretrained(hf, adapter_dir).eval()
+    saved = load_file(adapter_dir / "adapter_model.safetensors")
+    loaded = get_peft_model_state_dict(peft_model)
+    assert loaded.keys() == saved.keys()  # every key of the file has its module, every adapter of peft its key
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert saved["base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_B.weight"].shape[0] == (
+        2 * cfg.text.linear_num_key_heads * cfg.text.linear_key_head_dim
+        + cfg.text.linear_num_value_heads * cfg.text.linear_value_head_dim)
+    with torch.no_grad():
+        theirs = peft_model(input_ids=input_ids).logits
+    err = (theirs - ours).abs().max() / ours.abs().max()
+    assert err < 1e-5, f"peft's logits vs qwenft's: rel err {err:.2e}"
+    assert (base_logits - ours).abs().max() / ours.abs().max() > 1e-3  # the adapters trained away from zero
+
+
+def test_tiny_lora_recipe_loss_falls(tmp_path):
+    from qwenft.train.runner import run
+
+    def train(rank, world_size, overrides):
+        return run(compose(overrides)).losses
+
+    (losses,) = run_distributed(train, 1, ["recipe=tiny_lora", "train.max_steps=12", "data.seq_len=128",
+                                           "train.progress_bar=false", "model.kernels.gdn=torch",
+                                           "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"])
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("override, message", [
+    ("peft.rank=0", "peft.rank=0 must be >= 1"),
+    ("peft.alpha=0", "peft.alpha=0.0 must be > 0"),
+    ("peft.alpha=-2", "peft.alpha=-2.0 must be > 0"),
+    ("peft.dropout=1.0", "peft.dropout=1.0 must be in [0, 1)"),
+    ("peft.method=qlora", "peft.method='qlora' is not valid; choose one of none, lora"),
+    ("peft=qlora", "peft='qlora' is not a peft option; choose one of lora, none"),
+])
+def test_bad_peft_values_one_line(override, message):
+    with pytest.raises(ValueError) as e:
+        compose(["recipe=tiny_lora", override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("targets", [("qkv_proj",), ("q_proj", r"layers\.9\..*")])
+def test_target_matching_nothing_lists_modules(targets):
+    from qwenft.models.lora import LoRAConfig, check_targets
+    from qwenft.models.qwen3_5.configs import named_config
+
+    with pytest.raises(ValueError) as e:
+        check_targets(named_config("tiny"), LoRAConfig(target_modules=targets))
+    msg = str(e.value)
+    assert f"peft.target_modules entry {targets[-1]!r} matches no module" in msg and "\n" not in msg
+    assert "in_proj_qkv" in msg and "down_proj" in msg and "all-linear" in msg
+
+
+def test_vision_without_tower():
+    from qwenft.models.lora import LoRAConfig, check_targets
+    from qwenft.models.qwen3_5.configs import named_config
+
+    with pytest.raises(ValueError, match="peft.vision=true but the model has no vision tower"):
+        check_targets(named_config("tiny"), LoRAConfig(vision=True))
+
+
+def test_resume_across_full_and_lora_refused(tmp_path):
+    """A full finetuning checkpoint does not resume into a LoRA run, nor the reverse (one line, before loading)."""
+    from qwenft.train.runner import run
+
+    def train(rank, world_size, overrides):
+        try:
+            return run(compose(overrides)).losses
+        except ValueError as e:
+            return str(e)
+
+    common = ["recipe=tiny", "train.max_steps=1", "data.seq_len=64", "train.global_batch_size=2",
+              "train.progress_bar=false", "model.kernels.gdn=torch", "checkpoint.export_hf=false"]
+    for name, peft in (("full", "peft=none"), ("lora", "peft=lora")):
+        run_distributed(train, 1, common + [peft, "checkpoint.every_steps=1", f"run_dir={tmp_path / name}"])
+    for saved, peft, there in (("full", "peft=lora", "peft.method=none"), ("lora", "peft=none", "peft.method=lora")):
+        ckpt = tmp_path / saved / "checkpoints" / "step-000001"
+        (msg,) = run_distributed(train, 1, common + [peft, f"checkpoint.resume={ckpt}", f"run_dir={tmp_path / 'x'}"])
+        assert isinstance(msg, str) and f"checkpoint.resume={ckpt}" in msg and there in msg and "\n" not in msg, msg

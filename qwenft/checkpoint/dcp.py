@@ -103,11 +103,19 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict | None = None) -> None:
+def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict | None = None,
+                       peft: dict | None = None) -> None:
     """Refuse (before anything is loaded) a checkpoint of another model: DCP would fail on the first shape that
     disagrees, or load silently where none does (another layer_types, rope_theta, ...). Also one saved with
-    other `optim_dtypes` (optim.state_dtype / master_dtype: another optimizer class and state layout)."""
+    other `optim_dtypes` (optim.state_dtype / master_dtype: another optimizer class and state layout), or with
+    other trained parameters (`peft`: full finetuning against LoRA, or LoRA of another rank or targets)."""
     meta = read_meta(path)
+    saved_peft, peft = meta.get("peft") or {"method": "none"}, peft or {"method": "none"}
+    if saved_peft != peft:
+        there = ", ".join(f"peft.{k}={v}" for k, v in saved_peft.items())
+        here = ", ".join(f"peft.{k}={v}" for k, v in peft.items())
+        raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
+                         f"with the peft.* it was trained with, or set checkpoint.resume=none")
     saved_dtypes = meta.get("optim_dtypes")
     if optim_dtypes is not None and saved_dtypes is not None and saved_dtypes != optim_dtypes:
         there = ", ".join(f"optim.{k}={v}" for k, v in sorted(saved_dtypes.items()))
@@ -158,10 +166,12 @@ class Checkpointer:
     while training goes on, and `latest` (and `best`) name it only once all of them are on disk."""
 
     def __init__(self, root: Path, modules: list[nn.Module], optimizer, scheduler, data, model_config,
-                 keep: int, keep_best: bool = False, async_save: bool = False, optim_dtypes: dict | None = None):
+                 keep: int, keep_best: bool = False, async_save: bool = False, optim_dtypes: dict | None = None,
+                 peft: dict | None = None):
         self.root, self.optimizer, self.scheduler, self.data = root, optimizer, scheduler, data
         self.model = _native_view(modules)
         self.model_config, self.optim_dtypes = model_config, optim_dtypes
+        self.peft = peft  # what is trained (checked on resume): None = full finetuning
         self.keep, self.keep_best = keep, keep_best
         self.pending: _Pending | None = None
         # DCP's background writer runs collectives; on the training group they would interleave with the
@@ -188,7 +198,7 @@ class Checkpointer:
             torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
                         "rng": _rng_state()}, tmp / EXTRA)
             meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config),
-                    "optim_dtypes": self.optim_dtypes}
+                    "optim_dtypes": self.optim_dtypes, "peft": self.peft}
             (tmp / META).write_text(json.dumps(meta, indent=1))
         self.pending = _Pending(name, val_loss)
         if self.async_group is not None:

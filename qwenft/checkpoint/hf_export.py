@@ -2,6 +2,7 @@
 
     export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16)   # end of training
     write_hf(state, model_cfg, preprocessors, out_dir)       # `qwenft export`: a state loaded from a DCP checkpoint
+    export_peft_adapter(modules, model_cfg, lora, base, run_dir / "adapter", mesh, torch.float32)   # peft=lora
     save_hf(model, model_cfg, out_dir)                        # one model (any TP/FSDP sharding), weights + config
 
 All end in `write_hf_checkpoint`, so a run's own export and an offline export of its checkpoint are the same
@@ -56,20 +57,19 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
     tmp.rename(out_dir)
 
 
-def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, out_dir: Path, mesh,
-              dtype: torch.dtype) -> None:
-    """Write the trained model as an HF checkpoint + tokenizer files (collective; global rank 0 writes).
-
-    Each stage's parameters are gathered over its dp x tp ranks; only the stage's (dp 0, tp 0) rank keeps
-    them, and those ranks (one pp group) send them to rank 0, so no rank holds more than one stage on the
-    CPU except rank 0, which holds the model. An earlier export in `out_dir` is replaced whole.
-    """
+def _gather_on_rank0(modules: list[torch.nn.Module], mesh, dtype: torch.dtype, keep=lambda name: True) -> dict:
+    """Full CPU copies (in `dtype`, GDN's decay in fp32) of the parameters `keep(name)` selects, of every stage, on
+    global rank 0 (collective; empty elsewhere). Each stage's parameters are gathered over its dp x tp ranks; only
+    the stage's (dp 0, tp 0) rank keeps them, and those ranks (one pp group) send them to rank 0, so no rank holds
+    more than one stage on the CPU except rank 0."""
     from qwenft.models.qwen3_5.gdn import param_dtype
 
     leader = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     state = {}
     for module in modules:
         for name, p in module.named_parameters():
+            if not keep(name):
+                continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             if leader:
                 state[name] = full.detach().to(param_dtype(name.rsplit(".", 1)[-1], dtype)).cpu()
@@ -78,8 +78,49 @@ def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, ou
         dist.gather_object(state, parts, dst=0, group=mesh["pp"].get_group())
         if parts is not None:
             state = {k: v for part in parts for k, v in part.items()}
+    return state if dist.get_rank() == 0 else {}
+
+
+def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, out_dir: Path, mesh,
+              dtype: torch.dtype) -> None:
+    """Write the trained model as an HF checkpoint + tokenizer files (collective; global rank 0 writes). An
+    earlier export in `out_dir` is replaced whole."""
+    state = _gather_on_rank0(modules, mesh, dtype)
     if dist.get_rank() == 0:
         write_hf(state, model_cfg, preprocessors, out_dir, replace=True)
+    dist.barrier()
+
+
+def write_peft_adapter(state: dict[str, torch.Tensor], model_cfg, lora, base_model: str, out_dir: Path,
+                       replace: bool = False) -> None:
+    """Native LoRA adapter tensors `state` as a peft adapter dir: adapter_model.safetensors under transformers'
+    module names + adapter_config.json, which `peft.PeftModel.from_pretrained(model, out_dir)` loads (and
+    vLLM / SGLang serve). Written to a temp dir and renamed, as `write_hf`."""
+    from safetensors.torch import save_file
+
+    from qwenft.models.lora import peft_adapter_config, to_peft_state_dict
+
+    if not replace:
+        check_out_dir(out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    tensors = {k: t.contiguous() for k, t in to_peft_state_dict(state, model_cfg).items()}
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = peft_adapter_config(model_cfg, lora, base_model)
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+
+
+def export_peft_adapter(modules: list[torch.nn.Module], model_cfg, lora, base_model: str, out_dir: Path, mesh,
+                        dtype: torch.dtype) -> None:
+    """Write the trained LoRA adapters as a peft adapter dir (collective; global rank 0 writes)."""
+    from qwenft.models.lora import is_adapter
+
+    state = _gather_on_rank0(modules, mesh, dtype, keep=is_adapter)
+    if dist.get_rank() == 0:
+        write_peft_adapter(state, model_cfg, lora, base_model, out_dir, replace=True)
     dist.barrier()
 
 

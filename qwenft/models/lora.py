@@ -152,3 +152,59 @@ def _add_adapter(linear: nn.Linear, args, out: torch.Tensor, lora_A: nn.Linear, 
         x = F.dropout(x, dropout, linear.training)
     a = F.linear(x, local(lora_A.weight).to(x.dtype))
     return out + F.linear(a, local(linear.lora_B.weight).to(x.dtype)) * scaling
+
+
+# ---------------------------------------------------------------- peft's adapter format
+
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel wraps transformers' model as base_model.model
+
+
+def _hf_prefix(model_cfg) -> str:
+    return adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
+
+
+def hf_source(native_key: str, model_cfg) -> adapter.Source:
+    """Where a native adapter tensor sits in peft's adapter_model.safetensors: A whole, B as the row range its
+    base weight has in transformers' (possibly fused) weight."""
+    module, _, leaf = native_key.rpartition(".lora_")  # "layers.0.linear_attn.q_proj", "B.weight"
+    if module.startswith("visual."):
+        base = adapter.Source(adapter.VISUAL_PREFIX + module[len("visual."):] + ".weight")
+    else:
+        base = adapter.hf_source(module + ".weight", model_cfg.text, _hf_prefix(model_cfg))
+    key = PEFT_PREFIX + base.hf_key.removesuffix("weight") + f"lora_{leaf}"
+    return adapter.Source(key) if leaf.startswith("A") else adapter.Source(key, base.row_start, base.row_end)
+
+
+def to_peft_state_dict(native: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """peft's adapter state dict (transformers' module names) from the full native adapter tensors."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, t in native.items():
+        src = hf_source(name, model_cfg)
+        pieces.setdefault(src.hf_key, []).append((src.row_start or 0, t))
+    return {k: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for k, parts in pieces.items()}
+
+
+def peft_target_modules(model_cfg, lora: LoRAConfig) -> list[str]:
+    """adapter_config.json's target_modules: transformers' leaf names (q_proj, in_proj_qkv, ...) when every
+    module of that name is adapted, else the adapted modules' full names (peft matches a name by its suffix)."""
+    from .qwen3_5.model import Qwen3_5Model
+
+    with torch.device("meta"):
+        full = Qwen3_5Model(model_cfg, kernels="torch")
+    candidates = list(_candidates(full, model_cfg.text, vision=True))
+    chosen = [n for n in candidates if any(_matches(e, n) for e in lora.target_modules)
+              and (lora.vision or not n.startswith("visual."))]
+    leaves = {n.rsplit(".", 1)[-1] for n in chosen}
+    if all(n in chosen for n in candidates if n.rsplit(".", 1)[-1] in leaves):
+        return sorted(leaves)
+    return sorted(adapter.VISUAL_PREFIX + n[len("visual."):] if n.startswith("visual.") else _hf_prefix(model_cfg) + n
+                  for n in chosen)
+
+
+def peft_adapter_config(model_cfg, lora: LoRAConfig, base_model: str) -> dict:
+    """adapter_config.json as peft's LoraConfig writes it, for `lora` on transformers' model of `model_cfg`."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": peft_target_modules(model_cfg, lora), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None}

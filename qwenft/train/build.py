@@ -84,6 +84,16 @@ def lora_config(cfg: Config):
                       vision=cfg.peft.vision, train_embeddings=cfg.peft.train_embeddings, train_head=cfg.peft.train_head)
 
 
+def peft_meta(cfg: Config) -> dict | None:
+    """What a checkpoint records of peft.* (None: full finetuning): the keys that decide what is trained."""
+    if cfg.peft.method == "none":
+        return None
+    targets = cfg.peft.target_modules
+    return {"method": cfg.peft.method, "rank": cfg.peft.rank,
+            "target_modules": [targets] if isinstance(targets, str) else list(targets), "vision": cfg.peft.vision,
+            "train_embeddings": cfg.peft.train_embeddings, "train_head": cfg.peft.train_head}
+
+
 def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
     """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> compile -> FSDP2."""
     from qwenft.distributed.parallelize import parallelize
@@ -352,7 +362,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     if resume_from is not None:
-        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names)
+        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
+                                    peft=peft_meta(cfg))
     if is_main and save_config is not None:
         save_config(run_dir)
     max_steps = cfg.train.max_steps
@@ -390,7 +401,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
                             cfg.logger.wandb_mode, run_name=run_dir.name)
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
                                          cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
-                                         async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names)
+                                         async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names,
+                                         peft=peft_meta(cfg))
     start_step = 1
     if resume_from is not None:
         start_step = checkpointer.load(resume_from) + 1

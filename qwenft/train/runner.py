@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwenft.checkpoint.hf_export import export_hf, full_state_dict
+from qwenft.checkpoint.hf_export import export_hf, export_peft_adapter, full_state_dict
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
-from qwenft.train.build import Job, build_job
+from qwenft.train.build import Job, build_job, lora_config
 from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
 
@@ -172,7 +172,12 @@ def finish(job: Job, result: RunResult, return_state: bool) -> None:
     else:
         log.info("nothing to train: the checkpoint is at step %d >= train.max_steps=%d", job.start_step - 1,
                  job.max_steps)
-    if cfg.checkpoint.export_hf:
+    lora = lora_config(cfg)
+    if cfg.checkpoint.export_hf and lora is not None:
+        export_peft_adapter(job.model_parts, job.model_cfg, lora, cfg.model.path or cfg.model.name,
+                            job.run_dir / "adapter", job.mesh, getattr(torch, cfg.checkpoint.export_dtype))
+        log.info("exported the LoRA adapters (peft format) to %s", job.run_dir / "adapter")
+    elif cfg.checkpoint.export_hf:
         export_hf(job.model_parts, job.model_cfg, job.preprocessors, job.run_dir / "hf", job.mesh,
                   getattr(torch, cfg.checkpoint.export_dtype))
         log.info("exported the trained model (HF layout) to %s", job.run_dir / "hf")
