@@ -10,7 +10,9 @@ Layout under <run_dir>/checkpoints/:
 Every tensor is stored under the whole model's parameter name (`layers.17.mlp.up_proj.weight`, and
 `state.<name>.exp_avg` for AdamW) with its global shape, whatever the mesh: pipeline stages keep the
 model's layer indices, TP/FSDP shards are DTensors DCP reassembles, and the optimizer state is flattened by
-name. So a checkpoint saved on one mesh (tp2 x pp2, interleaved stages, ...) loads on any other.
+name. So a checkpoint saved on one mesh (tp2 x pp2, interleaved stages, ...) loads on any other. A LoRA run's
+(`peft`) holds only the trained parameters and their optimizer state: the frozen base is rebuilt from model.path
+or the seed on resume.
 """
 
 import dataclasses
@@ -32,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 EXTRA = "extra.pt"
 META = "checkpoint.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position
+# peft runs: only the trained parameters (the frozen base comes from model.path or the seed, as at the start)
+_TRAINABLE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 # Param-group keys of torch's AdamW that say how this run computes, not what it has trained: on resume the
 # run's own values win (a CPU checkpoint resumed on GPU runs fused AdamW; a fused GPU one resumes on CPU).
 # lr, betas, eps, weight_decay and the step counts come from the checkpoint.
@@ -172,6 +176,7 @@ class Checkpointer:
         self.model = _native_view(modules)
         self.model_config, self.optim_dtypes = model_config, optim_dtypes
         self.peft = peft  # what is trained (checked on resume): None = full finetuning
+        self.options = _OPTIONS if peft is None else _TRAINABLE_OPTIONS
         self.keep, self.keep_best = keep, keep_best
         self.pending: _Pending | None = None
         # DCP's background writer runs collectives; on the training group they would interleave with the
@@ -179,8 +184,8 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo") if async_save else None
 
     def _state(self) -> dict:
-        return {"model": get_model_state_dict(self.model, options=_OPTIONS),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS)}
+        return {"model": get_model_state_dict(self.model, options=self.options),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self.options)}
 
     def save(self, step: int, val_loss: float | None = None) -> Path:
         """Write step-<step> (collective) to a temp dir; `wait` renames it and updates the pointers. Synchronous
@@ -246,8 +251,8 @@ class Checkpointer:
                if key.startswith("param_groups.") and key.rsplit(".", 1)[1] in _IMPLEMENTATION_KEYS}
         dcp.load(state, checkpoint_id=str(path))
         optim.update(own)  # before loading: torch places each `step` tensor by the group's fused/capturable
-        set_model_state_dict(self.model, state["model"], options=_OPTIONS)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS)
+        set_model_state_dict(self.model, state["model"], options=self.options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
         extra = torch.load(path / EXTRA, weights_only=True)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.data.load_state_dict(extra["data"])
