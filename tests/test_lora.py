@@ -310,3 +310,33 @@ def test_checkpoint_trainable_only_and_resume_bit_identical(tmp_path):
                                               f"run_dir={tmp_path / 'dp2'}"])
     for a, b in zip(dp2[0][0], whole[0][2:]):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path):
+    """checkpoint.export_hf=merged: <run_dir>/hf is the base with the adapters merged, transformers' logits equal
+    qwenft's adapted model's (fp32)."""
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qwenft.models.loader import build_model
+    from qwenft.models.lora import LoRAConfig, apply_lora
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.runner import run
+
+    def train(rank, world_size, overrides):
+        return run(compose(overrides), return_state=True).state_dict
+
+    (state,) = run_distributed(train, 1, _overrides(tmp_path, "run", "checkpoint.export_hf=merged",
+                                                    "checkpoint.export_dtype=float32"))
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
+    model = build_model(cfg, kernels="torch", device="meta")
+    apply_lora(model, LoRAConfig(), adapter_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.load_state_dict(state, strict=True)
+    model.init_buffers()
+    input_ids = torch.randint(0, cfg.text.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    hf = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        ours, theirs = model.eval()(input_ids=input_ids), hf.eval()(input_ids=input_ids).logits
+    assert (theirs - ours).abs().max() / ours.abs().max() < 1e-5
+    assert not (tmp_path / "run" / "adapter").exists()

@@ -91,6 +91,21 @@ def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, ou
     dist.barrier()
 
 
+def export_merged_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, lora, out_dir: Path, mesh,
+                     dtype: torch.dtype) -> None:
+    """Write the base with its LoRA adapters merged in (W + alpha / r B A, computed in fp32) as an HF checkpoint,
+    as `export_hf` does for a fully finetuned model (collective; global rank 0 writes)."""
+    from qwenft.models.lora import merge_adapters
+    from qwenft.models.qwen3_5.gdn import param_dtype
+
+    state = _gather_on_rank0(modules, mesh, torch.float32)
+    if dist.get_rank() == 0:
+        state = {k: v.to(param_dtype(k.rsplit(".", 1)[-1], dtype))
+                 for k, v in merge_adapters(state, model_cfg, lora.scaling).items()}
+        write_hf(state, model_cfg, preprocessors, out_dir, replace=True)
+    dist.barrier()
+
+
 def write_peft_adapter(state: dict[str, torch.Tensor], model_cfg, lora, base_model: str, out_dir: Path,
                        replace: bool = False) -> None:
     """Native LoRA adapter tensors `state` as a peft adapter dir: adapter_model.safetensors under transformers'

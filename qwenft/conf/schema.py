@@ -121,8 +121,9 @@ class PipelineOptions:
 @dataclass
 class CheckpointOptions:
     # At the end of training, write the trained model as an HF checkpoint (safetensors + index + config.json
-    # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained.
-    export_hf: bool = True
+    # + tokenizer files) to <run_dir>/hf, loadable by transformers' from_pretrained. peft=lora: true writes the
+    # adapters in peft's format to <run_dir>/adapter, merged the base with the adapters merged in to <run_dir>/hf.
+    export_hf: str = "true"
     export_dtype: str = "bfloat16"
     # Sharded training checkpoints (model, optimizer, scheduler, data position, RNG) in <run_dir>/checkpoints
     every_steps: int = 0  # save after every N optimizer steps and after the last; 0 = no training checkpoints
@@ -239,6 +240,7 @@ CHOICES = {
     "optim.state_dtype": ("float32", "bfloat16"),
     "optim.master_dtype": ("float32", "bfloat16"),
     "lr_scheduler.decay": ("cosine", "linear", "constant"),
+    "checkpoint.export_hf": ("true", "false", "merged"),
     "checkpoint.export_dtype": ("bfloat16", "float32"),
     "train.on_nonfinite": ("error", "skip"),
     "peft.method": ("none", "lora"),

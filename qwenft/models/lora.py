@@ -208,3 +208,16 @@ def peft_adapter_config(model_cfg, lora: LoRAConfig, base_model: str) -> dict:
             "target_modules": peft_target_modules(model_cfg, lora), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
             "modules_to_save": None}
+
+
+def merge_adapters(state: dict[str, torch.Tensor], model_cfg, scaling: float) -> dict[str, torch.Tensor]:
+    """The base weights with their adapters merged in (W + scaling B A, in the state's dtype), adapters dropped:
+    full native parameters, as `checkpoint.export_hf=merged` writes them."""
+    owners = {hf_source(k, model_cfg).hf_key: k for k in state if k.endswith(".lora_A.weight")}
+    merged = {k: v for k, v in state.items() if not is_adapter(k)}
+    for key, b in state.items():
+        if key.endswith(".lora_B.weight"):
+            a = state[owners[hf_source(key, model_cfg).hf_key.replace("lora_B", "lora_A")]]
+            base = key.removesuffix(".lora_B.weight") + ".weight"
+            merged[base] = merged[base] + scaling * (b @ a).to(merged[base].dtype)
+    return merged

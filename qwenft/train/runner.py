@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwenft.checkpoint.hf_export import export_hf, export_peft_adapter, full_state_dict
+from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft_adapter, full_state_dict
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
@@ -172,12 +172,15 @@ def finish(job: Job, result: RunResult, return_state: bool) -> None:
     else:
         log.info("nothing to train: the checkpoint is at step %d >= train.max_steps=%d", job.start_step - 1,
                  job.max_steps)
-    lora = lora_config(cfg)
-    if cfg.checkpoint.export_hf and lora is not None:
+    lora, export, dtype = lora_config(cfg), cfg.checkpoint.export_hf, getattr(torch, cfg.checkpoint.export_dtype)
+    if lora is not None and export == "true":
         export_peft_adapter(job.model_parts, job.model_cfg, lora, cfg.model.path or cfg.model.name,
-                            job.run_dir / "adapter", job.mesh, getattr(torch, cfg.checkpoint.export_dtype))
+                            job.run_dir / "adapter", job.mesh, dtype)
         log.info("exported the LoRA adapters (peft format) to %s", job.run_dir / "adapter")
-    elif cfg.checkpoint.export_hf:
+    elif lora is not None and export == "merged":
+        export_merged_hf(job.model_parts, job.model_cfg, job.preprocessors, lora, job.run_dir / "hf", job.mesh, dtype)
+        log.info("exported the model with the LoRA adapters merged (HF layout) to %s", job.run_dir / "hf")
+    elif export != "false":
         export_hf(job.model_parts, job.model_cfg, job.preprocessors, job.run_dir / "hf", job.mesh,
                   getattr(torch, cfg.checkpoint.export_dtype))
         log.info("exported the trained model (HF layout) to %s", job.run_dir / "hf")
