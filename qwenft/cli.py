@@ -1,5 +1,6 @@
 """`qwenft` command line: dispatch a subcommand on the config that qwenft.conf composes."""
 
+import logging
 import os
 import shutil
 import signal
@@ -206,12 +207,37 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
         return signals.EXIT_PREEMPTED if result.preempted else 0
-    except ConfigError as e:
-        print(f"qwenft: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # user mistakes found while building (mesh, data, checkpoint paths)
-        print(f"qwenft: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # ConfigError, and user mistakes found while building (mesh, data, checkpoints)
+        return _fail(e, str(e))
+    except OSError as e:  # a file fault not caught closer to its key: name the file
+        if e.filename is None:
+            _log_traceback(e)
+            raise
+        return _fail(e, f"{e.filename}: {e.strerror or e}; check the path and its permissions")
+    except Exception as e:  # a crash: its traceback on stderr as usual, and in train.log too
+        _log_traceback(e)
+        raise
+
+
+def _fail(e: BaseException, message: str) -> int:
+    """A user-fixable fault: one line on stderr (rank 0 only under torchrun: every rank fails the same way),
+    the traceback in train.log when the run got that far; exit code 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"qwenft: error: {message}", file=sys.stderr)
+    _log_traceback(e)
+    return 2
+
+
+def _log_traceback(e: BaseException) -> None:
+    """The traceback into train.log only (the console shows the one line), when this rank has train.log open."""
+    log = logging.getLogger("qwenft")
+    files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
+    record = logging.LogRecord("qwenft", logging.ERROR, __file__, 0, "qwenft: error: %s", (e,),
+                               (type(e), e, e.__traceback__))
+    for handler in files:
+        handler.handle(record)
+        handler.close()  # the run is over; a later run in this process (tests) opens its own
+        log.removeHandler(handler)
 
 
 if __name__ == "__main__":

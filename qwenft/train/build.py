@@ -12,7 +12,9 @@
 import dataclasses
 import logging
 import math
+import tempfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -37,13 +39,56 @@ from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolv
 log = logging.getLogger("qwenft")
 
 
+# ---------------------------------------------------------------- user faults
+
+HF_DIR_HINT = "give a Hugging Face Qwen3.5 checkpoint dir (config.json + *.safetensors, as from_pretrained reads)"
+
+
+def describe(e: Exception) -> str:
+    """An exception as the rest of one line: a file fault names its file."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.strerror or type(e).__name__}: {e.filename}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+@contextmanager
+def _input_file(key: str, value, hint: str | None = None):
+    """A missing, unreadable or corrupt file behind `key=value` as one ValueError naming both and, with `hint`
+    (else the error says it), what to do."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key}={value}: {describe(e)}" + (f"; {hint}" if hint else "")) from e
+
+
+def on_rank0(is_main: bool, fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0 only, and raise its user fault (ValueError, OSError) on every rank: no rank waits in a
+    collective for one that has stopped, and each exits with the same code (rank 0 alone prints the line)."""
+    error, failure = [None], None
+    if is_main:
+        try:
+            fn()
+        except (ValueError, OSError) as e:
+            error, failure = [describe(e)], e
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if failure is not None:
+        raise failure
+    if error[0] is not None:
+        raise ValueError(error[0])
+
+
 # ---------------------------------------------------------------- model
 
 def model_config(cfg: Config):
     """The model's ModelConfig: model.path's config.json, else model.name's; model.num_layers keeps the first n."""
     from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 
-    model_cfg = config_from_hf_dir(cfg.model.path) if cfg.model.path else named_config(cfg.model.name)
+    if cfg.model.path:
+        with _input_file("model.path", cfg.model.path, HF_DIR_HINT):
+            model_cfg = config_from_hf_dir(cfg.model.path)
+    else:
+        model_cfg = named_config(cfg.model.name)
     n = cfg.model.num_layers
     if n is not None:
         t = model_cfg.text
@@ -111,7 +156,8 @@ def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype, device) -> 
     from qwenft.models.loader import init_random_weights, load_hf_weights
 
     if cfg.model.path:
-        load_hf_weights(module, cfg.model.path, device=device, dtype=dtype)
+        with _input_file("model.path", cfg.model.path):
+            load_hf_weights(module, cfg.model.path, device=device, dtype=dtype)
     else:
         init_random_weights(module, seed=cfg.seed, device=device, dtype=dtype)
 
@@ -244,6 +290,18 @@ def _agree_run_dir(cfg: Config) -> Path:
     return Path(choice[0])
 
 
+def _make_run_dir(run_dir: Path) -> None:
+    hint = "give a directory qwenft may create or write to as run_dir"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run_dir={run_dir} is a file, not a directory; {hint}")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):  # mkdir succeeds on an existing read-only dir
+            pass
+    except OSError as e:
+        raise ValueError(f"run_dir={run_dir} cannot be written ({describe(e)}); {hint}") from e
+
+
 def _setup_logging(run_dir: Path, is_main: bool) -> None:
     log.setLevel(logging.INFO if is_main else logging.WARNING)
     for handler in log.handlers:  # an earlier run in this process (tests) left its log file open
@@ -311,16 +369,23 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
     is_main = rank == 0
     ckpt_root = run_dir / "checkpoints"
     resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)  # a bad checkpoint fails before any write
+    on_rank0(is_main, lambda: _make_run_dir(run_dir))
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         signals.clear_marker(run_dir)
     dist.barrier()
     _setup_logging(run_dir, is_main)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
              run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
 
+    from qwenft.models.loader import checkpoint_files
+    from qwenft.models.qwen3_5.gdn import check_kernel
+
     torch.manual_seed(cfg.seed)
+    check_kernel(cfg.model.kernels.gdn)
     model_cfg = model_config(cfg)
+    if cfg.model.path:  # every weight file's header and size, before config.yaml is written
+        with _input_file("model.path", cfg.model.path):
+            checkpoint_files(Path(cfg.model.path))
     spec = RunSpec(layout, batching, resolve_dtypes(cfg, device.type),
                    resolve_parallel(cfg, layout, model_cfg, batching, device.type))
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)

@@ -1,0 +1,124 @@
+"""Faults a user meets from files, processes and the environment, on real files and processes: each ends in one
+line naming the file or key, exit code 2, rank 0 alone printing it under torchrun, the traceback in train.log."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+FAST = ("train.progress_bar=false", "checkpoint.export_hf=false", "train.global_batch_size=4")
+
+
+def qwenft(*args, module="qwenft", timeout=600):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+def one_line_error(out, *needles) -> str:
+    """The run failed with exit code 2 and exactly one error line, no traceback; returns that line."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "qwenft: error:" in line]
+    assert len(lines) == 1, out.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 HF checkpoint as `qwenft train` exports it."""
+    run = tmp_path_factory.mktemp("hf") / "run"
+    out = qwenft("train", "train.max_steps=1", f"run_dir={run}", "train.progress_bar=false",
+                 "train.global_batch_size=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run / "hf"
+
+
+def test_model_path_empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    line = one_line_error(qwenft("train", f"model.path={tmp_path / 'empty'}", f"run_dir={run}", *FAST),
+                          f"model.path={tmp_path / 'empty'}", "config.json")
+    assert "Hugging Face" in line
+    log = (run / "train.log").read_text()
+    assert "Traceback" in log and "no config.json" in log  # the traceback for debugging
+    assert not (run / "config.yaml").exists()
+
+
+def test_model_path_shard_missing(tmp_path, hf_dir):
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    from safetensors import safe_open
+
+    with safe_open(model / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in keys[1:]}
+    weight_map[keys[0]] = "model-00002-of-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    one_line_error(qwenft("train", f"model.path={model}", f"run_dir={tmp_path / 'run'}", *FAST),
+                   f"model.path={model}", "model-00002-of-00002.safetensors", "missing")
+
+
+@pytest.mark.parametrize("size", [100, 300_000])  # inside the header; inside the tensor data
+def test_model_path_shard_truncated(tmp_path, hf_dir, size):
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    os.truncate(model / "model.safetensors", size)
+    run = tmp_path / "run"
+    one_line_error(qwenft("train", f"model.path={model}", f"run_dir={run}", *FAST),
+                   str(model / "model.safetensors"), "truncated", "download it again")
+    assert not (run / "config.yaml").exists()
+
+
+def test_run_dir_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    one_line_error(qwenft("train", f"run_dir={tmp_path / 'file'}", *FAST), f"run_dir={tmp_path / 'file'}",
+                   "is a file")
+    one_line_error(qwenft("train", f"run_dir={tmp_path / 'file' / 'sub'}", *FAST), "Not a directory")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a read-only dir")
+def test_run_dir_unwritable(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o500)
+    try:
+        one_line_error(qwenft("train", f"run_dir={run}", *FAST), f"run_dir={run}", "cannot be written")
+    finally:
+        run.chmod(0o700)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla is installed")
+def test_fla_not_installed(tmp_path):
+    one_line_error(qwenft("train", "model.kernels.gdn=fla", f"run_dir={tmp_path / 'run'}", *FAST),
+                   "model.kernels.gdn=fla", "pip install")
+
+
+TORCHRUN = ("--standalone", "--nproc-per-node=2", "-m", "qwenft", "train")
+
+
+def test_torchrun_mistake_rank0_only(tmp_path):
+    """qwenft's torchrun (launcher.nproc_per_node, slurm) passes exit code 2 and the one line through; plain
+    torchrun adds its own report, but the line appears once, not once per rank."""
+    args = ("mesh.dp=4", f"run_dir={tmp_path / 'run'}", *FAST)
+    one_line_error(qwenft(*TORCHRUN, *args, module="qwenft.launch.torchrun"),
+                   "mesh.dp=4 = 4 but the world size is 2")
+    one_line_error(qwenft("train", "launcher.nproc_per_node=2", *args), "mesh.dp=4 = 4 but the world size is 2")
+    plain = qwenft(*TORCHRUN, *args, module="torch.distributed.run")
+    assert plain.stderr.count("qwenft: error:") == 1, plain.stderr[-3000:]
+
+
+def test_torchrun_rank0_file_fault_reaches_every_rank(tmp_path):
+    """run_dir is made by rank 0 only; its failure stops every rank at once (none waits in a collective)."""
+    (tmp_path / "file").write_text("x")
+    one_line_error(qwenft(*TORCHRUN, f"run_dir={tmp_path / 'file'}", *FAST, module="qwenft.launch.torchrun",
+                          timeout=120), "is a file")
