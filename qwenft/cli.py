@@ -104,7 +104,7 @@ def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
     if value in ("auto", "none"):
         raise ConfigError(f"checkpoint={value} is not valid; choose latest, best or a step-NNNNNN dir")
     path = Path(value) if Path(value).is_dir() or not (ckpt_root / value).is_dir() else ckpt_root / value
-    return dcp.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")
+    return dcp.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")[0]
 
 
 def _export(args: list[str]) -> int:

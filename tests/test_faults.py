@@ -122,3 +122,79 @@ def test_torchrun_rank0_file_fault_reaches_every_rank(tmp_path):
     (tmp_path / "file").write_text("x")
     one_line_error(qwenft(*TORCHRUN, f"run_dir={tmp_path / 'file'}", *FAST, module="qwenft.launch.torchrun",
                           timeout=120), "is a file")
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+CKPT = ("checkpoint.every_steps=1", "checkpoint.keep=3")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A run that saved step-000001..3 (each with its manifest)."""
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    out = qwenft("train", "train.max_steps=3", f"run_dir={run}", *FAST, *CKPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def _files(root: Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _assert_unchanged(root: Path, before: dict) -> None:
+    """Every file as it was; train.log may only have grown (the failed attempt logs its start and traceback)."""
+    after = _files(root)
+    log = root / "train.log"
+    assert after.pop(log).startswith(before[log])
+    assert after == {p: b for p, b in before.items() if p != log}
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncate_distcp", "delete_extra", "flip_a_byte"])
+def test_damaged_latest_falls_back_to_newest_complete(tmp_path, saved_run, damage):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    step3 = run / "checkpoints" / "step-000003"
+    if damage == "truncate_distcp":
+        os.truncate(step3 / "__0_0.distcp", 1000)
+        what = "__0_0.distcp is 1000 bytes"
+    elif damage == "delete_extra":
+        (step3 / "extra.pt").unlink()
+        what = "extra.pt is missing"
+    else:
+        _flip_a_byte(step3 / "__0_0.distcp")
+        what = "__0_0.distcp has another checksum than when saved"
+    out = qwenft("train", "train.max_steps=4", f"run_dir={run}", *FAST, *CKPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert f"{step3} is incomplete or corrupt ({what}" in log and "resuming from" in log, log
+    assert "resumed from " + str(run / "checkpoints" / "step-000002") + "; continuing at step 3" in log
+
+
+def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, saved_run):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    for step in (run / "checkpoints").glob("step-*"):
+        os.truncate(step / "extra.pt", 10)
+    before = _files(run)
+    line = one_line_error(qwenft("train", "train.max_steps=5", "optim.lr=1e-3", f"run_dir={run}", *FAST, *CKPT),
+                          "checkpoint.resume=auto: no complete checkpoint in", "extra.pt is 10 bytes",
+                          "checkpoint.resume=none")
+    assert "step-000003" in line and "step-000001" in line
+    _assert_unchanged(run, before)  # config.yaml keeps the old run's values
+    assert "Traceback" in (run / "train.log").read_text()[len(before[run / "train.log"]):]
+
+
+def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    step2 = run / "checkpoints" / "step-000002"
+    (step2 / "__0_0.distcp").unlink()
+    one_line_error(qwenft("train", f"checkpoint.resume={step2}", f"run_dir={tmp_path / 'other'}", *FAST),
+                   f"checkpoint.resume={step2}", "__0_0.distcp is missing")

@@ -368,14 +368,17 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
     run_dir = _agree_run_dir(cfg)
     is_main = rank == 0
     ckpt_root = run_dir / "checkpoints"
-    resume_from = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)  # a bad checkpoint fails before any write
     on_rank0(is_main, lambda: _make_run_dir(run_dir))
-    if is_main:
-        signals.clear_marker(run_dir)
     dist.barrier()
     _setup_logging(run_dir, is_main)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
              run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
+    # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
+    resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
+    for damaged in passed_over:
+        log.warning("checkpoint.resume=auto: %s; resuming from %s instead", damaged, resume_from)
+    if is_main:
+        signals.clear_marker(run_dir)
 
     from qwenft.models.loader import checkpoint_files
     from qwenft.models.qwen3_5.gdn import check_kernel
