@@ -198,3 +198,32 @@ def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
     (step2 / "__0_0.distcp").unlink()
     one_line_error(qwenft("train", f"checkpoint.resume={step2}", f"run_dir={tmp_path / 'other'}", *FAST),
                    f"checkpoint.resume={step2}", "__0_0.distcp is missing")
+
+
+# ---------------------------------------------------------------- one run per run dir
+
+def test_second_run_into_a_run_dir_fails_at_once_and_a_dead_holder_frees_it(tmp_path):
+    import signal
+    import socket
+    import time
+
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "qwenft", "train", "train.max_steps=100000", f"run_dir={run}",
+                              *FAST], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (run / "metrics.jsonl").exists():  # training: the lock is held
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.5)
+        start = time.time()
+        one_line_error(qwenft("train", "train.max_steps=2", f"run_dir={run}", *FAST),
+                       f"run_dir={run} is in use by another qwenft run", f"pid {first.pid} ",
+                       f"host {socket.gethostname()}")
+        assert time.time() - start < 60
+    finally:
+        first.send_signal(signal.SIGKILL)  # dies holding the lock: its .lock file stays, stale
+        first.wait()
+    assert (run / ".lock").read_text().startswith(f"pid {first.pid} ")
+    out = qwenft("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", *FAST, "checkpoint.resume=none")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (run / ".lock").exists()  # released at the end of the run

@@ -14,7 +14,7 @@ import logging
 import math
 import tempfile
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +28,7 @@ from qwenft.conf.schema import Config
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
-from qwenft.launch import signals
+from qwenft.launch import run_lock, signals
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.evaluate import (build_eval_schedule, ce_sum, eval_loss_pipelined, eval_loss_unpipelined,
                                    val_micro_batches)
@@ -290,7 +290,9 @@ def _agree_run_dir(cfg: Config) -> Path:
     return Path(choice[0])
 
 
-def _make_run_dir(run_dir: Path) -> None:
+def _make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
+    """Create (or check) the run dir and lock it for this run; `cleanup` releases the lock at the run's end (without
+    one, the process's exit does)."""
     hint = "give a directory qwenft may create or write to as run_dir"
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run_dir={run_dir} is a file, not a directory; {hint}")
@@ -300,6 +302,9 @@ def _make_run_dir(run_dir: Path) -> None:
             pass
     except OSError as e:
         raise ValueError(f"run_dir={run_dir} cannot be written ({describe(e)}); {hint}") from e
+    lock = run_lock.acquire(run_dir)
+    if cleanup is not None:
+        cleanup.callback(lock.release)
 
 
 def _setup_logging(run_dir: Path, is_main: bool) -> None:
@@ -352,10 +357,11 @@ class Job:
         return self.mesh["pp"].get_group()
 
 
-def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) -> Job:
+def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cleanup: ExitStack | None = None) -> Job:
     """Join the process group and build everything a run of `cfg` needs, resumed when checkpoint.resume says
     so. `save_config(run_dir)` runs on rank 0 once the config has passed its checks against the data and any
-    checkpoint, before the model is built (so a failed resume leaves the run dir as it was)."""
+    checkpoint, before the model is built (so a failed resume leaves the run dir as it was). Rank 0 locks the
+    run dir (qwenft.launch.run_lock) until `cleanup` closes, or else until the process exits."""
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
@@ -368,7 +374,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None) ->
     run_dir = _agree_run_dir(cfg)
     is_main = rank == 0
     ckpt_root = run_dir / "checkpoints"
-    on_rank0(is_main, lambda: _make_run_dir(run_dir))
+    on_rank0(is_main, lambda: _make_run_dir(run_dir, cleanup))
     dist.barrier()
     _setup_logging(run_dir, is_main)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",

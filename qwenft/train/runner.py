@@ -5,6 +5,7 @@ import logging
 import math
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +43,8 @@ class StepStats:
 
 def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
     """Train as `qwenft train` does; `on_step(step)`, if given, runs after each step (scripts/bench.py's profiler)."""
-    with signals.StopOnSignal() as stop:
-        job = build_job(cfg, save_config=lambda run_dir: _save_config(cfg, run_dir))
+    with signals.StopOnSignal() as stop, ExitStack() as cleanup:  # cleanup: the run dir's lock
+        job = build_job(cfg, save_config=lambda run_dir: _save_config(cfg, run_dir), cleanup=cleanup)
         return train(job, stop, return_state, on_step)
 
 
