@@ -227,3 +227,33 @@ def test_second_run_into_a_run_dir_fails_at_once_and_a_dead_holder_frees_it(tmp_
     out = qwenft("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", *FAST, "checkpoint.resume=none")
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (run / ".lock").exists()  # released at the end of the run
+
+
+# ---------------------------------------------------------------- configs transformers writes
+
+def test_checkpoint_with_transformers_default_rope_loads_and_matches(tmp_path):
+    """Qwen3_5TextConfig's own defaults give no mrope_section and head_dim 32 (rotary_dim/2 = 4): qwenft loads
+    it and computes what transformers computes, with text and with M-RoPE (3, B, T) position ids."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qwenft.models.loader import build_model, load_hf_weights
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen3_5TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_key_head_dim=16,
+                               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    assert "mrope_section" not in hf_cfg.rope_parameters
+    hf = Qwen3_5ForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path)
+    cfg = config_from_hf_dir(tmp_path)
+    model = load_hf_weights(build_model(cfg, kernels="torch"), tmp_path, device="cpu").eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(12).expand(2, 12)
+    pos3 = torch.stack([pos, pos // 2, pos % 3])  # distinct T, H, W positions exercise the section
+    with torch.no_grad():
+        for p in (pos, pos3):
+            ours, theirs = model(input_ids=ids, position_ids=p), hf(input_ids=ids, position_ids=p).logits
+            assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4), (ours - theirs).abs().max()
