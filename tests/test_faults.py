@@ -257,3 +257,26 @@ def test_checkpoint_with_transformers_default_rope_loads_and_matches(tmp_path):
         for p in (pos, pos3):
             ours, theirs = model(input_ids=ids, position_ids=p), hf(input_ids=ids, position_ids=p).logits
             assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4), (ours - theirs).abs().max()
+
+
+# ---------------------------------------------------------------- CPU threads
+
+@pytest.mark.parametrize("cores, ranks, load, threads", [
+    (2, 1, 0.1, 2),   # an idle machine: every core
+    (2, 1, 1.0, 1),   # one busy neighbour on 2 cores: 1 thread (about 2 s a step there, not 20-80 s)
+    (2, 1, 5.0, 1),   # never fewer than one
+    (16, 2, 0.0, 8),  # ranks on one node share the cores
+    (16, 2, 8.0, 4),
+])
+def test_cpu_threads_leave_busy_cores_alone(cores, ranks, load, threads):
+    from qwenft.train.build import cpu_threads
+
+    assert cpu_threads(cores, ranks, load) == threads
+
+
+def test_cpu_threads_chosen_are_logged(tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=1", f"run_dir={tmp_path / 'r'}",
+                          *FAST], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cpu threads: " in (tmp_path / "r" / "train.log").read_text()
