@@ -297,7 +297,7 @@ def cpu_threads(cores: int, ranks_on_node: int, load: float) -> int:
     20-80 s a step with 2 threads, about 2 s with 1 (0.45 s with both cores free)."""
     share = max(1, cores // ranks_on_node)
     free = max(0.0, cores - load)
-    return max(1, min(share, int(free / ranks_on_node)))
+    return max(1, min(share, round(free / ranks_on_node)))
 
 
 def _set_cpu_threads() -> None:
