@@ -23,6 +23,7 @@ commands:
             a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; docs/checkpointing.md
 
 overrides (Hydra syntax): a.b=v sets a key, group=option picks a config group option, ~a.b resets a key.
+keys: `qwenft show [recipe=NAME]` prints every key with its value; docs/cli.md says what each does
 config groups: {{groups}}
 recipes: {{recipes}}
 extra recipe dir: ${RECIPES_ENV}=DIR (YAML files in DIR become recipes; they shadow built-in ones)
