@@ -280,3 +280,15 @@ def test_cpu_threads_chosen_are_logged(tmp_path):
                           *FAST], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cpu threads: " in (tmp_path / "r" / "train.log").read_text()
+
+
+# ---------------------------------------------------------------- smaller edges
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
+    ("data.path=~/x.jsonl", "data.path=~/x.jsonl: Hydra cannot read a value starting with ~; write the full path"),
+])
+def test_config_edges_are_one_line(tmp_path, override, needle):
+    run = tmp_path / "run"
+    one_line_error(qwenft("train", override, f"run_dir={run}", *FAST), needle)
+    assert not run.exists()  # refused before the run dir

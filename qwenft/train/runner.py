@@ -70,7 +70,12 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
     for step in range(job.start_step, job.max_steps + 1):
         start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
-        stats = train_step(job, micro_batches, step, result)
+        try:
+            stats = train_step(job, micro_batches, step, result)
+        except ValueError:  # train.on_nonfinite=error: the error's line on its own, not after the bar
+            if progress is not None:
+                progress.close()
+            raise
         elapsed = time.perf_counter() - start
         result.losses.append(stats.loss)
         if step % cfg.train.log_every == 0 or step == job.max_steps:
