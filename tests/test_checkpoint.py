@@ -136,17 +136,19 @@ def _files(root) -> dict:
 
 
 def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
-    """latest names a step dir without .metadata (a crash mid-copy, a deleted file): one line naming the key,
-    the path and what is valid; the run dir, its config.yaml included, is left exactly as it was."""
+    """Every step dir lacks .metadata (a crash mid-copy, a deleted file): one line naming the key, the paths
+    and what to do; the run dir, its config.yaml included, is left exactly as it was."""
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted_run, run_dir)
-    (run_dir / "checkpoints" / "step-000004" / ".metadata").unlink()
+    for step in (run_dir / "checkpoints").glob("step-*"):
+        (step / ".metadata").unlink()
     before = _files(run_dir)
     with pytest.raises(RuntimeError) as info:
         run_distributed(_train, 1, _overrides(run_dir, 6))
     line = _value_error(info)
-    assert f"checkpoint.resume=auto: {run_dir / 'checkpoints' / 'step-000004'} is incomplete or corrupt (no " \
-           f".metadata)" in line and "or auto or none" in line, line
+    assert f"checkpoint.resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}: " \
+           f"{run_dir / 'checkpoints' / 'step-000004'} is incomplete or corrupt (.metadata is missing)" in line \
+           and "checkpoint.resume=none" in line, line
     _assert_unchanged(run_dir, before)
     with pytest.raises(RuntimeError, match="does not exist; give a step-NNNNNN dir, or auto or none"):
         run_distributed(_train, 1, _overrides(tmp_path / "other", 2, f"checkpoint.resume={tmp_path / 'nope'}"))
