@@ -11,7 +11,8 @@ import socket
 import traceback
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,7 +45,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from distributed import run_distributed
+from distributed import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,9 +56,10 @@ def test_profile_writes_each_ranks_trace(tmp_path):
     import gzip
 
     trace = tmp_path / "trace"
-    subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29732", str(ROOT / "scripts" / "bench.py"),
-                    "--warmup", "1", "--profile", str(tmp_path / "profile.txt"), "--trace", str(trace), "recipe=tiny",
-                    "train.max_steps=2", "data.seq_len=64", "mesh.dp=2", f"run_dir={tmp_path / 'run'}"],
+    subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                    str(ROOT / "scripts" / "bench.py"), "--warmup", "1", "--profile", str(tmp_path / "profile.txt"),
+                    "--trace", str(trace), "recipe=tiny", "train.max_steps=2", "data.seq_len=64", "mesh.dp=2",
+                    f"run_dir={tmp_path / 'run'}"],
                    check=True, capture_output=True, cwd=tmp_path, timeout=300)
     for rank in range(2):
         events = json.loads(gzip.decompress((trace / f"rank{rank}.json.gz").read_bytes()))["traceEvents"]
@@ -101,7 +102,7 @@ def test_host_time_runs_tensor_parallel(tmp_path):
 
 def test_collective_bandwidth_runs_on_two_cpu_ranks(tmp_path):
     """scripts/collective_bandwidth.py on gloo: one line per collective and size, bus bandwidth by NCCL's rule."""
-    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29731",
+    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
                           str(ROOT / "scripts" / "collective_bandwidth.py"), "--sizes-mib", "0.25", "--repeat", "2"],
                          check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
