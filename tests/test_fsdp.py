@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from helpers import accumulate, build_modules, compose, load_weights, model_config, parity_overrides, train_with_state
 
 
 def _dtypes_seen_in_forward(rank, world_size):
@@ -91,31 +92,21 @@ def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
             assert err < 1e-5, (name, err)
 
 
-def _train(rank, world_size, overrides):
-    from qwenft.cli import compose
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict
-
-
 def test_prefetch_trains_the_same_numbers(tmp_path):
     """dp2, fp32: 3 optimizer steps with mesh.fsdp_prefetch=2 (two units all-gathered ahead) give the losses and
     parameters of FSDP2's implicit prefetching, bit for bit: prefetching moves when an all-gather is issued,
     not what it gathers."""
     runs = {}
     for prefetch in (0, 2):
-        runs[prefetch] = run_distributed(_train, 2, [
-            "recipe=tiny", "train.max_steps=3", "data.seq_len=64", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
-            "train.global_batch_size=2", "train.micro_batch_size=1", "checkpoint.export_hf=false",
-            f"mesh.fsdp_prefetch={prefetch}", f"run_dir={tmp_path / str(prefetch)}"])[0]
-    (losses, state), (ref_losses, ref_state) = runs[2], runs[0]
-    assert len(losses) == 3 and ref_losses[0] != ref_losses[-1]
-    assert losses == ref_losses
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        assert torch.equal(state[name], ref), name
+        runs[prefetch] = run_distributed(train_with_state, 2, parity_overrides(
+            tmp_path / str(prefetch), "data.seq_len=64", "train.global_batch_size=2", "checkpoint.export_hf=false",
+            f"mesh.fsdp_prefetch={prefetch}"))[0]
+    result, reference = runs[2], runs[0]
+    assert len(result.losses) == 3 and reference.losses[0] != reference.losses[-1]
+    assert result.losses == reference.losses
+    assert result.state_dict.keys() == reference.state_dict.keys()
+    for name, ref in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], ref), name
 
 
 def _lists(model):
@@ -132,14 +123,11 @@ def _lists(model):
 
 def _prefetch_lists(rank, world_size, overrides):
     """`_lists` of this rank's stage as `qwenft train` builds it (runner.build_modules)."""
-    from qwenft.cli import compose
     from qwenft.distributed.mesh import build_mesh, resolve_layout
-    from qwenft.train import runner
 
     cfg = compose(overrides)
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world_size)
-    [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout,
-                                        torch.device("cpu"))
+    [(_, model)] = build_modules(cfg, model_config(cfg), build_mesh(layout), layout, torch.device("cpu"))
     return _lists(model)
 
 
@@ -184,8 +172,6 @@ def test_prefetch_chain_is_per_pipeline_stage():
 
 
 def test_negative_prefetch_fails_in_validation():
-    from qwenft.cli import compose
-
     with pytest.raises(ValueError) as e:
         compose(["mesh.fsdp_prefetch=-1"])
     assert str(e.value) == ("mesh.fsdp_prefetch=-1 must be >= 0 (0 = FSDP2's implicit prefetching, "
@@ -197,9 +183,7 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
     builds it (runner.build_modules)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-    from qwenft.cli import compose
     from qwenft.distributed.mesh import build_mesh, resolve_layout
-    from qwenft.train import runner
 
     class Counting(AllGather):
         def __init__(self):
@@ -217,15 +201,15 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
                    "train.micro_batch_size=1", f"train.global_batch_size={microbatches * world_size}"])
     layout = resolve_layout(1, 1, world_size, world_size)
     device = torch.device("cpu")
-    [(_, model)] = runner.build_modules(cfg, runner._model_config(cfg), build_mesh(layout), layout, device)
-    runner._load(model, cfg, device)
+    [(_, model)] = build_modules(cfg, model_config(cfg), build_mesh(layout), layout, device)
+    load_weights(model, cfg, device)
     counters = {name: Counting() for name in model.layers}
     for name, layer in model.layers.items():
         layer.set_custom_all_gather(counters[name])
     ids, labels = _batch()
     mbs = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1], "position_ids": torch.arange(24)[None],
             "cu_seqlens": torch.tensor([0, 24], dtype=torch.int32)} for i in range(microbatches)]
-    runner._accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device, cfg)
+    accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device, cfg)
     return {name: c.calls for name, c in counters.items()}
 
 

@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
 from distributed import run_distributed
+from helpers import make_hf_model, rel_err
 from qwenft.models.loader import build_model, init_random_weights, load_hf_weights, save_hf
 from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config, to_hf_config
-from test_model_text import make_hf_model, rel_err
 
 TINY = named_config("tiny")
 

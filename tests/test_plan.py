@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.cli import compose, main
+from helpers import compose, model_config
+from qwenft.cli import main
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
 from qwenft.train import plan as plan_lib
 from qwenft.train.activations import saved_tensor_bytes
@@ -23,9 +24,8 @@ def _plan(*overrides):
 
 def _model_params(cfg) -> int:
     from qwenft.models.loader import build_model
-    from qwenft.train.runner import _model_config
 
-    return sum(p.numel() for p in build_model(_model_config(cfg), device="meta").parameters())
+    return sum(p.numel() for p in build_model(model_config(cfg), device="meta").parameters())
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +157,12 @@ def test_fsdp_prefetch_gathers_one_more_layer_per_unit_ahead():
     stages (layers 1 and 62), its unsharded parameters at 2 bytes each (4 for the fp32 decay parameters,
     gdn.Decay). fsdp_prefetch=1 is what FSDP2 does implicitly: no change."""
     from qwenft.models.loader import build_model
-    from qwenft.train.runner import _model_config
 
     gathered = {}
     for n in (0, 1, 2):
         cfg, plans = _plan("recipe=qwen3_5_27b_pp2dp4", f"mesh.fsdp_prefetch={n}")
         gathered[n] = {p.pp_rank: p.unsharded_bytes["knob_on"] for p in plans}
-    layers = build_model(_model_config(cfg), device="meta").layers
+    layers = build_model(model_config(cfg), device="meta").layers
     for stage, layer in ((0, "1"), (1, "62")):
         assert layers[layer].layer_type != FULL_ATTENTION
         decay = {id(p) for p in layers[layer].linear_attn.decay.parameters()}

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
+
 SOURCES = sorted(p for d in ("qwenft", "scripts", "tests") for p in (REPO / d).rglob("*.py"))
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.models.loader import build_model, init_random_weights, load_hf_weights, save_hf
+from helpers import PATCH_DIM, save_random_checkpoint, tiny_vlm, vlm_row
+from qwenft.models.loader import build_model, load_hf_weights
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 from qwenft.models.qwen3_5.gdn import positions_in_document
 from qwenft.train.loss import count_label_tokens, token_ce_sum
@@ -25,15 +26,8 @@ def rel(a, b):
 
 
 def _save_checkpoint(cfg, path):
-    model = build_model(cfg, kernels="torch")
-    init_random_weights(model, seed=0, device="cpu", dtype=torch.float32)
-    with torch.no_grad():  # zero / one initialised norms would hide a sharded-norm mistake
-        gen = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    save_hf(model, cfg, path)
-    return path
+    """Norms perturbed: zero / one initialised norms would hide a sharded-norm mistake."""
+    return save_random_checkpoint(cfg, path, seed=0, perturb_norms=True)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +52,6 @@ def attention_bias_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vlm_ckpt(tmp_path_factory):
-    from test_model_vlm import tiny_vlm
-
     return _save_checkpoint(tiny_vlm(), tmp_path_factory.mktemp("tp_vlm"))
 
 
@@ -243,10 +235,8 @@ def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_vlm_tp2_with_image(vlm_ckpt, sequence_parallel):
-    from test_model_vlm import PATCH_DIM, tokens
-
     grid = torch.tensor([[1, 4, 4]])
-    input_ids = torch.tensor([tokens([3, (1, 4, 4), 5], 16)])
+    input_ids = torch.tensor([vlm_row([3, (1, 4, 4), 5], 16)])
     gen = torch.Generator().manual_seed(1)
     batch = dict(input_ids=input_ids, pixel_values=torch.randn(16, PATCH_DIM, generator=gen),
                  image_grid_thw=grid, labels=torch.randint(0, 400, input_ids.shape, generator=gen))
