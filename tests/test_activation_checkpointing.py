@@ -35,12 +35,16 @@ def trained(tmp_path_factory):
     return results
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", CHECKPOINTED)
 def test_every_mode_trains_like_no_checkpointing(trained, mode):
     """3 steps of 2 microbatches of 2 packed rows (fp32): losses and every parameter within 1e-6."""
     assert_same_training(trained[mode], trained["false"], rtol=1e-6)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["mesh.tp=2", "mesh.dp=2"])
 def test_selective_under_tp2_and_dp2(tmp_path, mesh):
     """Head-sharded projections (their local mm outputs are kept), and FSDP2 with the fp32 decay units inside

@@ -47,6 +47,8 @@ def _profile_steps(rank, world_size, tmp_path):
     return profiled, [e.count for e in averages if e.key.startswith("ProfilerStep")], len(result.losses)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_profile_writes_each_ranks_trace(tmp_path):
     """--profile --trace on two CPU ranks (dp2): a gzipped Chrome trace per rank holding the recorded step."""
     import gzip
@@ -65,6 +67,8 @@ def test_profile_writes_each_ranks_trace(tmp_path):
     assert bad.returncode == 2 and "--trace" in bad.stderr and "needs --profile" in bad.stderr
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_profile_records_the_steps_after_the_warmup(tmp_path):
     """3 steps, warm-up 1: the profiler's averages hold steps 2 and 3 only (a schedule that repeats would
     have started an empty cycle after them and reported nothing)."""
@@ -72,6 +76,7 @@ def test_profile_records_the_steps_after_the_warmup(tmp_path):
     assert (profiled, step_counts, steps_run) == (2, [2], 3)
 
 
+@pytest.mark.slow
 def test_bench_reports_a_cpu_run(tmp_path):
     """Twice into one run_dir: the second report times its own steps only, not the rows the first run left in
     metrics.jsonl (a reused run_dir on the H200 once reported 5 timed steps of a 3-step run)."""
@@ -96,6 +101,7 @@ def test_host_time_runs_tensor_parallel(tmp_path):
     assert report["host_ms_per_microbatch"] > 0
 
 
+@pytest.mark.distributed
 def test_collective_bandwidth_runs_on_two_cpu_ranks(tmp_path):
     """scripts/collective_bandwidth.py on gloo: one line per collective and size, bus bandwidth by NCCL's rule."""
     out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),

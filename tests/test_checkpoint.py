@@ -32,6 +32,8 @@ def uninterrupted(uninterrupted_run):
     return logged_losses(uninterrupted_run)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_resume_on_the_same_mesh_is_bit_identical(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     run_distributed(train, 2, _overrides(run_dir, 2, "checkpoint.keep=1"))
@@ -47,6 +49,8 @@ def test_resume_on_the_same_mesh_is_bit_identical(tmp_path, uninterrupted):
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000004"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_resume_on_another_mesh(tmp_path, uninterrupted):
     """Saved by 2 FSDP ranks, loaded by one: DCP reshards; only the reduction order differs."""
     run_dir = tmp_path / "run"
@@ -80,6 +84,8 @@ def _train_adamw(rank, world_size, overrides, settings):
     return losses, {key: built[0].param_groups[0][key] for key in ("foreach", "fused")}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, resumed", [
     ({"foreach": False}, None),  # a for-loop AdamW's checkpoint resumed by build_optimizer's (foreach on CPU)
     (None, {"fused": True}),  # build_optimizer's checkpoint resumed with fused AdamW (as on GPU; CPU has one too)
@@ -112,6 +118,7 @@ def _files(root) -> dict:
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.distributed
 def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
     """latest names a step dir without .metadata (a crash mid-copy, a deleted file): one line naming the key,
     the path and what is valid; the run dir, its config.yaml included, is left exactly as it was."""
@@ -129,6 +136,7 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
         run_distributed(train, 1, _overrides(tmp_path / "other", 2, f"checkpoint.resume={tmp_path / 'nope'}"))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("override, expected", [
     ("model.num_layers=2", ("checkpoint.resume=auto: ", "was saved from another model (",
                             "text.num_hidden_layers=4 there, 2 here", "checkpoint.resume=none")),
@@ -146,6 +154,7 @@ def test_incompatible_checkpoint_is_refused_before_loading(tmp_path, uninterrupt
     _assert_unchanged(run_dir, before)
 
 
+@pytest.mark.distributed
 def test_keep_best_keeps_the_lowest_val_loss_checkpoint(tmp_path):
     """A checkpoint every step, keep=1, keep_best: what is left is the last one and the one with the lowest
     val_loss in metrics.jsonl (lr 3e-2 overshoots after step 3, so the best is not the last)."""
@@ -172,6 +181,8 @@ def test_keep_best_needs_a_val_loss_at_every_checkpoint():
             compose(["checkpoint.keep_best=true", "checkpoint.every_steps=2", *extra])
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_async_save_resumes_identically(tmp_path, uninterrupted):
     """checkpoint.async_save: training is unchanged, both checkpoints complete with `latest` on the last, and
     resuming from step 2 trains steps 3-4 bit-identically to the run that never stopped."""
@@ -196,6 +207,8 @@ def tp2_pp2_interleaved(tmp_path_factory):
     return run_dir, logged_losses(run_dir), results[0].state_dict
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, mesh", [
     (4, ["mesh.dp=4"]),
     (1, []),
@@ -213,6 +226,8 @@ def test_resume_tp2_pp2_checkpoint_on_another_mesh(tmp_path, tp2_pp2_interleaved
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_interleaved, capsys):
     """`qwenft export` of the tp2 x pp2 run's last checkpoint, on this one process: transformers loads it, and
     its logits are those of the parameters the run trained."""
@@ -238,6 +253,7 @@ def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_in
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.distributed
 def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     """`qwenft export` of a tiny_vlm run's checkpoint: transformers' Qwen3_5ForConditionalGeneration loads every
     key (vision tower included), the tokenizer and image processor come along (data.tokenizer=tiny_vlm is a
@@ -304,6 +320,7 @@ EXPORT_ERRORS = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", EXPORT_ERRORS)
 def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, uninterrupted_run, capsys, case):
     from qwenft.cli import main

@@ -89,6 +89,7 @@ def test_impossible_mesh_fails_before_building(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_train_tiny_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     out = run_qwenft("train", "recipe=tiny", "train.max_steps=40", f"run_dir={run_dir}", "train.progress_bar=false")
@@ -103,6 +104,8 @@ def test_train_tiny_end_to_end(tmp_path):
     assert (run_dir / "train.log").exists()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "qwenft",
@@ -115,6 +118,8 @@ def test_torchrun_two_processes(tmp_path):
     assert "dp 2" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_self_launch_local_workers(tmp_path):
     """Plain `qwenft train launcher.nproc_per_node=2` starts two workers itself (torch.distributed.run)."""
     run_dir = tmp_path / "run"

@@ -32,6 +32,8 @@ def eager(tmp_path_factory):
     return result
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_layers_train_like_eager(tmp_path, eager):
     """3 steps of 4 packed microbatches each (documents per microbatch vary), activation checkpointing on:
     losses and every parameter within 1e-5 of eager. 7 graphs, compiled once for all 4 layers and 12
@@ -43,6 +45,8 @@ def test_compiled_layers_train_like_eager(tmp_path, eager):
     assert graphs == 7, f"{graphs} graphs compiled; expected 7 (a recompile?)"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager):
     """FSDP2 over 2 ranks: the graphs run inside each layer's unshard/reshard hooks."""
     results = run_distributed(_train, 2, _overrides(tmp_path, "dp2", "model.compile=true",
@@ -52,6 +56,8 @@ def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager):
         assert graphs == 7
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_layers_under_tp2_train_like_eager(tmp_path, eager):
     """Head-sharded projections and a vocab-parallel embedding: the TP hooks of the projections are traced into
     the graphs, and layer 0's input arrives as an AsyncCollectiveTensor (model._compile's clone; without it the
@@ -95,6 +101,8 @@ def _two_document_counts(rank, world_size):
     return graphs, errors
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_other_document_count_reuses_graphs():
     """One [1, 128] row packed with 2, then 5 documents (cu_seqlens of 3, then 6 entries): the second forward +
     backward compiles nothing, and both match the eager model (logits, a weight's gradient)."""

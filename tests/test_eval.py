@@ -44,6 +44,7 @@ def one_process(tmp_path_factory):
     return result
 
 
+@pytest.mark.distributed
 def test_val_loss_equals_independent_computation(one_process):
     val_losses, state = one_process.val_losses, one_process.state_dict
     assert sorted(val_losses) == [2, 3]  # every 2 steps and at the end
@@ -51,6 +52,7 @@ def test_val_loss_equals_independent_computation(one_process):
     assert abs(val_losses[3] - _independent_val_loss(state)) < 1e-5
 
 
+@pytest.mark.distributed
 def test_val_loss_in_metrics(tmp_path):
     run_distributed(train_with_state, 1, _overrides(tmp_path, "m", "train.max_steps=2", "eval.max_batches=2"))
     records = read_metrics(tmp_path / "m")
@@ -59,6 +61,7 @@ def test_val_loss_in_metrics(tmp_path):
     assert all(r["skipped_steps"] == 0 for r in records if "loss" in r)
 
 
+@pytest.mark.distributed
 def test_dp2_val_loss_equals_one_process(tmp_path, one_process):
     results = run_distributed(train_with_state, 2, _overrides(tmp_path, "dp2"))
     for result in results:
@@ -66,6 +69,7 @@ def test_dp2_val_loss_equals_one_process(tmp_path, one_process):
             assert abs(result.val_losses[step] - ref) < 1e-6, (step, result.val_losses[step], ref)
 
 
+@pytest.mark.distributed
 def test_pp2_val_loss_equals_one_process(tmp_path, one_process):
     results = run_distributed(train_with_state, 2, _overrides(tmp_path, "pp2", "mesh.pp=2"))
     for result in results:
@@ -81,6 +85,7 @@ def test_every_steps_without_dataset_is_an_error():
 HUGE_LR = ["optim.lr=1e6", "optim.max_grad_norm=0", "train.max_steps=6", "eval.every_steps=0"]
 
 
+@pytest.mark.distributed
 def test_nonfinite_error_raises_one_line(tmp_path):
     with pytest.raises(RuntimeError) as info:
         run_distributed(train_with_state, 1, _overrides(tmp_path, "err", *HUGE_LR))
@@ -88,6 +93,7 @@ def test_nonfinite_error_raises_one_line(tmp_path):
     assert "ValueError: non-finite loss/grad norm at step " in line and "train.on_nonfinite=skip" in line
 
 
+@pytest.mark.distributed
 def test_nonfinite_skip_keeps_params_finite(tmp_path):
     (result,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "skip", *HUGE_LR, "train.on_nonfinite=skip"))
     state, skipped, losses = result.state_dict, result.skipped_steps, result.losses

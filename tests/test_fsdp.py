@@ -29,6 +29,7 @@ def _dtypes_seen_in_forward(rank, world_size):
     return seen
 
 
+@pytest.mark.distributed
 def test_decay_parameters_stay_fp32_under_bf16_fsdp():
     for seen in run_distributed(_dtypes_seen_in_forward, 2):
         assert seen == {"q_proj": torch.bfloat16, "A_log": torch.float32, "g": torch.float32,
@@ -72,6 +73,7 @@ def _edge_units_step(rank, world_size, tied):
     return loss.item(), gathered, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tied", [False, True])
 def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
     """dp2: the embedding and the head are resharded while the layers run (tied: one parameter, kept in the
@@ -92,6 +94,7 @@ def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
             assert err < 1e-5, (name, err)
 
 
+@pytest.mark.distributed
 def test_prefetch_trains_the_same_numbers(tmp_path):
     """dp2, fp32: 3 optimizer steps with mesh.fsdp_prefetch=2 (two units all-gathered ahead) give the losses and
     parameters of FSDP2's implicit prefetching, bit for bit: prefetching moves when an all-gather is issued,
@@ -145,6 +148,7 @@ def _expected_lists(chain, n):
     return {name: (chain[i + 1:i + 1 + n], chain[max(i - n, 0):i][::-1]) for i, name in enumerate(chain)}
 
 
+@pytest.mark.distributed
 def test_prefetch_lists_follow_the_forward_order():
     """mesh.fsdp_prefetch=2 on the tiny model (4 layers), through the runner: each unit prefetches the next two
     in the forward and the two before it in the backward, nearest first; the root and GDN's Decay units are
@@ -162,6 +166,7 @@ def test_prefetch_lists_follow_the_forward_order():
     assert all(tied[name] == ([], []) for name in tied if name not in layers)
 
 
+@pytest.mark.distributed
 def test_prefetch_chain_is_per_pipeline_stage():
     """pp2: each stage chains only its own units (stage 0: embedding, layers 0-1; stage 1: layers 2-3, head)."""
     stages = run_distributed(_prefetch_lists, 2, [
@@ -213,6 +218,7 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
     return {name: c.calls for name, c in counters.items()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("knob, microbatches, gathers", [(False, 2, 1), (True, 2, 4), (False, 1, 2)])
 def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob, microbatches, gathers):
     """pp1, 2 microbatches: knob off, parameters stay gathered from the first forward to the step's one

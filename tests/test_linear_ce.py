@@ -102,6 +102,7 @@ def _fsdp_chunked_grads(rank, world_size):
     return out.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
+@pytest.mark.distributed
 def test_fsdp_sharded_head_equals_one_process():
     cfg = named_config("tiny")
     ref_model = init_random_weights(build_model(cfg, kernels="torch", device="meta"), seed=3, device="cpu",
@@ -115,6 +116,7 @@ def test_fsdp_sharded_head_equals_one_process():
             assert rel_err(grads[name], p.grad) < 1e-6, name
 
 
+@pytest.mark.distributed
 def test_vocab_sharded_weight_is_refused():
     """A DTensor lm_head (vocab_parallel TP) is refused with the keys to change."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -126,6 +126,7 @@ def _sharded_load(rank, world, ckpt, tp):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [False, True], ids=["fsdp", "tp"])
 def test_sharded_params_get_their_local_rows(hf_dir, tp):
     results = run_distributed(_sharded_load, 2, hf_dir, tp)

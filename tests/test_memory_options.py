@@ -23,6 +23,8 @@ def reference(tmp_path_factory):
     return result
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_chunked_ce_trains_like_whole_logits(tmp_path, reference):
     """48 tokens per chunk: 128-token rows split into 48 + 48 + 32."""
     (result,) = run_distributed(train_with_state, 1, _overrides(
@@ -30,6 +32,8 @@ def test_chunked_ce_trains_like_whole_logits(tmp_path, reference):
     assert_same_training(result, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_chunked_ce_under_pp2_trains_like_whole_logits(tmp_path, reference):
     """The last stage gets the labels as a kwarg and returns the CE sum; the eval schedule does the same."""
     results = run_distributed(train_with_state, 2, _overrides(
@@ -39,6 +43,8 @@ def test_chunked_ce_under_pp2_trains_like_whole_logits(tmp_path, reference):
         assert_same_training(result, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_chunked_ce_under_dp2_trains_like_whole_logits(tmp_path, reference):
     """FSDP over 2 ranks: lm_head.weight is all-gathered for the head's forward and backward."""
     results = run_distributed(train_with_state, 2, _overrides(tmp_path, "dp2-ce", "model.ce_chunk_tokens=48",
@@ -46,6 +52,8 @@ def test_chunked_ce_under_dp2_trains_like_whole_logits(tmp_path, reference):
     assert_same_training(results[0], dataclasses.replace(reference, val_losses={}))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bf16_state_and_weights_train_like_fp32(tmp_path):
     """20 steps at the tiny recipe's lr 3e-3: bf16 moments (state), bf16 weights with stochastic rounding
     (master), and both, follow the fp32 run's losses while they fall from 6.25 to 3.9. Measured worst per-step
@@ -69,6 +77,8 @@ def test_bf16_state_and_weights_train_like_fp32(tmp_path):
         assert worst < tol, f"{name}: losses {losses[name]} vs fp32 {ref} (worst rel diff {worst:.4f})"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bf16_weights_keep_small_updates(tmp_path):
     """lr 2e-5, constant: each AdamW update (~2e-5) is below half a bf16 ulp of most weights (6e-5 at 0.02).
     Stochastic rounding keeps them on average: the loss after 20 steps is the fp32 run's (measured 6.1691 vs
@@ -83,6 +93,7 @@ def test_bf16_weights_keep_small_updates(tmp_path):
     assert abs(bf16.losses[-1] - fp32.losses[-1]) < 0.1 * fell, (bf16.losses, fp32.losses)
 
 
+@pytest.mark.distributed
 def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
     """The 8-bytes-per-parameter layout: bf16 weights, bf16 gradients, bf16 moments (GDN's A_log / dt_bias
     stay fp32)."""
@@ -121,6 +132,8 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
     assert seen["state"] == {torch.bfloat16}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.dp=2"], ["mesh.pp=2"], ["mesh.tp=2", "mesh.vocab_parallel=false"]])
 def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
     """All three options with FSDP over 2 ranks (DTensor shards in the optimizer), 2 pipeline stages, or 2
@@ -139,6 +152,8 @@ def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
             assert torch.equal(t, results[1].state_dict[name]), name
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bf16_options_resume_exactly(tmp_path):
     """A run resumed from its step-2 checkpoint ends with the uninterrupted run's losses and weights, bit for
     bit: the bf16 moments come back in bf16 (not cast to the weights' dtype) and stochastic rounding draws

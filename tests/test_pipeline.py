@@ -28,6 +28,7 @@ def reference(tmp_path_factory):
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_pp2_schedule_equals_one_process(tmp_path, reference, schedule):
     """4 layers: 2 stages of 2 layers (gpipe, 1f1b) or 2 ranks x 2 virtual stages of 1 layer (the others)."""
@@ -37,6 +38,8 @@ def test_pp2_schedule_equals_one_process(tmp_path, reference, schedule):
         assert_same_training(result, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, knob", [("1f1b", "false"), ("1f1b", "true"), ("zbv", "true")])
 def test_pp2_dp2_equals_one_process(tmp_path, reference, schedule, knob):
     results = run_distributed(train_with_state, 4, _overrides(
@@ -46,11 +49,15 @@ def test_pp2_dp2_equals_one_process(tmp_path, reference, schedule, knob):
     assert_same_training(results[3], reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pp4_equals_one_process(tmp_path, reference):
     results = run_distributed(train_with_state, 4, _overrides(tmp_path, "pp4", "mesh.pp=4", "pipeline.schedule=gpipe"))
     assert_same_training(results[0], reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_vlm_pp2_equals_one_process(tmp_path):
     """recipe=tiny_vlm under pp2 (1F1B, 4 microbatches of 2 rows): images reach stage 0 per microbatch (padded
     per microbatch, padding dropped in the stage; M-RoPE position ids travel batch-first) and training matches
@@ -102,6 +109,8 @@ def tp2_reference(tmp_path_factory):
     return results[0]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, knob", [(4, "false"), (8, "true")])
 def test_tp2_pp2_dpn_equals_one_process(tmp_path, reference, tp2_reference, world_size, knob):
     """TP inside each stage (tp2 x pp2, and 3D tp2 x pp2 x dp2). tp2 alone sits up to ~3e-5 from one process
@@ -161,6 +170,7 @@ def _grad_bytes_after_first_microbatch(rank, world_size, knob):
     return stage.first_backward_grad_bytes, full, len(list(module.parameters()))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("knob", [False, True])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_knob_gradient_memory_after_first_microbatch(knob, dp):
@@ -206,6 +216,7 @@ def _eval_vs_one_process(rank, world_size):
     return ce.item(), int(tokens.item()), ref_ce, ref_tokens
 
 
+@pytest.mark.distributed
 def test_pipeline_eval_loss_equals_one_process():
     for ce, tokens, ref_ce, ref_tokens in run_distributed(_eval_vs_one_process, 4):
         assert tokens == ref_tokens
@@ -243,17 +254,20 @@ def test_bad_schedule_is_one_line_listing_valid_ones():
     assert all(name in msg for name in SCHEDULES)
 
 
+@pytest.mark.distributed
 def test_num_microbatches_must_agree(tmp_path):
     with pytest.raises(RuntimeError, match=r"pipeline.num_microbatches=3 but train.global_batch_size=4 / dp=1 "
                                            r"/ train.micro_batch_size=1 = 4"):
         run_distributed(train_with_state, 1, _overrides(tmp_path, "nmb", "pipeline.num_microbatches=3"))
 
 
+@pytest.mark.distributed
 def test_stage_keys_without_pipeline_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match=r"pipeline.layers_per_stage=\[2, 2\] is set but mesh.pp=1"):
         run_distributed(train_with_state, 1, _overrides(tmp_path, "nopp", "pipeline.layers_per_stage=[2,2]"))
 
 
+@pytest.mark.distributed
 def test_virtual_stages_must_fit_schedule(tmp_path):
     with pytest.raises(RuntimeError, match="pipeline.virtual_stages=1 but pipeline.schedule=zbv needs exactly 2"):
         run_distributed(train_with_state, 2, _overrides(tmp_path, "vs", "mesh.pp=2", "pipeline.schedule=zbv",
@@ -262,6 +276,8 @@ def test_virtual_stages_must_fit_schedule(tmp_path):
 
 # ------------------------------------------------------------------ the CLI, as a user runs it
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, mesh", [(2, ["mesh.pp=2"]), (4, ["mesh.tp=2", "mesh.pp=2"])])
 def test_torchrun_matches_one_process(tmp_path, nproc, mesh):
     """The issue's command, `torchrun --nproc-per-node N -m qwenft train recipe=tiny mesh...`, logs the losses

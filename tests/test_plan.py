@@ -135,6 +135,8 @@ def _real_step_bytes(rank, world_size, overrides):
     return seen
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
     """tp2 x pp2 x dp2 (fp32 on CPU, knob off, 2 microbatches): the planner's parameter, gradient and optimizer
     bytes of every rank equal what one real training step allocates, byte for byte."""
@@ -151,6 +153,7 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
 
 
+@pytest.mark.slow
 def test_fsdp_prefetch_gathers_one_more_layer_per_unit_ahead():
     """27B pp2 x dp4 in bf16: the largest run of units gathered at once holds the head (or the embedding) and the
     layer next to it; mesh.fsdp_prefetch=2 adds the second layer from each end, a GatedDeltaNet layer on both

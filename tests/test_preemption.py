@@ -16,6 +16,9 @@ from distributed import run_distributed
 from helpers import REPO, compose, logged_losses, read_metrics, tiny_overrides, train
 from qwenft.launch.signals import EXIT_PREEMPTED, MARKER
 
+# Each test trains for 15-30 s on the 2-core CPU box, on forked ranks (the uninterrupted reference) or torchrun workers
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 MAX_STEPS = 24
 
 

@@ -21,6 +21,8 @@ def checkpoint(tmp_path_factory):
     return save_random_checkpoint(named_config("tiny"), tmp_path_factory.mktemp("ckpt"), seed=7, tokenizer="tiny")
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
     """model.path takes config, weights and tokenizer from the dir: step 1's loss equals transformers'
     loss on the same batch with the same checkpoint."""
@@ -45,6 +47,7 @@ def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
     assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
 
 
+@pytest.mark.distributed
 def test_num_layers_keeps_the_first_layers_of_a_checkpoint(tmp_path, checkpoint):
     """model.num_layers=2 with model.path trains the checkpoint's first 2 layers: step-1 loss equals
     transformers' model truncated to those layers on the same batch."""
@@ -70,6 +73,8 @@ def test_num_layers_keeps_the_first_layers_of_a_checkpoint(tmp_path, checkpoint)
     assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_epochs_set_the_number_of_steps(tmp_path):
     # the tiny set packs into 54 rows of 256 tokens: half an epoch of 8-row steps is ceil(27 / 8) = 4 steps
     (result,) = run_distributed(train, 1, ["train.max_steps=null", "train.epochs=0.5", "train.progress_bar=false",
@@ -77,6 +82,7 @@ def test_epochs_set_the_number_of_steps(tmp_path):
     assert len(result.losses) == 4
 
 
+@pytest.mark.distributed
 def test_model_path_without_tokenizer_fails_naming_the_key(tmp_path, checkpoint):
     weights_only = tmp_path / "weights"
     weights_only.mkdir()
@@ -87,6 +93,7 @@ def test_model_path_without_tokenizer_fails_naming_the_key(tmp_path, checkpoint)
         run_distributed(train, 1, [f"model.path={weights_only}", "train.max_steps=1", f"run_dir={tmp_path / 'run'}"])
 
 
+@pytest.mark.distributed
 def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -116,6 +123,8 @@ def test_wheel_ships_every_recipe(tmp_path):
     assert "qwenft/data/assets/tiny_chat.jsonl" in names
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_train_tiny_vlm_with_frozen_vision_tower(tmp_path):
     """recipe=tiny_vlm end to end through the runner: images reach the model, the loss falls, and a frozen
     vision tower leaves training bit-identical to its initial weights."""
@@ -141,6 +150,7 @@ def test_train_tiny_vlm_with_frozen_vision_tower(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
+@pytest.mark.distributed
 def test_export_from_pp2_run_loads_in_transformers(tmp_path):
     """checkpoint.export_hf from a 2-stage pipeline run: transformers loads <run_dir>/hf (every stage's keys,
     tokenizer included) and gives the logits of the trained parameters the runner returns."""

@@ -132,6 +132,8 @@ def test_env_from_slurm_leaves_torchrun_and_batch_shell_alone():
 SECRETS = {"HF_TOKEN": "hf_qwenft_test_secret_1", "WANDB_API_KEY": "wandb_qwenft_test_secret_2"}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_node_job_completes(cluster, tmp_path):
     """Also: secrets listed by name reach the job from the submitting shell and no file in the run dir."""
     run_dir = tmp_path / "run"
@@ -160,6 +162,8 @@ def test_two_node_job_completes(cluster, tmp_path):
         assert not any(value.encode() in data for value in SECRETS.values()), path
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     """srun with one task per rank and no torchrun: mesh.init_process_group maps SLURM's variables."""
     probe = tmp_path / "probe.py"
@@ -178,6 +182,8 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     assert lines == [f"rank {r} world 4 sum 10" for r in range(4)], out.stdout
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
     """SIGUSR1 to the job's steps (what --signal=USR1@N sends before the time limit): the workers save a
     checkpoint and stop, the script requeues the job, and the second start resumes from that checkpoint and

@@ -179,6 +179,7 @@ def assert_same(out, ref, logits=True):
         assert rel(out["grads"][name], g) < tol, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel", [
     (True, False, False), (False, True, False), (True, True, True), (False, False, True)])
 def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel):
@@ -191,6 +192,7 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_paralle
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("fsdp, sequence_parallel", [(False, False), (False, True), (True, True)])
 def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
     """q/k/v biases sharded with their heads; o_proj's replicated and added once, after the ranks' outputs are
@@ -203,6 +205,7 @@ def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
         assert_same(out, ref)
 
 
+@pytest.mark.distributed
 def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
     batches = text_batch()
     batches[0]["labels"][0, 3] = 510  # the last id lives in the second, shorter shard
@@ -212,6 +215,7 @@ def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
     assert_same(out, ref)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
     batches = text_batch()
@@ -220,6 +224,7 @@ def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
     assert_same(out, ref, logits=False)  # each dp rank sees half the rows
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
     batches = text_batch(steps=3)
@@ -233,6 +238,7 @@ def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
         assert rel(out["params"][name], p) < TOL, f"param {name} after 3 steps"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_vlm_tp2_with_image(vlm_ckpt, sequence_parallel):
     grid = torch.tensor([[1, 4, 4]])
@@ -281,6 +287,7 @@ def _collectives_rank(rank, world_size, path, sequence_parallel):
     return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_one_input_reduction_per_block(text_ckpt, sequence_parallel):
     """A mixer's column-parallel projections (GDN's six, attention's three) and the MLP's two share one input:

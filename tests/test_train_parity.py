@@ -6,6 +6,8 @@ import torch
 from distributed import run_distributed
 from helpers import assert_same_training, parity_overrides, train_with_state
 
+pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -14,11 +16,13 @@ def reference(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_accumulation_split_equals_one_big_microbatch(tmp_path, reference):
     (result,) = run_distributed(train_with_state, 1, parity_overrides(tmp_path / "mb4", "train.micro_batch_size=4"))
     assert_same_training(result, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knob", ["false", "true"])
 def test_dp2_fsdp_equals_one_process(tmp_path, reference, knob):
     results = run_distributed(train_with_state, 2, parity_overrides(
@@ -27,11 +31,13 @@ def test_dp2_fsdp_equals_one_process(tmp_path, reference, knob):
         assert_same_training(result, reference)
 
 
+@pytest.mark.slow
 def test_dp4_equals_one_process(tmp_path, reference):
     results = run_distributed(train_with_state, 4, parity_overrides(tmp_path / "dp4"))
     assert_same_training(results[0], reference)
 
 
+@pytest.mark.slow
 def test_params_moved_from_init(tmp_path, reference):
     """Guard against a vacuous comparison: 3 steps at lr 5e-4 change every trained tensor."""
     from qwenft.models.loader import build_model, init_random_weights
