@@ -28,6 +28,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        # rank 0 holds the TCPStore: leaving before the others are done with it (a rank still creating its
+        # mesh's groups) broke their store connection, ~1 run in 5 of test_prefetch_chain_is_per_pipeline_stage
+        if dist.is_initialized():
+            dist.barrier()
         # Plain pickle: the queue's pickler would share tensor memory through file descriptors, which
         # vanish when this process exits before the parent reads them.
         queue.put((rank, "ok", pickle.dumps(result)))
