@@ -64,6 +64,7 @@ def test_the_docs_have_commands():
     assert any("slurm" in c for _, c, _ in COMMANDS) and any(e for _, _, e in COMMANDS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, command, error", COMMANDS, ids=[w for w, _, _ in COMMANDS])
 def test_documented_command_runs_as_written(where, command, error, tmp_path):
     words = shlex.split(command)

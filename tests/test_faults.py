@@ -42,6 +42,7 @@ def hf_dir(tmp_path_factory) -> Path:
     return run / "hf"
 
 
+@pytest.mark.slow
 def test_model_path_empty_dir(tmp_path):
     (tmp_path / "empty").mkdir()
     run = tmp_path / "run"
@@ -53,6 +54,7 @@ def test_model_path_empty_dir(tmp_path):
     assert not (run / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_model_path_shard_missing(tmp_path, hf_dir):
     model = tmp_path / "model"
     shutil.copytree(hf_dir, model)
@@ -68,6 +70,7 @@ def test_model_path_shard_missing(tmp_path, hf_dir):
                    f"model.path={model}", "model-00002-of-00002.safetensors", "missing")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [100, 300_000])  # inside the header; inside the tensor data
 def test_model_path_shard_truncated(tmp_path, hf_dir, size):
     model = tmp_path / "model"
@@ -79,6 +82,7 @@ def test_model_path_shard_truncated(tmp_path, hf_dir, size):
     assert not (run / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_run_dir_is_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     one_line_error(qwenft("train", f"run_dir={tmp_path / 'file'}", *FAST), f"run_dir={tmp_path / 'file'}",
@@ -86,6 +90,7 @@ def test_run_dir_is_a_file(tmp_path):
     one_line_error(qwenft("train", f"run_dir={tmp_path / 'file' / 'sub'}", *FAST), "Not a directory")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a read-only dir")
 def test_run_dir_unwritable(tmp_path):
     run = tmp_path / "run"
@@ -97,6 +102,7 @@ def test_run_dir_unwritable(tmp_path):
         run.chmod(0o700)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla is installed")
 def test_fla_not_installed(tmp_path):
     one_line_error(qwenft("train", "model.kernels.gdn=fla", f"run_dir={tmp_path / 'run'}", *FAST),
@@ -106,6 +112,8 @@ def test_fla_not_installed(tmp_path):
 TORCHRUN = ("--standalone", "--nproc-per-node=2", "-m", "qwenft", "train")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_mistake_rank0_only(tmp_path):
     """qwenft's torchrun (launcher.nproc_per_node, slurm) passes exit code 2 and the one line through; plain
     torchrun adds its own report, but the line appears once, not once per rank."""
@@ -117,6 +125,8 @@ def test_torchrun_mistake_rank0_only(tmp_path):
     assert plain.stderr.count("qwenft: error:") == 1, plain.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_rank0_file_fault_reaches_every_rank(tmp_path):
     """run_dir is made by rank 0 only; its failure stops every rank at once (none waits in a collective)."""
     (tmp_path / "file").write_text("x")
@@ -156,6 +166,7 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate_distcp", "delete_extra", "flip_a_byte"])
 def test_damaged_latest_falls_back_to_newest_complete(tmp_path, saved_run, damage):
     run = tmp_path / "run"
@@ -177,6 +188,7 @@ def test_damaged_latest_falls_back_to_newest_complete(tmp_path, saved_run, damag
     assert "resumed from " + str(run / "checkpoints" / "step-000002") + "; continuing at step 3" in log
 
 
+@pytest.mark.slow
 def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, saved_run):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
@@ -191,6 +203,7 @@ def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, sav
     assert "Traceback" in (run / "train.log").read_text()[len(before[run / "train.log"]):]
 
 
+@pytest.mark.slow
 def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
@@ -202,6 +215,8 @@ def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
 
 # ---------------------------------------------------------------- one run per run dir
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_second_run_into_a_run_dir_fails_at_once_and_a_dead_holder_frees_it(tmp_path):
     import signal
     import socket
@@ -274,6 +289,7 @@ def test_cpu_threads_leave_busy_cores_alone(cores, ranks, load, threads):
     assert cpu_threads(cores, ranks, load) == threads
 
 
+@pytest.mark.slow
 def test_cpu_threads_chosen_are_logged(tmp_path):
     env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=1", f"run_dir={tmp_path / 'r'}",
@@ -288,6 +304,7 @@ def test_cpu_threads_chosen_are_logged(tmp_path):
     ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
     ("data.path=~/x.jsonl", "data.path=~/x.jsonl: Hydra cannot read a value starting with ~; write the full path"),
 ])
+@pytest.mark.slow
 def test_config_edges_are_one_line(tmp_path, override, needle):
     run = tmp_path / "run"
     one_line_error(qwenft("train", override, f"run_dir={run}", *FAST), needle)
