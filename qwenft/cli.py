@@ -1,5 +1,6 @@
 """`qwenft` command line: dispatch a subcommand on the config that qwenft.conf composes."""
 
+import logging
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ commands:
             a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; docs/checkpointing.md
 
 overrides (Hydra syntax): a.b=v sets a key, group=option picks a config group option, ~a.b resets a key.
+keys: `qwenft show [recipe=NAME]` prints every key with its value; docs/cli.md says what each does
 config groups: {{groups}}
 recipes: {{recipes}}
 extra recipe dir: ${RECIPES_ENV}=DIR (YAML files in DIR become recipes; they shadow built-in ones)
@@ -103,7 +105,7 @@ def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
     if value in ("auto", "none"):
         raise ConfigError(f"checkpoint={value} is not valid; choose latest, best or a step-NNNNNN dir")
     path = Path(value) if Path(value).is_dir() or not (ckpt_root / value).is_dir() else ckpt_root / value
-    return dcp.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")
+    return dcp.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")[0]
 
 
 def _export(args: list[str]) -> int:
@@ -206,12 +208,37 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
         return signals.EXIT_PREEMPTED if result.preempted else 0
-    except ConfigError as e:
-        print(f"qwenft: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # user mistakes found while building (mesh, data, checkpoint paths)
-        print(f"qwenft: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # ConfigError, and user mistakes found while building (mesh, data, checkpoints)
+        return _fail(e, str(e))
+    except OSError as e:  # a file fault not caught closer to its key: name the file
+        if e.filename is None:
+            _log_traceback(e)
+            raise
+        return _fail(e, f"{e.filename}: {e.strerror or e}; check the path and its permissions")
+    except Exception as e:  # a crash: its traceback on stderr as usual, and in train.log too
+        _log_traceback(e)
+        raise
+
+
+def _fail(e: BaseException, message: str) -> int:
+    """A user-fixable fault: one line on stderr (rank 0 only under torchrun: every rank fails the same way),
+    the traceback in train.log when the run got that far; exit code 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"qwenft: error: {message}", file=sys.stderr)
+    _log_traceback(e)
+    return 2
+
+
+def _log_traceback(e: BaseException) -> None:
+    """The traceback into train.log only (the console shows the one line), when this rank has train.log open."""
+    log = logging.getLogger("qwenft")
+    files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
+    record = logging.LogRecord("qwenft", logging.ERROR, __file__, 0, "qwenft: error: %s", (e,),
+                               (type(e), e, e.__traceback__))
+    for handler in files:
+        handler.handle(record)
+        handler.close()  # the run is over; a later run in this process (tests) opens its own
+        log.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,22 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#
+# side_by_side and lean run on one GPU and need NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
+# .amodel/): run side_by_side first, then lean on the same (warm) machine, whose caches hold the compiled kernels.
 #
 # Each run is scripts/bench.py on the 27B shape cut to 8 layers (seq 4096, global batch 8, micro batch 1), with
 # --plan: the report holds `qwenft plan`'s peak next to the measured one. The first step of a layout the host
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile or tp2_trace}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side or lean}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
       train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5"
+bf16="optim.master_dtype=bfloat16 optim.state_dtype=bfloat16"  # NeMo Automodel's numerics
 memory_options="optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024
                 pipeline.reduce_grad_per_microbatch=true"
 
@@ -58,5 +62,16 @@ compile)  # compile against no compile on one commit, compile with AC off, chunk
 wait ;;
 tp2_trace)  # not yet run: tp2's profile (steps 2-3) plus both ranks' timelines (which rank the all-reduces wait for)
 bench tp2_profile 420 2 0,1 "--warmup 1 --profile $out/tp2.txt --trace $out/tp2_trace" train.max_steps=3 mesh.tp=2 ;;
+side_by_side)  # NeMo Automodel 0.7.0 and qwenft at Automodel's numerics, one after the other on this GPU
+echo "=== automodel $(date +%T)"
+GBS=8 STEPS=8 WARMUP=2 WALL=300 OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
+echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
+bench bf16_ac_off_compile 280 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+  model.compile=true ;;
+lean)  # after side_by_side, warm: the memory-lean settings, and the model group's defaults
+bench bf16_ac_on_compile 200 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true
+bench bf16_selective_compile 200 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true \
+  model.activation_checkpointing=selective
+bench defaults 120 1 0 "--warmup 2 --plan" train.max_steps=5 ;;
 *) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile or tp2_trace" >&2; exit 2 ;;
 esac

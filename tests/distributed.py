@@ -11,7 +11,8 @@ import socket
 import traceback
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -27,6 +28,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        # rank 0 holds the TCPStore: leaving before the others are done with it (a rank still creating its
+        # mesh's groups) broke their store connection, ~1 run in 5 of test_prefetch_chain_is_per_pipeline_stage
+        if dist.is_initialized():
+            dist.barrier()
         # Plain pickle: the queue's pickler would share tensor memory through file descriptors, which
         # vanish when this process exits before the parent reads them.
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -44,7 +49,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from distributed import free_port
+
 NODES = ("n1", "n2")
 
 
@@ -60,12 +62,6 @@ class SlurmCluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.root.glob("*.log")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_installed() -> str | None:
     """Install slurm-wlm if the daemons are missing; the reason it can't, or None."""
     if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "scontrol")):
@@ -83,9 +79,9 @@ def ensure_installed() -> str | None:
 def write_conf(root: Path) -> Path:
     host = socket.gethostname()
     cpus = os.cpu_count() or 1
-    ctld_port = _free_port()
+    ctld_port = free_port()
     nodes = "\n".join(
-        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
+        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={cpus} State=UNKNOWN"
         for n in NODES)
     conf = root / "slurm.conf"
     conf.write_text(f"""\

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from distributed import run_distributed
-from qwenft.conf import compose
+from helpers import assert_same_training, compose, parity_overrides, train_with_state
 from qwenft.distributed.activation_checkpointing import MODES, apply_activation_checkpointing
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
@@ -23,28 +23,10 @@ CHECKPOINTED = [m for m in MODES if m != "false"]
 
 
 def _train_every_mode(rank, world_size, tmp_path, modes=MODES, *extra):
-    from qwenft.train.runner import run
-
-    results = {}
-    for mode in modes:
-        overrides = ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "model.kernels.gdn=torch",
-                     "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
-                     "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.export_hf=false",
-                     f"model.activation_checkpointing={mode}", f"run_dir={tmp_path / mode}", *extra]
-        result = run(compose(overrides), return_state=True)
-        results[mode] = result.losses, result.state_dict
-    return results
-
-
-def _assert_same(result, reference):
-    (losses, state), (ref_losses, ref_state) = result, reference
-    assert len(losses) == 3 and ref_losses[0] != ref_losses[-1]
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= 1e-6 * abs(b), f"step {step + 1}: loss {a} vs {b}"
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        err = ((state[name] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-        assert err < 1e-6, f"{name}: rel err {err:.2e}"
+    """mode -> the RunResult of 3 steps of 2 microbatches of 2 packed rows with that activation checkpointing."""
+    return {mode: train_with_state(rank, world_size, parity_overrides(
+        tmp_path / mode, "train.micro_batch_size=2", "checkpoint.export_hf=false",
+        f"model.activation_checkpointing={mode}", *extra)) for mode in modes}
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +35,22 @@ def trained(tmp_path_factory):
     return results
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", CHECKPOINTED)
 def test_every_mode_trains_like_no_checkpointing(trained, mode):
     """3 steps of 2 microbatches of 2 packed rows (fp32): losses and every parameter within 1e-6."""
-    _assert_same(trained[mode], trained["false"])
+    assert_same_training(trained[mode], trained["false"], rtol=1e-6)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["mesh.tp=2", "mesh.dp=2"])
 def test_selective_under_tp2_and_dp2(tmp_path, mesh):
     """Head-sharded projections (their local mm outputs are kept), and FSDP2 with the fp32 decay units inside
     each layer all-gathering again in the recompute: selective trains as no checkpointing on the same mesh."""
     for result in run_distributed(_train_every_mode, 2, tmp_path, ("false", "selective"), mesh):
-        _assert_same(result["selective"], result["false"])
+        assert_same_training(result["selective"], result["false"], rtol=1e-6)
 
 
 class _Ops(TorchDispatchMode):

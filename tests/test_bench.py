@@ -4,19 +4,17 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from torch.autograd import DeviceType
 
-from distributed import run_distributed
-
-ROOT = Path(__file__).resolve().parent.parent
+from distributed import free_port, run_distributed
+from helpers import REPO, compose
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,31 +41,34 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
 
 
 def _profile_steps(rank, world_size, tmp_path):
-    from qwenft.conf import compose
-
     cfg = compose(["recipe=tiny", "train.max_steps=3", "data.seq_len=64", "train.progress_bar=false",
                    "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"])
     result, averages, profiled = _bench().profiled_run(cfg, warmup=1)
     return profiled, [e.count for e in averages if e.key.startswith("ProfilerStep")], len(result.losses)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_profile_writes_each_ranks_trace(tmp_path):
     """--profile --trace on two CPU ranks (dp2): a gzipped Chrome trace per rank holding the recorded step."""
     import gzip
 
     trace = tmp_path / "trace"
-    subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29732", str(ROOT / "scripts" / "bench.py"),
-                    "--warmup", "1", "--profile", str(tmp_path / "profile.txt"), "--trace", str(trace), "recipe=tiny",
-                    "train.max_steps=2", "data.seq_len=64", "mesh.dp=2", f"run_dir={tmp_path / 'run'}"],
+    subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                    str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--profile", str(tmp_path / "profile.txt"),
+                    "--trace", str(trace), "recipe=tiny", "train.max_steps=2", "data.seq_len=64", "mesh.dp=2",
+                    f"run_dir={tmp_path / 'run'}"],
                    check=True, capture_output=True, cwd=tmp_path, timeout=300)
     for rank in range(2):
         events = json.loads(gzip.decompress((trace / f"rank{rank}.json.gz").read_bytes()))["traceEvents"]
         assert [e["name"] for e in events if e["name"].startswith("ProfilerStep")] == ["ProfilerStep#1"]
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--trace", str(trace), "recipe=tiny"],
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--trace", str(trace), "recipe=tiny"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "--trace" in bad.stderr and "needs --profile" in bad.stderr
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_profile_records_the_steps_after_the_warmup(tmp_path):
     """3 steps, warm-up 1: the profiler's averages hold steps 2 and 3 only (a schedule that repeats would
     have started an empty cycle after them and reported nothing)."""
@@ -75,12 +76,13 @@ def test_profile_records_the_steps_after_the_warmup(tmp_path):
     assert (profiled, step_counts, steps_run) == (2, [2], 3)
 
 
+@pytest.mark.slow
 def test_bench_reports_a_cpu_run(tmp_path):
     """Twice into one run_dir: the second report times its own steps only, not the rows the first run left in
     metrics.jsonl (a reused run_dir on the H200 once reported 5 timed steps of a 3-step run)."""
     for run in range(2):
         out = tmp_path / f"bench{run}.json"
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--warmup", "1", "--json", str(out),
+        subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--json", str(out),
                         "--plan", "recipe=tiny", "train.max_steps=2", "data.seq_len=64", "train.progress_bar=false",
                         f"run_dir={tmp_path / 'run'}"], check=True, capture_output=True, cwd=tmp_path, timeout=300)
         report = json.loads(out.read_text())
@@ -92,17 +94,18 @@ def test_bench_reports_a_cpu_run(tmp_path):
 
 def test_host_time_runs_tensor_parallel(tmp_path):
     """scripts/host_time.py: tp2 on a fake process group, the tiny model on the CPU, activation checkpointing."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_time.py"), "--repeat", "1", "recipe=tiny",
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "host_time.py"), "--repeat", "1", "recipe=tiny",
                           "data.seq_len=64", "mesh.tp=2", "model.activation_checkpointing=true"],
                          check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["host_ms_per_microbatch"] > 0
 
 
+@pytest.mark.distributed
 def test_collective_bandwidth_runs_on_two_cpu_ranks(tmp_path):
     """scripts/collective_bandwidth.py on gloo: one line per collective and size, bus bandwidth by NCCL's rule."""
-    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29731",
-                          str(ROOT / "scripts" / "collective_bandwidth.py"), "--sizes-mib", "0.25", "--repeat", "2"],
+    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                          str(REPO / "scripts" / "collective_bandwidth.py"), "--sizes-mib", "0.25", "--repeat", "2"],
                          check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["collective"] for r in rows] == ["all_reduce", "reduce_scatter", "all_gather"]

@@ -7,56 +7,40 @@ import shutil
 import pytest
 
 from distributed import run_distributed
-from qwenft.conf import compose
-
-
-def _train(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    return run(compose(overrides)).losses
-
-
-def _train_state(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict if rank == 0 else None
+from helpers import (compose, logged_losses, parity_overrides, raised_line, read_metrics, tiny_overrides, train,
+                     train_with_state)
 
 
 def _overrides(run_dir, max_steps, *extra):
     # warmup over all 4 steps with a constant tail: every step has its own lr, and the schedule does not
     # depend on max_steps, so the 2-step run and the 4-step run follow the same one
-    return ["recipe=tiny", f"train.max_steps={max_steps}", "data.seq_len=128", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "checkpoint.export_hf=false", "optim.lr=5e-4",
-            "lr_scheduler.warmup_steps=4", "lr_scheduler.decay=constant", "train.global_batch_size=4",
-            "train.micro_batch_size=1", "checkpoint.every_steps=2", f"run_dir={run_dir}", *extra]
-
-
-def _logged_losses(run_dir) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
+    return parity_overrides(run_dir, f"train.max_steps={max_steps}", "checkpoint.export_hf=false",
+                            "lr_scheduler.warmup_steps=4", "lr_scheduler.decay=constant", "checkpoint.every_steps=2",
+                            *extra)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_run(tmp_path_factory):
     """dp2, 4 steps, checkpoints after steps 2 and 4. Tests copy what they break."""
     run_dir = tmp_path_factory.mktemp("a") / "run"
-    run_distributed(_train, 2, _overrides(run_dir, 4))
+    run_distributed(train, 2, _overrides(run_dir, 4))
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(uninterrupted_run):
-    return _logged_losses(uninterrupted_run)
+    return logged_losses(uninterrupted_run)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_resume_on_the_same_mesh_is_bit_identical(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    run_distributed(_train, 2, _overrides(run_dir, 2, "checkpoint.keep=1"))
+    run_distributed(train, 2, _overrides(run_dir, 2, "checkpoint.keep=1"))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    losses = run_distributed(_train, 2, _overrides(run_dir, 4, "checkpoint.keep=1", "checkpoint.resume=auto"))
-    assert len(losses[0]) == 2  # only steps 3 and 4 ran
-    logged = _logged_losses(run_dir)
+    results = run_distributed(train, 2, _overrides(run_dir, 4, "checkpoint.keep=1", "checkpoint.resume=auto"))
+    assert len(results[0].losses) == 2  # only steps 3 and 4 ran
+    logged = logged_losses(run_dir)
     assert sorted(logged) == [1, 2, 3, 4]  # appended to the first run's metrics
     assert logged[3] == uninterrupted[3] and logged[4] == uninterrupted[4], (logged, uninterrupted)
     assert uninterrupted[3] != uninterrupted[4]
@@ -65,12 +49,14 @@ def test_resume_on_the_same_mesh_is_bit_identical(tmp_path, uninterrupted):
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000004"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_resume_on_another_mesh(tmp_path, uninterrupted):
     """Saved by 2 FSDP ranks, loaded by one: DCP reshards; only the reduction order differs."""
     run_dir = tmp_path / "run"
-    run_distributed(_train, 2, _overrides(run_dir, 2))
-    (losses,) = run_distributed(_train, 1, _overrides(run_dir, 4))
-    for got, step in zip(losses, (3, 4)):
+    run_distributed(train, 2, _overrides(run_dir, 2))
+    (result,) = run_distributed(train, 1, _overrides(run_dir, 4))
+    for got, step in zip(result.losses, (3, 4)):
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
@@ -98,6 +84,8 @@ def _train_adamw(rank, world_size, overrides, settings):
     return losses, {key: built[0].param_groups[0][key] for key in ("foreach", "fused")}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, resumed", [
     ({"foreach": False}, None),  # a for-loop AdamW's checkpoint resumed by build_optimizer's (foreach on CPU)
     (None, {"fused": True}),  # build_optimizer's checkpoint resumed with fused AdamW (as on GPU; CPU has one too)
@@ -118,11 +106,6 @@ def test_resume_keeps_this_runs_optimizer_implementation(tmp_path, uninterrupted
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
-def _value_error(info) -> str:
-    """The one ValueError line a rank reported (run_distributed wraps it with the rank's traceback)."""
-    return next(line for line in str(info.value).splitlines() if line.startswith("ValueError: "))
-
-
 def _assert_unchanged(root, before: dict) -> None:
     """Every file as it was; train.log may only have grown (the failed attempt logs its start)."""
     after = _files(root)
@@ -135,23 +118,27 @@ def _files(root) -> dict:
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.distributed
 def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
-    """latest names a step dir without .metadata (a crash mid-copy, a deleted file): one line naming the key,
-    the path and what is valid; the run dir, its config.yaml included, is left exactly as it was."""
+    """Every step dir lacks .metadata (a crash mid-copy, a deleted file): one line naming the key, the paths
+    and what to do; the run dir, its config.yaml included, is left exactly as it was."""
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted_run, run_dir)
-    (run_dir / "checkpoints" / "step-000004" / ".metadata").unlink()
+    for step in (run_dir / "checkpoints").glob("step-*"):
+        (step / ".metadata").unlink()
     before = _files(run_dir)
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_train, 1, _overrides(run_dir, 6))
-    line = _value_error(info)
-    assert f"checkpoint.resume=auto: {run_dir / 'checkpoints' / 'step-000004'} is incomplete or corrupt (no " \
-           f".metadata)" in line and "or auto or none" in line, line
+        run_distributed(train, 1, _overrides(run_dir, 6))
+    line = raised_line(info)
+    assert f"checkpoint.resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}: " \
+           f"{run_dir / 'checkpoints' / 'step-000004'} is incomplete or corrupt (.metadata is missing)" in line \
+           and "checkpoint.resume=none" in line, line
     _assert_unchanged(run_dir, before)
     with pytest.raises(RuntimeError, match="does not exist; give a step-NNNNNN dir, or auto or none"):
-        run_distributed(_train, 1, _overrides(tmp_path / "other", 2, f"checkpoint.resume={tmp_path / 'nope'}"))
+        run_distributed(train, 1, _overrides(tmp_path / "other", 2, f"checkpoint.resume={tmp_path / 'nope'}"))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("override, expected", [
     ("model.num_layers=2", ("checkpoint.resume=auto: ", "was saved from another model (",
                             "text.num_hidden_layers=4 there, 2 here", "checkpoint.resume=none")),
@@ -163,27 +150,23 @@ def test_incompatible_checkpoint_is_refused_before_loading(tmp_path, uninterrupt
     shutil.copytree(uninterrupted_run, run_dir)
     before = _files(run_dir)
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_train, 1, _overrides(run_dir, 6, override))
-    line = _value_error(info)
+        run_distributed(train, 1, _overrides(run_dir, 6, override))
+    line = raised_line(info)
     assert all(part in line for part in expected), line
     _assert_unchanged(run_dir, before)
 
 
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
+@pytest.mark.distributed
 def test_keep_best_keeps_the_lowest_val_loss_checkpoint(tmp_path):
     """A checkpoint every step, keep=1, keep_best: what is left is the last one and the one with the lowest
     val_loss in metrics.jsonl (lr 3e-2 overshoots after step 3, so the best is not the last)."""
     run_dir = tmp_path / "run"
-    run_distributed(_train, 1, [
-        "recipe=tiny", "train.max_steps=5", "data.seq_len=64", "model.kernels.gdn=torch", "train.progress_bar=false",
-        "checkpoint.export_hf=false", "optim.lr=3e-2", "lr_scheduler.warmup_steps=0", "lr_scheduler.decay=constant",
-        "train.global_batch_size=2", "train.micro_batch_size=1", "eval.every_steps=1", "eval.dataset=tiny",
-        "eval.max_batches=2", "checkpoint.every_steps=1", "checkpoint.keep=1", "checkpoint.keep_best=true",
-        f"run_dir={run_dir}"])
-    val = {r["step"]: r["val_loss"] for r in _metrics(run_dir) if "val_loss" in r}
+    run_distributed(train, 1, tiny_overrides(
+        run_dir, "train.max_steps=5", "data.seq_len=64", "checkpoint.export_hf=false", "optim.lr=3e-2",
+        "lr_scheduler.warmup_steps=0", "lr_scheduler.decay=constant", "train.global_batch_size=2",
+        "train.micro_batch_size=1", "eval.every_steps=1", "eval.dataset=tiny", "eval.max_batches=2",
+        "checkpoint.every_steps=1", "checkpoint.keep=1", "checkpoint.keep_best=true"))
+    val = {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
     best = min(val, key=val.get)
     assert sorted(val) == [1, 2, 3, 4, 5] and best not in (1, 5), val
     ckpts = run_dir / "checkpoints"
@@ -200,18 +183,20 @@ def test_keep_best_needs_a_val_loss_at_every_checkpoint():
             compose(["checkpoint.keep_best=true", "checkpoint.every_steps=2", *extra])
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_async_save_resumes_identically(tmp_path, uninterrupted):
     """checkpoint.async_save: training is unchanged, both checkpoints complete with `latest` on the last, and
     resuming from step 2 trains steps 3-4 bit-identically to the run that never stopped."""
     run_dir = tmp_path / "run"
-    run_distributed(_train, 2, _overrides(run_dir, 4, "checkpoint.async_save=true"))
-    assert _logged_losses(run_dir) == uninterrupted
+    run_distributed(train, 2, _overrides(run_dir, 4, "checkpoint.async_save=true"))
+    assert logged_losses(run_dir) == uninterrupted
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000002", "step-000004"]
     assert (ckpts / "latest").read_text().strip() == "step-000004"
-    resumed = run_distributed(_train, 2, _overrides(tmp_path / "resumed", 4, "checkpoint.async_save=true",
-                                                    f"checkpoint.resume={ckpts / 'step-000002'}"))[0]
-    assert resumed == [uninterrupted[3], uninterrupted[4]]
+    resumed = run_distributed(train, 2, _overrides(tmp_path / "resumed", 4, "checkpoint.async_save=true",
+                                                   f"checkpoint.resume={ckpts / 'step-000002'}"))[0]
+    assert resumed.losses == [uninterrupted[3], uninterrupted[4]]
 
 
 @pytest.fixture(scope="module")
@@ -219,11 +204,13 @@ def tp2_pp2_interleaved(tmp_path_factory):
     """4 steps on tp2 x pp2 with two stages per rank (interleaved 1F1B: rank 0 holds stages 0 and 2), saving
     after steps 2 and 4; the trained parameters for the export test."""
     run_dir = tmp_path_factory.mktemp("tp2pp2") / "run"
-    results = run_distributed(_train_state, 4, _overrides(
+    results = run_distributed(train_with_state, 4, _overrides(
         run_dir, 4, "mesh.tp=2", "mesh.pp=2", "pipeline.schedule=interleaved_1f1b", "checkpoint.export_hf=false"))
-    return run_dir, _logged_losses(run_dir), results[0][1]
+    return run_dir, logged_losses(run_dir), results[0].state_dict
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, mesh", [
     (4, ["mesh.dp=4"]),
     (1, []),
@@ -234,12 +221,15 @@ def test_resume_tp2_pp2_checkpoint_on_another_mesh(tmp_path, tp2_pp2_interleaved
     placement: the steps after it train to the uninterrupted run's losses."""
     run_dir, uninterrupted, _ = tp2_pp2_interleaved
     step2 = run_dir / "checkpoints" / "step-000002"
-    losses = run_distributed(_train, nproc, _overrides(tmp_path / "run", 4, f"checkpoint.resume={step2}", *mesh))[0]
+    losses = run_distributed(train, nproc, _overrides(tmp_path / "run", 4, f"checkpoint.resume={step2}",
+                                                      *mesh))[0].losses
     assert len(losses) == 2
     for got, step in zip(losses, (3, 4)):
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_interleaved, capsys):
     """`qwenft export` of the tp2 x pp2 run's last checkpoint, on this one process: transformers loads it, and
     its logits are those of the parameters the run trained."""
@@ -265,6 +255,7 @@ def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_in
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.distributed
 def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     """`qwenft export` of a tiny_vlm run's checkpoint: transformers' Qwen3_5ForConditionalGeneration loads every
     key (vision tower included), the tokenizer and image processor come along (data.tokenizer=tiny_vlm is a
@@ -277,10 +268,11 @@ def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     from qwenft.models.qwen3_5.configs import named_config
 
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    (_, state), = run_distributed(_train_state, 1, [
+    (result,) = run_distributed(train_with_state, 1, [
         "recipe=tiny_vlm", "train.max_steps=2", "checkpoint.every_steps=2", "checkpoint.export_hf=false",
         "train.global_batch_size=2", "train.micro_batch_size=1", "model.kernels.gdn=torch",
         "train.progress_bar=false", f"run_dir={run_dir}"])
+    state = result.state_dict
     assert main(["export", f"run_dir={run_dir}", f"out={out}", "dtype=float32"]) == 0, capsys.readouterr().err
     hf, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
@@ -330,6 +322,7 @@ EXPORT_ERRORS = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", EXPORT_ERRORS)
 def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, uninterrupted_run, capsys, case):
     from qwenft.cli import main

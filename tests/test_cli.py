@@ -1,24 +1,16 @@
 """The CLI as a user types it: composition, overrides, errors, and real training runs."""
 
-import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import REPO, compose, read_metrics, run_qwenft
 from qwenft.cli import main
-from qwenft.conf import compose, list_recipes
+from qwenft.conf import list_recipes
 from qwenft.conf.schema import CHOICES
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def qwenft(*args, env=None, cwd=REPO, timeout=600):
-    return subprocess.run([sys.executable, "-m", "qwenft", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def test_show_resolves_recipe_and_overrides():
@@ -26,7 +18,7 @@ def test_show_resolves_recipe_and_overrides():
     assert cfg.train.max_steps == 7 and cfg.mesh.dp == 2 and cfg.optim.lr == 0.5
     assert cfg.lr_scheduler.decay == "linear"
     assert cfg.data.seq_len == 256  # from recipes/tiny.yaml, over data/tiny_chat.yaml's value
-    out = qwenft("show", "train.max_steps=7", "model.kernels.gdn=torch")
+    out = run_qwenft("show", "train.max_steps=7", "model.kernels.gdn=torch")
     assert out.returncode == 0, out.stderr
     assert "max_steps: 7" in out.stdout and "gdn: torch" in out.stdout
 
@@ -106,21 +98,18 @@ def test_user_recipe_dir(tmp_path, monkeypatch):
 
 
 def test_impossible_mesh_fails_before_building(tmp_path):
-    out = qwenft("train", "mesh.tp=2", "mesh.dp=2", f"run_dir={tmp_path / 'run'}")
+    out = run_qwenft("train", "mesh.tp=2", "mesh.dp=2", f"run_dir={tmp_path / 'run'}")
     assert out.returncode == 2
     assert "mesh.tp=2 x mesh.pp=1 = 2 does not divide the world size 1" in out.stderr
     assert not (tmp_path / "run").exists()
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
+@pytest.mark.slow
 def test_train_tiny_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    out = qwenft("train", "recipe=tiny", "train.max_steps=40", f"run_dir={run_dir}", "train.progress_bar=false")
+    out = run_qwenft("train", "recipe=tiny", "train.max_steps=40", f"run_dir={run_dir}", "train.progress_bar=false")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "peak_memory_gib"):
         assert all(isinstance(r[key], float) for r in rows), key
@@ -130,6 +119,8 @@ def test_train_tiny_end_to_end(tmp_path):
     assert (run_dir / "train.log").exists()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_two_processes(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "qwenft",
@@ -137,16 +128,18 @@ def test_torchrun_two_processes(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert len(rows) == 3 and all(r["loss"] > 0 for r in rows)
     assert "dp 2" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_self_launch_local_workers(tmp_path):
     """Plain `qwenft train launcher.nproc_per_node=2` starts two workers itself (torch.distributed.run)."""
     run_dir = tmp_path / "run"
-    out = qwenft("train", "recipe=tiny", "launcher.nproc_per_node=2", "train.max_steps=2", f"run_dir={run_dir}",
-                 "train.progress_bar=false", env={"OMP_NUM_THREADS": "1"})
+    out = run_qwenft("train", "recipe=tiny", "launcher.nproc_per_node=2", "train.max_steps=2", f"run_dir={run_dir}",
+                     "train.progress_bar=false", env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert len(_metrics(run_dir)) == 2
+    assert len(read_metrics(run_dir)) == 2
     assert "world 2 = pp 1 x dp 2 x tp 1" in (run_dir / "train.log").read_text()

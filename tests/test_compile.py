@@ -8,17 +8,14 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.conf import ConfigError, compose
-from test_memory_options import _assert_same as assert_same, _overrides as memory_options_overrides
+from helpers import ConfigError, assert_same_training, compose, parity_overrides, train_with_state
 
 
 def _train(rank, world_size, overrides):
+    """The run's result and the graphs torch.compile built in this rank."""
     from torch._dynamo.utils import counters
 
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict, {}, counters["stats"]["unique_graphs"]
+    return train_with_state(rank, world_size, overrides), counters["stats"]["unique_graphs"]
 
 
 def _overrides(tmp_path, name, *extra):
@@ -26,12 +23,7 @@ def _overrides(tmp_path, name, *extra):
     is 5.6e-6 from fp64 on A_log / dt_bias, compiled fp32 as far from eager), and AdamW turns that rounding
     noise into parameter differences of 1.05e-5 after 3 steps at lr 5e-4; at 2e-4 the updates, and the noise,
     are smaller."""
-    return memory_options_overrides(tmp_path, name, "optim.lr=2e-4", *extra)
-
-
-def _assert_same(result, reference):
-    assert_same(result[:3], reference[:3])
-    assert result[1].keys() == reference[1].keys()
+    return parity_overrides(tmp_path / name, "checkpoint.export_hf=false", "optim.lr=2e-4", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -40,34 +32,40 @@ def eager(tmp_path_factory):
     return result
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_layers_train_like_eager(tmp_path, eager):
     """3 steps of 4 packed microbatches each (documents per microbatch vary), activation checkpointing on:
     losses and every parameter within 1e-5 of eager. 7 graphs, compiled once for all 4 layers and 12
     microbatches: norm, MLP, attention in/out, GDN in/decay/out."""
-    (result,) = run_distributed(_train, 1, _overrides(tmp_path, "compiled", "model.compile=true",
-                                                      "model.activation_checkpointing=true"))
-    _assert_same(result, eager)
-    assert eager[3] == 0
-    assert result[3] == 7, f"{result[3]} graphs compiled; expected 7 (a recompile?)"
+    ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "compiled", "model.compile=true",
+                                                                "model.activation_checkpointing=true"))
+    assert_same_training(result, eager[0])
+    assert eager[1] == 0
+    assert graphs == 7, f"{graphs} graphs compiled; expected 7 (a recompile?)"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager):
     """FSDP2 over 2 ranks: the graphs run inside each layer's unshard/reshard hooks."""
     results = run_distributed(_train, 2, _overrides(tmp_path, "dp2", "model.compile=true",
                                                     "pipeline.reduce_grad_per_microbatch=true"))
-    for result in results:
-        _assert_same(result, eager)
-        assert result[3] == 7
+    for result, graphs in results:
+        assert_same_training(result, eager[0])
+        assert graphs == 7
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_layers_under_tp2_train_like_eager(tmp_path, eager):
     """Head-sharded projections and a vocab-parallel embedding: the TP hooks of the projections are traced into
     the graphs, and layer 0's input arrives as an AsyncCollectiveTensor (model._compile's clone; without it the
     embedding's gradient was 4.4e-3 off)."""
     results = run_distributed(_train, 2, _overrides(tmp_path, "tp2", "model.compile=true", "mesh.tp=2"))
-    for result in results:
-        _assert_same(result, eager)
-        assert result[3] == 7
+    for result, graphs in results:
+        assert_same_training(result, eager[0])
+        assert graphs == 7
 
 
 def _two_document_counts(rank, world_size):
@@ -103,6 +101,8 @@ def _two_document_counts(rank, world_size):
     return graphs, errors
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_other_document_count_reuses_graphs():
     """One [1, 128] row packed with 2, then 5 documents (cu_seqlens of 3, then 6 entries): the second forward +
     backward compiles nothing, and both match the eager model (logits, a weight's gradient)."""

@@ -1,6 +1,5 @@
 """Validation loss (eval.*) against an independent single-process computation, and the non-finite guard."""
 
-import json
 import math
 
 import pytest
@@ -8,21 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from qwenft.conf import compose
-
-
-def _train(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.val_losses, result.state_dict, result.skipped_steps, result.losses
+from helpers import compose, parity_overrides, raised_line, read_metrics, train_with_state
 
 
 def _overrides(tmp_path, name, *extra):
-    return ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "checkpoint.export_hf=false", "optim.lr=5e-4",
-            "lr_scheduler.warmup_steps=0", "train.global_batch_size=4", "train.micro_batch_size=1",
-            "eval.every_steps=2", "eval.dataset=tiny", f"run_dir={tmp_path / name}", *extra]
+    return parity_overrides(tmp_path / name, "checkpoint.export_hf=false", "eval.every_steps=2", "eval.dataset=tiny",
+                            *extra)
 
 
 def _independent_val_loss(state: dict) -> float:
@@ -50,37 +40,41 @@ def _independent_val_loss(state: dict) -> float:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    (result,) = run_distributed(_train, 1, _overrides(tmp_path_factory.mktemp("eval"), "one"))
+    (result,) = run_distributed(train_with_state, 1, _overrides(tmp_path_factory.mktemp("eval"), "one"))
     return result
 
 
+@pytest.mark.distributed
 def test_val_loss_equals_independent_computation(one_process):
-    val_losses, state, _, _ = one_process
+    val_losses, state = one_process.val_losses, one_process.state_dict
     assert sorted(val_losses) == [2, 3]  # every 2 steps and at the end
     assert val_losses[2] != val_losses[3]
     assert abs(val_losses[3] - _independent_val_loss(state)) < 1e-5
 
 
+@pytest.mark.distributed
 def test_val_loss_in_metrics(tmp_path):
-    run_distributed(_train, 1, _overrides(tmp_path, "m", "train.max_steps=2", "eval.max_batches=2"))
-    records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    run_distributed(train_with_state, 1, _overrides(tmp_path, "m", "train.max_steps=2", "eval.max_batches=2"))
+    records = read_metrics(tmp_path / "m")
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [2] and math.isfinite(val[0]["val_loss"])
     assert all(r["skipped_steps"] == 0 for r in records if "loss" in r)
 
 
+@pytest.mark.distributed
 def test_dp2_val_loss_equals_one_process(tmp_path, one_process):
-    results = run_distributed(_train, 2, _overrides(tmp_path, "dp2"))
-    for val_losses, *_ in results:
-        for step, ref in one_process[0].items():
-            assert abs(val_losses[step] - ref) < 1e-6, (step, val_losses[step], ref)
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path, "dp2"))
+    for result in results:
+        for step, ref in one_process.val_losses.items():
+            assert abs(result.val_losses[step] - ref) < 1e-6, (step, result.val_losses[step], ref)
 
 
+@pytest.mark.distributed
 def test_pp2_val_loss_equals_one_process(tmp_path, one_process):
-    results = run_distributed(_train, 2, _overrides(tmp_path, "pp2", "mesh.pp=2"))
-    for val_losses, *_ in results:
-        for step, ref in one_process[0].items():
-            assert abs(val_losses[step] - ref) < 1e-5, (step, val_losses[step], ref)
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path, "pp2", "mesh.pp=2"))
+    for result in results:
+        for step, ref in one_process.val_losses.items():
+            assert abs(result.val_losses[step] - ref) < 1e-5, (step, result.val_losses[step], ref)
 
 
 def test_every_steps_without_dataset_is_an_error():
@@ -91,15 +85,17 @@ def test_every_steps_without_dataset_is_an_error():
 HUGE_LR = ["optim.lr=1e6", "optim.max_grad_norm=0", "train.max_steps=6", "eval.every_steps=0"]
 
 
+@pytest.mark.distributed
 def test_nonfinite_error_raises_one_line(tmp_path):
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_train, 1, _overrides(tmp_path, "err", *HUGE_LR))
-    line = next(ln for ln in str(info.value).splitlines() if ln.startswith("ValueError:"))
+        run_distributed(train_with_state, 1, _overrides(tmp_path, "err", *HUGE_LR))
+    line = raised_line(info)
     assert "ValueError: non-finite loss/grad norm at step " in line and "train.on_nonfinite=skip" in line
 
 
+@pytest.mark.distributed
 def test_nonfinite_skip_keeps_params_finite(tmp_path):
-    _, state, skipped, losses = run_distributed(_train, 1, _overrides(tmp_path, "skip", *HUGE_LR,
-                                                                      "train.on_nonfinite=skip"))[0]
+    (result,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "skip", *HUGE_LR, "train.on_nonfinite=skip"))
+    state, skipped, losses = result.state_dict, result.skipped_steps, result.losses
     assert skipped >= 1 and sum(not math.isfinite(x) for x in losses) <= skipped
     assert all(torch.isfinite(t).all() for t in state.values())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from helpers import compose, parity_overrides, train_with_state
 
 
 def _dtypes_seen_in_forward(rank, world_size):
@@ -28,6 +29,7 @@ def _dtypes_seen_in_forward(rank, world_size):
     return seen
 
 
+@pytest.mark.distributed
 def test_decay_parameters_stay_fp32_under_bf16_fsdp():
     for seen in run_distributed(_dtypes_seen_in_forward, 2):
         assert seen == {"q_proj": torch.bfloat16, "A_log": torch.float32, "g": torch.float32,
@@ -71,6 +73,7 @@ def _edge_units_step(rank, world_size, tied):
     return loss.item(), gathered, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tied", [False, True])
 def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
     """dp2: the embedding and the head are resharded while the layers run (tied: one parameter, kept in the
@@ -91,31 +94,22 @@ def test_embedding_and_head_units_gather_only_around_their_own_forward(tied):
             assert err < 1e-5, (name, err)
 
 
-def _train(rank, world_size, overrides):
-    from qwenft.conf import compose
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict
-
-
+@pytest.mark.distributed
 def test_prefetch_trains_the_same_numbers(tmp_path):
     """dp2, fp32: 3 optimizer steps with mesh.fsdp_prefetch=2 (two units all-gathered ahead) give the losses and
     parameters of FSDP2's implicit prefetching, bit for bit: prefetching moves when an all-gather is issued,
     not what it gathers."""
     runs = {}
     for prefetch in (0, 2):
-        runs[prefetch] = run_distributed(_train, 2, [
-            "recipe=tiny", "train.max_steps=3", "data.seq_len=64", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
-            "train.global_batch_size=2", "train.micro_batch_size=1", "checkpoint.export_hf=false",
-            f"mesh.fsdp_prefetch={prefetch}", f"run_dir={tmp_path / str(prefetch)}"])[0]
-    (losses, state), (ref_losses, ref_state) = runs[2], runs[0]
-    assert len(losses) == 3 and ref_losses[0] != ref_losses[-1]
-    assert losses == ref_losses
-    assert state.keys() == ref_state.keys()
-    for name, ref in ref_state.items():
-        assert torch.equal(state[name], ref), name
+        runs[prefetch] = run_distributed(train_with_state, 2, parity_overrides(
+            tmp_path / str(prefetch), "data.seq_len=64", "train.global_batch_size=2", "checkpoint.export_hf=false",
+            f"mesh.fsdp_prefetch={prefetch}"))[0]
+    result, reference = runs[2], runs[0]
+    assert len(result.losses) == 3 and reference.losses[0] != reference.losses[-1]
+    assert result.losses == reference.losses
+    assert result.state_dict.keys() == reference.state_dict.keys()
+    for name, ref in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], ref), name
 
 
 def _lists(model):
@@ -160,6 +154,7 @@ def _expected_lists(chain, n):
     return {name: (chain[i + 1:i + 1 + n], chain[max(i - n, 0):i][::-1]) for i, name in enumerate(chain)}
 
 
+@pytest.mark.distributed
 def test_prefetch_lists_follow_the_forward_order():
     """mesh.fsdp_prefetch=2 on the tiny model (4 layers), through the runner: each unit prefetches the next two
     in the forward and the two before it in the backward, nearest first; the root and GDN's Decay units are
@@ -177,6 +172,7 @@ def test_prefetch_lists_follow_the_forward_order():
     assert all(tied[name] == ([], []) for name in tied if name not in layers)
 
 
+@pytest.mark.distributed
 def test_prefetch_chain_is_per_pipeline_stage():
     """pp2: each stage chains only its own units (stage 0: embedding, layers 0-1; stage 1: layers 2-3, head)."""
     stages = run_distributed(_prefetch_lists, 2, [
@@ -187,8 +183,6 @@ def test_prefetch_chain_is_per_pipeline_stage():
 
 
 def test_negative_prefetch_fails_in_validation():
-    from qwenft.conf import compose
-
     with pytest.raises(ValueError) as e:
         compose(["mesh.fsdp_prefetch=-1"])
     assert str(e.value) == ("mesh.fsdp_prefetch=-1 must be >= 0 (0 = FSDP2's implicit prefetching, "
@@ -237,6 +231,7 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
     return {name: c.calls for name, c in counters.items()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("knob, microbatches, gathers", [(False, 2, 1), (True, 2, 4), (False, 1, 2)])
 def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob, microbatches, gathers):
     """pp1, 2 microbatches: knob off, parameters stay gathered from the first forward to the step's one

@@ -4,14 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distributed import run_distributed
+from helpers import rel_err
 from qwenft.models.linear_ce import chunked_linear_ce_sum
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
 from qwenft.models.loss import token_ce_sum
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _inputs(n=37, hidden=24, vocab=1000, seed=0):
@@ -104,9 +102,8 @@ def _fsdp_chunked_grads(rank, world_size):
     return out.item(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
+@pytest.mark.distributed
 def test_fsdp_sharded_head_equals_one_process():
-    from distributed import run_distributed
-
     cfg = named_config("tiny")
     ref_model = init_random_weights(build_model(cfg, kernels="torch", device="meta"), seed=3, device="cpu",
                                     dtype=torch.float64)
@@ -119,15 +116,11 @@ def test_fsdp_sharded_head_equals_one_process():
             assert rel_err(grads[name], p.grad) < 1e-6, name
 
 
+@pytest.mark.distributed
 def test_vocab_sharded_weight_is_refused():
     """A DTensor lm_head (vocab_parallel TP) is refused with the keys to change."""
-    import os
-
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-
-    from distributed import run_distributed
 
     def body(rank, world):
         mesh = init_device_mesh("cpu", (world,))
@@ -201,6 +194,7 @@ def test_fused_model_labels_path_equals_logits_path(tied):
         assert rel_err(p.grad, ref_grads[name].grad) < 1e-6, name
 
 
+@pytest.mark.distributed
 def test_fused_vocab_sharded_weight_is_refused():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

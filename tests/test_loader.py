@@ -9,11 +9,11 @@ from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
 from distributed import run_distributed
+from helpers import make_hf_model, rel_err
 from qwenft.checkpoint.hf_export import save_hf
 from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
 from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config, to_hf_config
-from test_model_text import make_hf_model, rel_err
 
 TINY = named_config("tiny")
 
@@ -127,6 +127,7 @@ def _sharded_load(rank, world, ckpt, tp):
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [False, True], ids=["fsdp", "tp"])
 def test_sharded_params_get_their_local_rows(hf_dir, tp):
     results = run_distributed(_sharded_load, 2, hf_dir, tp)

@@ -1,70 +1,59 @@
 """Memory options through the runner (CPU, gloo): model.ce_chunk_tokens trains the same numbers as the whole
 logits; optim.state_dtype / optim.master_dtype = bfloat16 train like fp32 within bf16's tolerance."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.conf import compose
-
-
-def _train(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict, result.val_losses
+from helpers import assert_same_training, compose, parity_overrides, train, train_with_state
 
 
 def _overrides(tmp_path, name, *extra):
-    return ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
-            "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.export_hf=false",
-            f"run_dir={tmp_path / name}", *extra]
-
-
-def _assert_same(result, reference, rtol=1e-5):
-    (losses, state, val), (ref_losses, ref_state, ref_val) = result, reference
-    assert len(losses) == 3 and ref_losses[0] != ref_losses[-1]
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= rtol * abs(b), f"step {step + 1}: loss {a} vs {b}"
-    for step, v in ref_val.items():
-        assert abs(val[step] - v) <= rtol * abs(v), f"val_loss at step {step}: {val[step]} vs {v}"
-    for name, ref in ref_state.items():
-        err = ((state[name] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-        assert err < rtol, f"{name}: rel err {err:.2e}"
+    return parity_overrides(tmp_path / name, "checkpoint.export_hf=false", *extra)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, whole logits, with a validation pass after every step."""
     tmp = tmp_path_factory.mktemp("reference")
-    (result,) = run_distributed(_train, 1, _overrides(tmp, "ref", "eval.every_steps=1", "eval.dataset=tiny",
-                                                      "eval.max_batches=2"))
+    (result,) = run_distributed(train_with_state, 1, _overrides(tmp, "ref", "eval.every_steps=1", "eval.dataset=tiny",
+                                                                "eval.max_batches=2"))
     return result
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_chunked_ce_trains_like_whole_logits(tmp_path, reference):
     """48 tokens per chunk: 128-token rows split into 48 + 48 + 32."""
-    (result,) = run_distributed(_train, 1, _overrides(tmp_path, "ce48", "model.ce_chunk_tokens=48",
-                                                      "eval.every_steps=1", "eval.dataset=tiny", "eval.max_batches=2"))
-    _assert_same(result, reference)
+    (result,) = run_distributed(train_with_state, 1, _overrides(
+        tmp_path, "ce48", "model.ce_chunk_tokens=48", "eval.every_steps=1", "eval.dataset=tiny", "eval.max_batches=2"))
+    assert_same_training(result, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_chunked_ce_under_pp2_trains_like_whole_logits(tmp_path, reference):
     """The last stage gets the labels as a kwarg and returns the CE sum; the eval schedule does the same."""
-    results = run_distributed(_train, 2, _overrides(tmp_path, "pp2-ce", "mesh.pp=2", "model.ce_chunk_tokens=48",
-                                                    "eval.every_steps=1", "eval.dataset=tiny", "eval.max_batches=2"))
+    results = run_distributed(train_with_state, 2, _overrides(
+        tmp_path, "pp2-ce", "mesh.pp=2", "model.ce_chunk_tokens=48", "eval.every_steps=1", "eval.dataset=tiny",
+        "eval.max_batches=2"))
     for result in results:
-        _assert_same(result, reference)
+        assert_same_training(result, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_chunked_ce_under_dp2_trains_like_whole_logits(tmp_path, reference):
     """FSDP over 2 ranks: lm_head.weight is all-gathered for the head's forward and backward."""
-    results = run_distributed(_train, 2, _overrides(tmp_path, "dp2-ce", "model.ce_chunk_tokens=48",
-                                                    "pipeline.reduce_grad_per_microbatch=true"))
-    _assert_same(results[0], (*reference[:2], {}))
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path, "dp2-ce", "model.ce_chunk_tokens=48",
+                                                              "pipeline.reduce_grad_per_microbatch=true"))
+    assert_same_training(results[0], dataclasses.replace(reference, val_losses={}))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bf16_state_and_weights_train_like_fp32(tmp_path):
     """20 steps at the tiny recipe's lr 3e-3: bf16 moments (state), bf16 weights with stochastic rounding
     (master), and both, follow the fp32 run's losses while they fall from 6.25 to 3.9. Measured worst per-step
@@ -79,8 +68,8 @@ def test_bf16_state_and_weights_train_like_fp32(tmp_path):
     }
     losses = {}
     for name, extra in runs.items():
-        (result,) = run_distributed(_train, 1, _overrides(tmp_path, name, *common, *extra))
-        losses[name] = result[0]
+        (result,) = run_distributed(train, 1, _overrides(tmp_path, name, *common, *extra))
+        losses[name] = result.losses
     ref = losses["fp32"]
     assert ref[-1] < ref[0] - 2.0
     for name, tol in {"state": 0.002, "master": 0.015, "both": 0.015}.items():
@@ -88,20 +77,23 @@ def test_bf16_state_and_weights_train_like_fp32(tmp_path):
         assert worst < tol, f"{name}: losses {losses[name]} vs fp32 {ref} (worst rel diff {worst:.4f})"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bf16_weights_keep_small_updates(tmp_path):
     """lr 2e-5, constant: each AdamW update (~2e-5) is below half a bf16 ulp of most weights (6e-5 at 0.02).
     Stochastic rounding keeps them on average: the loss after 20 steps is the fp32 run's (measured 6.1691 vs
     6.1692, down from 6.2542). Round to nearest (stochastic_rounding=False, not a config key) measured 6.2356:
     it kept 30% of the fp32 run's parameter change."""
     common = ["train.max_steps=20", "optim.lr=2e-5", "lr_scheduler.warmup_steps=0", "lr_scheduler.decay=constant"]
-    (fp32,) = run_distributed(_train, 1, _overrides(tmp_path, "fp32", *common))
-    (bf16,) = run_distributed(_train, 1, _overrides(tmp_path, "bf16", *common, "optim.state_dtype=bfloat16",
-                                                    "optim.master_dtype=bfloat16"))
-    fell = fp32[0][0] - fp32[0][-1]
+    (fp32,) = run_distributed(train, 1, _overrides(tmp_path, "fp32", *common))
+    (bf16,) = run_distributed(train, 1, _overrides(tmp_path, "bf16", *common, "optim.state_dtype=bfloat16",
+                                                   "optim.master_dtype=bfloat16"))
+    fell = fp32.losses[0] - fp32.losses[-1]
     assert fell > 0.05
-    assert abs(bf16[0][-1] - fp32[0][-1]) < 0.1 * fell, (bf16[0], fp32[0])
+    assert abs(bf16.losses[-1] - fp32.losses[-1]) < 0.1 * fell, (bf16.losses, fp32.losses)
 
 
+@pytest.mark.distributed
 def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
     """The 8-bytes-per-parameter layout: bf16 weights, bf16 gradients, bf16 moments (GDN's A_log / dt_bias
     stay fp32)."""
@@ -140,6 +132,8 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
     assert seen["state"] == {torch.bfloat16}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.dp=2"], ["mesh.pp=2"], ["mesh.tp=2", "mesh.vocab_parallel=false"]])
 def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
     """All three options with FSDP over 2 ranks (DTensor shards in the optimizer), 2 pipeline stages, or 2
@@ -149,27 +143,30 @@ def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
     was checked to make them differ)."""
     opts = ["train.max_steps=5", "optim.lr=3e-3", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
             "model.ce_chunk_tokens=48"]
-    (one,) = run_distributed(_train, 1, _overrides(tmp_path, "one", *opts))
-    results = run_distributed(_train, 2, _overrides(tmp_path, "two", *opts, *mesh))
-    for step, (a, b) in enumerate(zip(results[0][0], one[0])):
+    (one,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "one", *opts))
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path, "two", *opts, *mesh))
+    for step, (a, b) in enumerate(zip(results[0].losses, one.losses)):
         assert abs(a - b) < 0.01 * b, f"step {step + 1}: loss {a} vs one process {b}"
     if "mesh.tp=2" in mesh:
-        for name, t in results[0][1].items():
-            assert torch.equal(t, results[1][1][name]), name
+        for name, t in results[0].state_dict.items():
+            assert torch.equal(t, results[1].state_dict[name]), name
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bf16_options_resume_exactly(tmp_path):
     """A run resumed from its step-2 checkpoint ends with the uninterrupted run's losses and weights, bit for
     bit: the bf16 moments come back in bf16 (not cast to the weights' dtype) and stochastic rounding draws
     from (seed, step, parameter, chunk), not from a generator state the checkpoint would have to carry."""
     opts = ["train.max_steps=4", "optim.lr=3e-3", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
             "model.ce_chunk_tokens=48"]
-    (full,) = run_distributed(_train, 1, _overrides(tmp_path, "full", "checkpoint.every_steps=2", *opts))
+    (full,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "full", "checkpoint.every_steps=2", *opts))
     step2 = tmp_path / "full" / "checkpoints" / "step-000002"
-    (resumed,) = run_distributed(_train, 1, _overrides(tmp_path, "resumed", f"checkpoint.resume={step2}", *opts))
-    assert resumed[0] == full[0][2:]
-    for name, t in full[1].items():
-        assert torch.equal(resumed[1][name], t), name
+    (resumed,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "resumed", f"checkpoint.resume={step2}",
+                                                                 *opts))
+    assert resumed.losses == full.losses[2:]
+    for name, t in full.state_dict.items():
+        assert torch.equal(resumed.state_dict[name], t), name
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -4,25 +4,11 @@ import dataclasses
 
 import pytest
 import torch
-from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
+from helpers import make_hf_model, rel_err
 from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
 from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, named_config, to_hf_config
-
-
-def make_hf_model(cfg, seed=0):
-    """A transformers model with every weight perturbed (its init leaves norms at 0/1, which hides bugs)."""
-    torch.manual_seed(seed)
-    hf = Qwen3_5ForCausalLM(to_hf_config(cfg)).float()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return hf
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def with_text(cfg, **kw):

@@ -6,35 +6,12 @@ import pytest
 import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
+from helpers import END, IMAGE, PATCH_DIM, START, VIDEO, tiny_vlm, vlm_row
 from qwenft.checkpoint.hf_export import save_hf
 from qwenft.models.loader import build_model, load_hf_weights
 from qwenft.models.qwen3_5 import adapter
-from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir, named_config, to_hf_config
-from qwenft.models.qwen3_5.vision import mrope_position_ids, tiny_vision_config
-
-IMAGE, VIDEO, START, END = 500, 501, 502, 503
-MERGE = 2
-PATCH_DIM = 3 * 2 * 16 * 16  # channels x temporal_patch_size x patch_size^2
-
-
-def tiny_vlm() -> ModelConfig:
-    text = named_config("tiny").text
-    return ModelConfig(text=text, vision=tiny_vision_config(text.hidden_size), image_token_id=IMAGE,
-                       video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-
-
-def tokens(parts, length=None):
-    """A row of ids: an int n = n text tokens, a (t, h, w) grid = one image's placeholders; right-padded."""
-    ids = []
-    for p in parts:
-        if isinstance(p, int):
-            for _ in range(p):
-                ids.append((7 * len(ids) + 11) % 400 + 1)
-        else:
-            ids += [START] + [IMAGE] * (p[0] * p[1] * p[2] // MERGE**2) + [END]
-    length = len(ids) if length is None else length
-    assert len(ids) <= length
-    return ids + [0] * (length - len(ids))
+from qwenft.models.qwen3_5.configs import config_from_hf_dir, to_hf_config
+from qwenft.models.qwen3_5.vision import mrope_position_ids
 
 
 def rel(a, b):
@@ -58,7 +35,7 @@ def hf_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def batch():
     grid = torch.tensor([[1, 4, 4], [1, 2, 6], [1, 6, 2]])  # 16, 12, 12 patches -> 4, 3, 3 tokens
-    input_ids = torch.tensor([tokens([3, (1, 4, 4), 5], 24), tokens([2, (1, 2, 6), 2, (1, 6, 2), 4], 24)])
+    input_ids = torch.tensor([vlm_row([3, (1, 4, 4), 5], 24), vlm_row([2, (1, 2, 6), 2, (1, 6, 2), 4], 24)])
     gen = torch.Generator().manual_seed(1)
     pixel_values = torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen)
     labels = torch.randint(0, 400, input_ids.shape, generator=gen)
@@ -142,7 +119,7 @@ def test_save_hf_loads_in_transformers(hf_ckpt, batch, tmp_path):
 def test_mrope_position_ids_match_transformers(hf_ckpt, rows, grids):
     hf, _ = hf_ckpt
     cfg = tiny_vlm()
-    input_ids = torch.tensor([tokens(r, 30) for r in rows])
+    input_ids = torch.tensor([vlm_row(r, 30) for r in rows])
     mask = (input_ids != 0).long()
     grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3) if grids else None
     type_ids = (input_ids == IMAGE).int()
@@ -157,7 +134,7 @@ def test_mrope_position_ids_restart_per_packed_document(hf_ckpt):
     hf, _ = hf_ckpt
     cfg = tiny_vlm()
     docs = [([3, (1, 4, 4), 2], [[1, 4, 4]]), ([5], []), ([1, (1, 2, 6), 4], [[1, 2, 6]])]
-    ids = [torch.tensor([tokens(parts)]) for parts, _ in docs]
+    ids = [torch.tensor([vlm_row(parts)]) for parts, _ in docs]
     expected = []
     for (_, g), doc in zip(docs, ids):
         grid = torch.tensor(g).reshape(-1, 3) if g else None
@@ -196,7 +173,7 @@ def test_packed_documents_with_images_match_transformers_per_document(hf_ckpt):
     ids, grids, pixels, expected = [], [], [], []
     with torch.no_grad():
         for parts, g in docs:
-            doc = torch.tensor([tokens(parts)])
+            doc = torch.tensor([vlm_row(parts)])
             grid = torch.tensor(g).reshape(-1, 3) if g else None
             pv = torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen) if g else None
             expected.append(hf(input_ids=doc, pixel_values=pv, image_grid_thw=grid,

@@ -4,67 +4,61 @@ seq_len is 128, not 64: at 64, pp2 x dp2 moved layers.0.linear_attn.a_proj (tiny
 normalizes) to 1.01e-5 of one process from reduction order alone; at 128 the worst parameter is 3e-6.
 """
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from test_train_parity import _assert_same  # losses at every step and every parameter, relative
-from qwenft.conf import compose
+from helpers import (REPO, assert_same_training, build_data, compose, logged_losses, model_config,
+                     parity_overrides, train_with_state)
 from qwenft.distributed.pipeline.schedule import SCHEDULES
 from qwenft.distributed.pipeline.split import split_layers
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _train(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict
-
 
 def _overrides(tmp_path, name, *extra):
-    return ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
-            "train.global_batch_size=4", "train.micro_batch_size=1", f"run_dir={tmp_path / name}", *extra]
+    return parity_overrides(tmp_path / name, *extra)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, global batch 4 as 4 microbatches of 1."""
-    (result,) = run_distributed(_train, 1, _overrides(tmp_path_factory.mktemp("reference"), "ref"))
+    (result,) = run_distributed(train_with_state, 1, _overrides(tmp_path_factory.mktemp("reference"), "ref"))
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_pp2_schedule_equals_one_process(tmp_path, reference, schedule):
     """4 layers: 2 stages of 2 layers (gpipe, 1f1b) or 2 ranks x 2 virtual stages of 1 layer (the others)."""
-    results = run_distributed(_train, 2, _overrides(tmp_path, schedule, "mesh.pp=2",
-                                                    f"pipeline.schedule={schedule}"))
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path, schedule, "mesh.pp=2",
+                                                              f"pipeline.schedule={schedule}"))
     for result in results:  # every rank returns the gathered state and the broadcast loss
-        _assert_same(result, reference)
+        assert_same_training(result, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, knob", [("1f1b", "false"), ("1f1b", "true"), ("zbv", "true")])
 def test_pp2_dp2_equals_one_process(tmp_path, reference, schedule, knob):
-    results = run_distributed(_train, 4, _overrides(
+    results = run_distributed(train_with_state, 4, _overrides(
         tmp_path, f"pp2dp2-{schedule}-{knob}", "mesh.pp=2", f"pipeline.schedule={schedule}",
         f"pipeline.reduce_grad_per_microbatch={knob}"))
-    _assert_same(results[0], reference)
-    _assert_same(results[3], reference)
+    assert_same_training(results[0], reference)
+    assert_same_training(results[3], reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pp4_equals_one_process(tmp_path, reference):
-    results = run_distributed(_train, 4, _overrides(tmp_path, "pp4", "mesh.pp=4", "pipeline.schedule=gpipe"))
-    _assert_same(results[0], reference)
+    results = run_distributed(train_with_state, 4, _overrides(tmp_path, "pp4", "mesh.pp=4", "pipeline.schedule=gpipe"))
+    assert_same_training(results[0], reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_vlm_pp2_equals_one_process(tmp_path):
     """recipe=tiny_vlm under pp2 (1F1B, 4 microbatches of 2 rows): images reach stage 0 per microbatch (padded
     per microbatch, padding dropped in the stage; M-RoPE position ids travel batch-first) and training matches
@@ -72,19 +66,11 @@ def test_vlm_pp2_equals_one_process(tmp_path):
     overrides = ["recipe=tiny_vlm", "train.max_steps=3", "data.seq_len=128", "optim.lr=5e-4",
                  "lr_scheduler.warmup_steps=0", "model.kernels.gdn=torch", "train.progress_bar=false",
                  "checkpoint.export_hf=false"]
-    (ref_losses, ref_state), = run_distributed(_train, 1, [*overrides, f"run_dir={tmp_path / 'ref'}"])
-    results = run_distributed(_train, 2, [*overrides, "mesh.pp=2", f"run_dir={tmp_path / 'pp2'}"])
-    assert any(name.startswith("visual.") for name in ref_state)
-    assert ref_losses[0] != ref_losses[-1]
-    for losses, state in results:
-        assert len(losses) == 3
-        for step, (a, b) in enumerate(zip(losses, ref_losses)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: loss {a} vs one process {b}"
-        assert state.keys() == ref_state.keys()
-        for name, ref in ref_state.items():
-            rtol = 1e-4 if name.endswith(("decay.A_log", "decay.dt_bias")) else 1e-5
-            err = (state[name] - ref).norm() / ref.norm().clamp(min=1e-12)
-            assert err < rtol, f"{name}: rel err {err:.2e}"
+    (reference,) = run_distributed(train_with_state, 1, [*overrides, f"run_dir={tmp_path / 'ref'}"])
+    results = run_distributed(train_with_state, 2, [*overrides, "mesh.pp=2", f"run_dir={tmp_path / 'pp2'}"])
+    assert any(name.startswith("visual.") for name in reference.state_dict)
+    for result in results:
+        assert_same_training(result, reference, rtol_by_suffix={"decay.A_log": 1e-4, "decay.dt_bias": 1e-4})
 
 
 def test_vlm_microbatch_images_padded_and_dropped():
@@ -92,11 +78,9 @@ def test_vlm_microbatch_images_padded_and_dropped():
     [3, B, T] positions, and a microbatch without images runs with pixel_values=None (same logits as the model)."""
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-    from qwenft.conf import compose
     from qwenft.distributed.pipeline.schedule import PipelineBatch
     from qwenft.distributed.pipeline.stage import build_stage_model
     from qwenft.models.loader import init_random_weights
-    from qwenft.train.build import build_data, model_config
 
     cfg = compose(["recipe=tiny_vlm", "data.seq_len=128"])
     model_cfg = model_config(cfg)
@@ -123,20 +107,22 @@ def test_vlm_microbatch_images_padded_and_dropped():
 @pytest.fixture(scope="module")
 def tp2_reference(tmp_path_factory):
     """tp2 without pipelining: the same tensor-parallel reduction order as tp2 x pp2."""
-    results = run_distributed(_train, 2, _overrides(tmp_path_factory.mktemp("tp2"), "tp2", "mesh.tp=2"))
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path_factory.mktemp("tp2"), "tp2", "mesh.tp=2"))
     return results[0]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, knob", [(4, "false"), (8, "true")])
 def test_tp2_pp2_dpn_equals_one_process(tmp_path, reference, tp2_reference, world_size, knob):
     """TP inside each stage (tp2 x pp2, and 3D tp2 x pp2 x dp2). tp2 alone sits up to ~3e-5 from one process
     (a_proj, whose tiny gradients Adam normalises, summed in tensor-parallel order): so 1e-4 against one
     process, and 1e-5 against tp2 without pipelining, which shows pipelining adds nothing on top."""
-    results = run_distributed(_train, world_size, _overrides(
+    results = run_distributed(train_with_state, world_size, _overrides(
         tmp_path, f"tp2pp2-{world_size}", "mesh.tp=2", "mesh.pp=2", f"pipeline.reduce_grad_per_microbatch={knob}"))
     for result in (results[0], results[-1]):
-        _assert_same(result, reference, rtol=1e-4)
-        _assert_same(result, tp2_reference, rtol=1e-5)
+        assert_same_training(result, reference, rtol=1e-4)
+        assert_same_training(result, tp2_reference, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ stages built by hand: memory, eval
@@ -187,6 +173,7 @@ def _grad_bytes_after_first_microbatch(rank, world_size, knob):
     return stage.first_backward_grad_bytes, full, len(list(module.parameters()))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("knob", [False, True])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_knob_gradient_memory_after_first_microbatch(knob, dp):
@@ -233,6 +220,7 @@ def _eval_vs_one_process(rank, world_size):
     return ce.item(), int(tokens.item()), ref_ce, ref_tokens
 
 
+@pytest.mark.distributed
 def test_pipeline_eval_loss_equals_one_process():
     for ce, tokens, ref_ce, ref_tokens in run_distributed(_eval_vs_one_process, 4):
         assert tokens == ref_tokens
@@ -270,29 +258,30 @@ def test_bad_schedule_is_one_line_listing_valid_ones():
     assert all(name in msg for name in SCHEDULES)
 
 
+@pytest.mark.distributed
 def test_num_microbatches_must_agree(tmp_path):
     with pytest.raises(RuntimeError, match=r"pipeline.num_microbatches=3 but train.global_batch_size=4 / dp=1 "
                                            r"/ train.micro_batch_size=1 = 4"):
-        run_distributed(_train, 1, _overrides(tmp_path, "nmb", "pipeline.num_microbatches=3"))
+        run_distributed(train_with_state, 1, _overrides(tmp_path, "nmb", "pipeline.num_microbatches=3"))
 
 
+@pytest.mark.distributed
 def test_stage_keys_without_pipeline_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match=r"pipeline.layers_per_stage=\[2, 2\] is set but mesh.pp=1"):
-        run_distributed(_train, 1, _overrides(tmp_path, "nopp", "pipeline.layers_per_stage=[2,2]"))
+        run_distributed(train_with_state, 1, _overrides(tmp_path, "nopp", "pipeline.layers_per_stage=[2,2]"))
 
 
+@pytest.mark.distributed
 def test_virtual_stages_must_fit_schedule(tmp_path):
     with pytest.raises(RuntimeError, match="pipeline.virtual_stages=1 but pipeline.schedule=zbv needs exactly 2"):
-        run_distributed(_train, 2, _overrides(tmp_path, "vs", "mesh.pp=2", "pipeline.schedule=zbv",
+        run_distributed(train_with_state, 2, _overrides(tmp_path, "vs", "mesh.pp=2", "pipeline.schedule=zbv",
                                               "pipeline.virtual_stages=1"))
 
 
 # ------------------------------------------------------------------ the CLI, as a user runs it
 
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, mesh", [(2, ["mesh.pp=2"]), (4, ["mesh.tp=2", "mesh.pp=2"])])
 def test_torchrun_matches_one_process(tmp_path, nproc, mesh):
     """The issue's command, `torchrun --nproc-per-node N -m qwenft train recipe=tiny mesh...`, logs the losses
@@ -307,7 +296,7 @@ def test_torchrun_matches_one_process(tmp_path, nproc, mesh):
                          "-m", "qwenft", *args, *mesh, f"run_dir={tmp_path / 'pp'}"], cwd=REPO,
                         capture_output=True, text=True, timeout=600, env=env)
     assert pp.returncode == 0, pp.stderr[-3000:]
-    a, b = _losses(tmp_path / "pp"), _losses(tmp_path / "one")
+    a, b = list(logged_losses(tmp_path / "pp").values()), list(logged_losses(tmp_path / "one").values())
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(y), (a, b)

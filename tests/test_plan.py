@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from helpers import compose, model_config
 from qwenft.cli import main
-from qwenft.conf import compose
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
 from qwenft.train import plan as plan_lib
 from qwenft.train.activations import saved_tensor_bytes
@@ -24,7 +24,6 @@ def _plan(*overrides):
 
 def _model_params(cfg) -> int:
     from qwenft.models.loader import build_model
-    from qwenft.train.build import model_config
 
     return sum(p.numel() for p in build_model(model_config(cfg), device="meta").parameters())
 
@@ -136,6 +135,8 @@ def _real_step_bytes(rank, world_size, overrides):
     return seen
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
     """tp2 x pp2 x dp2 (fp32 on CPU, knob off, 2 microbatches): the planner's parameter, gradient and optimizer
     bytes of every rank equal what one real training step allocates, byte for byte."""
@@ -152,13 +153,13 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
 
 
+@pytest.mark.slow
 def test_fsdp_prefetch_gathers_one_more_layer_per_unit_ahead():
     """27B pp2 x dp4 in bf16: the largest run of units gathered at once holds the head (or the embedding) and the
     layer next to it; mesh.fsdp_prefetch=2 adds the second layer from each end, a GatedDeltaNet layer on both
     stages (layers 1 and 62), its unsharded parameters at 2 bytes each (4 for the fp32 decay parameters,
     gdn.Decay). fsdp_prefetch=1 is what FSDP2 does implicitly: no change."""
     from qwenft.models.loader import build_model
-    from qwenft.train.build import model_config
 
     gathered = {}
     for n in (0, 1, 2):

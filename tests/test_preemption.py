@@ -2,7 +2,6 @@
 the losses of a run that never stopped, bit for bit (fp32, CPU); a signal to one of two ranks stops both at
 the same step with a complete checkpoint."""
 
-import json
 import os
 import signal
 import subprocess
@@ -14,47 +13,34 @@ from pathlib import Path
 import pytest
 
 from distributed import run_distributed
-from qwenft.conf import compose
+from helpers import REPO, compose, logged_losses, read_metrics, tiny_overrides, train
 from qwenft.launch.signals import EXIT_PREEMPTED, MARKER
 
-REPO = Path(__file__).resolve().parent.parent
+# Each test trains for 15-30 s on the 2-core CPU box, on forked ranks (the uninterrupted reference) or torchrun workers
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 MAX_STEPS = 24
 
 
 def _overrides(run_dir, *extra):
     # ~0.2 s a step on one CPU thread: long enough to be signalled mid-run, short enough to resume quickly
-    return ["recipe=tiny", f"train.max_steps={MAX_STEPS}", "data.seq_len=128", "model.kernels.gdn=torch",
-            "train.progress_bar=false", "checkpoint.export_hf=false", "train.global_batch_size=4",
-            "train.micro_batch_size=1", "checkpoint.every_steps=4", f"run_dir={run_dir}", *extra]
+    return tiny_overrides(run_dir, f"train.max_steps={MAX_STEPS}", "checkpoint.export_hf=false",
+                          "train.global_batch_size=4", "train.micro_batch_size=1", "checkpoint.every_steps=4", *extra)
 
 
-def _train(rank, world_size, overrides, signal_self_after_step=None):
-    """One rank of a forked run; on rank 1 with signal_self_after_step, a thread sends this process SIGUSR1
-    once metrics.jsonl shows that step."""
-    from qwenft.train.runner import run
-
-    cfg = compose(overrides)
-    if rank == 1 and signal_self_after_step:
-        threading.Thread(target=_signal_when_logged, daemon=True,
-                         args=(Path(cfg.run_dir), signal_self_after_step)).start()
-    result = run(cfg)
-    return result.losses, result.preempted
+def _train_signalling_rank_1(rank, world_size, overrides, after_step):
+    """helpers.train, and on rank 1 a thread that sends this process SIGUSR1 once metrics.jsonl shows
+    after_step."""
+    if rank == 1:
+        run_dir = Path(compose(overrides).run_dir)
+        threading.Thread(target=_signal_when_logged, daemon=True, args=(run_dir, after_step)).start()
+    return train(rank, world_size, overrides)
 
 
 def _signal_when_logged(run_dir: Path, step: int) -> None:
-    while not any(r["step"] >= step for r in _records(run_dir)):
+    while not any(r["step"] >= step for r in read_metrics(run_dir)):
         time.sleep(0.02)
     os.kill(os.getpid(), signal.SIGUSR1)
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss; a step logged twice (before a kill and after the resume) keeps the later line."""
-    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
 
 
 def _start(run_dir: Path, *extra) -> subprocess.Popen:
@@ -83,8 +69,8 @@ def _checkpoint_step(run_dir: Path) -> int:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run_distributed(_train, 1, _overrides(run_dir))
-    return _losses(run_dir)
+    run_distributed(train, 1, _overrides(run_dir))
+    return logged_losses(run_dir)
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted):
@@ -99,7 +85,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted):
     proc = _start(run_dir, "checkpoint.resume=auto")
     assert proc.wait(timeout=120) == 0, _output(run_dir)
     assert f"continuing at step {resumed_from + 1}" in (run_dir / "train.log").read_text()
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     after = range(resumed_from + 1, MAX_STEPS + 1)
     assert [losses[s] for s in after] == [uninterrupted[s] for s in after]
@@ -111,7 +97,7 @@ def test_sigterm_saves_and_exits_75_then_resumes(tmp_path, uninterrupted):
     _wait_for_checkpoint(proc, run_dir)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == EXIT_PREEMPTED == 75, _output(run_dir)
-    stopped_at = max(_losses(run_dir))
+    stopped_at = max(logged_losses(run_dir))
     assert stopped_at < MAX_STEPS
     assert _checkpoint_step(run_dir) == stopped_at  # saved at the step it stopped at, not at the last periodic one
     assert (run_dir / MARKER).read_text().startswith(f"step {stopped_at}, SIGTERM, checkpoint ")
@@ -120,7 +106,7 @@ def test_sigterm_saves_and_exits_75_then_resumes(tmp_path, uninterrupted):
     proc = _start(run_dir)  # checkpoint.resume=auto is the default
     assert proc.wait(timeout=120) == 0, _output(run_dir)
     assert not (run_dir / MARKER).exists()
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     assert losses == uninterrupted  # before the stop: the same run; after: resumed exactly
 
@@ -131,20 +117,19 @@ def test_signal_to_one_of_two_ranks_stops_both(tmp_path):
     that never stopped."""
     run_dir = tmp_path / "run"
     overrides = _overrides(run_dir, "checkpoint.every_steps=0", f"train.max_steps={MAX_STEPS // 2}")
-    results = run_distributed(_train, 2, overrides, 3)
-    (losses0, preempted0), (losses1, preempted1) = results
-    assert preempted0 == preempted1 == "SIGUSR1"
-    stopped_at = len(losses0)
-    assert len(losses1) == stopped_at and 3 <= stopped_at < MAX_STEPS // 2
+    rank0, rank1 = run_distributed(_train_signalling_rank_1, 2, overrides, 3)
+    assert rank0.preempted == rank1.preempted == "SIGUSR1"
+    stopped_at = len(rank0.losses)
+    assert len(rank1.losses) == stopped_at and 3 <= stopped_at < MAX_STEPS // 2
     step_dir = run_dir / "checkpoints" / f"step-{stopped_at:06d}"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"} <= {p.name for p in step_dir.iterdir()}
     assert _checkpoint_step(run_dir) == stopped_at and (run_dir / MARKER).exists()
 
-    resumed = run_distributed(_train, 2, overrides)
-    assert [len(losses) for losses, _ in resumed] == [MAX_STEPS // 2 - stopped_at] * 2
+    resumed = run_distributed(train, 2, overrides)
+    assert [len(result.losses) for result in resumed] == [MAX_STEPS // 2 - stopped_at] * 2
     reference_dir = tmp_path / "reference"
-    run_distributed(_train, 2, _overrides(reference_dir, "checkpoint.every_steps=0", f"train.max_steps={MAX_STEPS // 2}"))
-    assert _losses(run_dir) == _losses(reference_dir)
+    run_distributed(train, 2, _overrides(reference_dir, "checkpoint.every_steps=0", f"train.max_steps={MAX_STEPS // 2}"))
+    assert logged_losses(run_dir) == logged_losses(reference_dir)
 
 
 def test_sigterm_to_self_launched_torchrun(tmp_path):
@@ -156,7 +141,7 @@ def test_sigterm_to_self_launched_torchrun(tmp_path):
     _wait_for_checkpoint(proc, run_dir, timeout=120)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == EXIT_PREEMPTED, _output(run_dir)
-    stopped_at = max(_losses(run_dir))
+    stopped_at = max(logged_losses(run_dir))
     assert stopped_at < MAX_STEPS and _checkpoint_step(run_dir) == stopped_at
     step_dir = run_dir / "checkpoints" / f"step-{stopped_at:06d}"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"} <= {p.name for p in step_dir.iterdir()}

@@ -4,40 +4,25 @@ import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.conf import compose, list_recipes
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _first_step_loss(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    return run(compose(overrides)).losses[0]
+from helpers import REPO, save_random_checkpoint, train, train_with_state
+from qwenft.conf import list_recipes
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny random Qwen3.5 saved in HF layout with the tiny tokenizer beside it."""
-    from qwenft.data.tokenizer import load_tokenizer
-    from qwenft.checkpoint.hf_export import save_hf
-    from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
 
-    out = tmp_path_factory.mktemp("ckpt")
-    cfg = named_config("tiny")
-    model = build_model(cfg, kernels="torch", device="meta")
-    init_random_weights(model, seed=7, device="cpu", dtype=torch.float32)
-    save_hf(model, cfg, out)
-    load_tokenizer("tiny").save_pretrained(out)
-    return out
+    return save_random_checkpoint(named_config("tiny"), tmp_path_factory.mktemp("ckpt"), seed=7, tokenizer="tiny")
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
     """model.path takes config, weights and tokenizer from the dir: step 1's loss equals transformers'
     loss on the same batch with the same checkpoint."""
@@ -47,10 +32,11 @@ def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
     from qwenft.data.tiny_chat import TRAIN_PATH
     from qwenft.models.loss import token_ce_sum
 
-    (loss,) = run_distributed(_first_step_loss, 1, [
+    (result,) = run_distributed(train, 1, [
         f"model.path={checkpoint}", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
         "data.packing=pad", "data.seq_len=64", "model.kernels.gdn=torch", "train.progress_bar=false",
         f"run_dir={tmp_path / 'run'}"])
+    loss = result.losses[0]
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     batch = next(iter(build_sft_data(TRAIN_PATH, tokenizer, seq_len=64, micro_batch_size=2, packing="pad")))
@@ -61,6 +47,7 @@ def test_pretrained_start_matches_transformers(tmp_path, checkpoint):
     assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
 
 
+@pytest.mark.distributed
 def test_num_layers_keeps_the_first_layers_of_a_checkpoint(tmp_path, checkpoint):
     """model.num_layers=2 with model.path trains the checkpoint's first 2 layers: step-1 loss equals
     transformers' model truncated to those layers on the same batch."""
@@ -69,10 +56,11 @@ def test_num_layers_keeps_the_first_layers_of_a_checkpoint(tmp_path, checkpoint)
     from qwenft.data.loader import build_sft_data
     from qwenft.data.tiny_chat import TRAIN_PATH
 
-    (loss,) = run_distributed(_first_step_loss, 1, [
+    (result,) = run_distributed(train, 1, [
         f"model.path={checkpoint}", "model.num_layers=2", "train.max_steps=1", "train.global_batch_size=2",
         "train.micro_batch_size=2", "data.packing=pad", "data.seq_len=64", "model.kernels.gdn=torch",
         "train.progress_bar=false", f"run_dir={tmp_path / 'run'}"])
+    loss = result.losses[0]
     config = AutoConfig.from_pretrained(checkpoint)
     config.num_hidden_layers, config.layer_types = 2, config.layer_types[:2]
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=torch.float32)
@@ -85,18 +73,16 @@ def test_num_layers_keeps_the_first_layers_of_a_checkpoint(tmp_path, checkpoint)
     assert abs(loss - reference.item()) < 1e-5 * reference.item(), (loss, reference.item())
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_epochs_set_the_number_of_steps(tmp_path):
-    from qwenft.train.runner import run
-
-    def steps(rank, world_size, overrides):
-        return len(run(compose(overrides)).losses)
-
     # the tiny set packs into 54 rows of 256 tokens: half an epoch of 8-row steps is ceil(27 / 8) = 4 steps
-    (n,) = run_distributed(steps, 1, ["train.max_steps=null", "train.epochs=0.5", "train.progress_bar=false",
-                                      f"run_dir={tmp_path / 'run'}"])
-    assert n == 4
+    (result,) = run_distributed(train, 1, ["train.max_steps=null", "train.epochs=0.5", "train.progress_bar=false",
+                                           f"run_dir={tmp_path / 'run'}"])
+    assert len(result.losses) == 4
 
 
+@pytest.mark.distributed
 def test_model_path_without_tokenizer_fails_naming_the_key(tmp_path, checkpoint):
     weights_only = tmp_path / "weights"
     weights_only.mkdir()
@@ -104,16 +90,16 @@ def test_model_path_without_tokenizer_fails_naming_the_key(tmp_path, checkpoint)
         if f.name.startswith("model") or f.name == "config.json":
             (weights_only / f.name).symlink_to(f)
     with pytest.raises(RuntimeError, match="has no tokenizer files .* set data.tokenizer"):
-        run_distributed(_first_step_loss, 1, [f"model.path={weights_only}", "train.max_steps=1",
-                                              f"run_dir={tmp_path / 'run'}"])
+        run_distributed(train, 1, [f"model.path={weights_only}", "train.max_steps=1", f"run_dir={tmp_path / 'run'}"])
 
 
+@pytest.mark.distributed
 def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    run_distributed(_first_step_loss, 1, ["logger=wandb", "train.max_steps=2", "data.seq_len=64",
-                                          "train.progress_bar=false", f"run_dir={run_dir}"])
+    run_distributed(train, 1, ["logger=wandb", "train.max_steps=2", "data.seq_len=64", "train.progress_bar=false",
+                               f"run_dir={run_dir}"])
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
 
@@ -137,22 +123,18 @@ def test_wheel_ships_every_recipe(tmp_path):
     assert "qwenft/data/assets/tiny_chat.jsonl" in names
 
 
-def _train_state(rank, world_size, overrides):
-    from qwenft.train.runner import run
-
-    result = run(compose(overrides), return_state=True)
-    return result.losses, result.state_dict
-
-
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_train_tiny_vlm_with_frozen_vision_tower(tmp_path):
     """recipe=tiny_vlm end to end through the runner: images reach the model, the loss falls, and a frozen
     vision tower leaves training bit-identical to its initial weights."""
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
 
-    (losses, state), = run_distributed(_train_state, 1, [
+    (result,) = run_distributed(train_with_state, 1, [
         "recipe=tiny_vlm", "train.max_steps=20", "model.freeze_vision=true", "model.freeze_projector=true",
         "train.progress_bar=false", f"run_dir={tmp_path / 'run'}"])
+    losses, state = result.losses, result.state_dict
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
     cfg = named_config("tiny_vlm")
     cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
@@ -168,6 +150,7 @@ def test_train_tiny_vlm_with_frozen_vision_tower(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
+@pytest.mark.distributed
 def test_export_from_pp2_run_loads_in_transformers(tmp_path):
     """checkpoint.export_hf from a 2-stage pipeline run: transformers loads <run_dir>/hf (every stage's keys,
     tokenizer included) and gives the logits of the trained parameters the runner returns."""
@@ -177,9 +160,9 @@ def test_export_from_pp2_run_loads_in_transformers(tmp_path):
     from qwenft.models.qwen3_5.configs import named_config
 
     run_dir = tmp_path / "run"
-    (losses, state), _ = run_distributed(_train_state, 2, [
+    state = run_distributed(train_with_state, 2, [
         "mesh.pp=2", "train.max_steps=2", "data.seq_len=64", "checkpoint.export_dtype=float32",
-        "model.kernels.gdn=torch", "train.progress_bar=false", f"run_dir={run_dir}"])
+        "model.kernels.gdn=torch", "train.progress_bar=false", f"run_dir={run_dir}"])[0].state_dict
     hf = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32)
     assert AutoTokenizer.from_pretrained(run_dir / "hf").chat_template
     cfg = named_config("tiny")

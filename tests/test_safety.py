@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+from helpers import REPO
+
 SOURCES = sorted(p for d in ("qwenft", "scripts", "tests") for p in (REPO / d).rglob("*.py"))
 
 
@@ -60,6 +63,7 @@ SECRETS = {
 }
 
 
+@pytest.mark.slow
 def test_no_secret_from_the_environment_reaches_the_run_dir(tmp_path):
     """`qwenft train recipe=tiny` with wandb (offline), a checkpoint per step and the HF export: no secret value
     of the environment appears in any file under the run dir (config.yaml, train.log, metrics.jsonl,

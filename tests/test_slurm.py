@@ -3,27 +3,18 @@ requeues itself and resumes, secrets kept out of every file; the script's key li
 `env_from_slurm` inside a real srun step."""
 
 import hashlib
-import json
 import math
-import os
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import slurm_cluster
+from helpers import REPO, read_metrics, run_qwenft
 from qwenft.cli import main
 from qwenft.distributed.slurm_env import env_from_slurm, first_host
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def qwenft(*args, env=None, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "qwenft", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +129,20 @@ def test_env_from_slurm_leaves_torchrun_and_batch_shell_alone():
     assert env_from_slurm(batch_shell) == {}
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 SECRETS = {"HF_TOKEN": "hf_qwenft_test_secret_1", "WANDB_API_KEY": "wandb_qwenft_test_secret_2"}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_node_job_completes(cluster, tmp_path):
     """Also: secrets listed by name reach the job from the submitting shell and no file in the run dir."""
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    out = qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0",
-                 "launcher.nproc_per_node=1", "train.max_steps=3", "train.progress_bar=false",
-                 "launcher.env={HF_TOKEN: null, WANDB_API_KEY: null}", "launcher.setup=['printenv HF_TOKEN | sha256sum']",
-                 f"run_dir={run_dir}", env={**cluster.env, "OMP_NUM_THREADS": "1", **SECRETS})
+    out = run_qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0",
+                     "launcher.nproc_per_node=1", "train.max_steps=3", "train.progress_bar=false",
+                     "launcher.env={HF_TOKEN: null, WANDB_API_KEY: null}",
+                     "launcher.setup=['printenv HF_TOKEN | sha256sum']", f"run_dir={run_dir}",
+                     env={**cluster.env, "OMP_NUM_THREADS": "1", **SECRETS}, timeout=300)
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     state, exit_code = cluster.wait_job(job_id, timeout=240)
@@ -160,7 +150,7 @@ def test_two_node_job_completes(cluster, tmp_path):
     assert (state, exit_code) == ("COMPLETED", "0:0"), f"{state} {exit_code}\n{log[-4000:]}\n{cluster.logs()}"
     print(f"2-node job {job_id}: submit to COMPLETED in {time.monotonic() - start:.0f} s")
     assert "world 2 = pp 1 x dp 2 x tp 1" in (run_dir / "train.log").read_text()
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     assert (run_dir / "slurm.sh").exists() and "nodes: 2" in (run_dir / "config.yaml").read_text()
     assert "rendezvous 127.0.0.1:" in log  # the head node's NodeAddr, not its unresolvable name
@@ -172,6 +162,8 @@ def test_two_node_job_completes(cluster, tmp_path):
         assert not any(value.encode() in data for value in SECRETS.values()), path
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     """srun with one task per rank and no torchrun: mesh.init_process_group maps SLURM's variables."""
     probe = tmp_path / "probe.py"
@@ -190,15 +182,18 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     assert lines == [f"rank {r} world 4 sum 10" for r in range(4)], out.stdout
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
     """SIGUSR1 to the job's steps (what --signal=USR1@N sends before the time limit): the workers save a
     checkpoint and stop, the script requeues the job, and the second start resumes from that checkpoint and
     completes; metrics.jsonl covers every step."""
     run_dir, max_steps = tmp_path / "run", 30
     start = time.monotonic()
-    out = qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0", f"train.max_steps={max_steps}",
-                 "checkpoint.every_steps=3", "checkpoint.export_hf=false", "data.seq_len=128", "model.kernels.gdn=torch",
-                 "train.progress_bar=false", f"run_dir={run_dir}", env={**cluster.env, "OMP_NUM_THREADS": "1"})
+    out = run_qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0",
+                     f"train.max_steps={max_steps}", "checkpoint.every_steps=3", "checkpoint.export_hf=false",
+                     "data.seq_len=128", "model.kernels.gdn=torch", "train.progress_bar=false", f"run_dir={run_dir}",
+                     env={**cluster.env, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     log = run_dir / f"slurm-{job_id}.out"
@@ -218,7 +213,7 @@ def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
     stopped_at = int(re.search(r"qwenft: preempted \(step (\d+), SIGUSR1, checkpoint \S+\); requeueing job", text)[1])
     assert 3 <= stopped_at < max_steps and "restart 1, rendezvous" in text
     assert f"continuing at step {stopped_at + 1}" in (run_dir / "train.log").read_text()
-    rows = [r for r in _metrics(run_dir) if "loss" in r]
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert {r["step"] for r in rows} == set(range(1, max_steps + 1)) and all(math.isfinite(r["loss"]) for r in rows)
     assert not (run_dir / "preempted").exists()
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from qwenft.checkpoint.hf_export import save_hf
-from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
+from helpers import PATCH_DIM, save_random_checkpoint, tiny_vlm, vlm_row
+from qwenft.models.loader import build_model, load_hf_weights
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 from qwenft.models.qwen3_5.gdn import positions_in_document
 from qwenft.models.loss import count_label_tokens, token_ce_sum
@@ -26,15 +26,8 @@ def rel(a, b):
 
 
 def _save_checkpoint(cfg, path):
-    model = build_model(cfg, kernels="torch")
-    init_random_weights(model, seed=0, device="cpu", dtype=torch.float32)
-    with torch.no_grad():  # zero / one initialised norms would hide a sharded-norm mistake
-        gen = torch.Generator().manual_seed(3)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    save_hf(model, cfg, path)
-    return path
+    """Norms perturbed: zero / one initialised norms would hide a sharded-norm mistake."""
+    return save_random_checkpoint(cfg, path, seed=0, perturb_norms=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +52,6 @@ def attention_bias_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vlm_ckpt(tmp_path_factory):
-    from test_model_vlm import tiny_vlm
-
     return _save_checkpoint(tiny_vlm(), tmp_path_factory.mktemp("tp_vlm"))
 
 
@@ -188,6 +179,7 @@ def assert_same(out, ref, logits=True):
         assert rel(out["grads"][name], g) < tol, f"grad {name}: rel err {rel(out['grads'][name], g):.1e}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel", [
     (True, False, False), (False, True, False), (True, True, True), (False, False, True)])
 def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel):
@@ -200,6 +192,7 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_paralle
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("fsdp, sequence_parallel", [(False, False), (False, True), (True, True)])
 def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
     """q/k/v biases sharded with their heads; o_proj's replicated and added once, after the ranks' outputs are
@@ -212,6 +205,7 @@ def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
         assert_same(out, ref)
 
 
+@pytest.mark.distributed
 def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
     batches = text_batch()
     batches[0]["labels"][0, 3] = 510  # the last id lives in the second, shorter shard
@@ -221,6 +215,7 @@ def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
     assert_same(out, ref)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
     batches = text_batch()
@@ -229,6 +224,7 @@ def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
     assert_same(out, ref, logits=False)  # each dp rank sees half the rows
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
     batches = text_batch(steps=3)
@@ -242,12 +238,11 @@ def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
         assert rel(out["params"][name], p) < TOL, f"param {name} after 3 steps"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_vlm_tp2_with_image(vlm_ckpt, sequence_parallel):
-    from test_model_vlm import PATCH_DIM, tokens
-
     grid = torch.tensor([[1, 4, 4]])
-    input_ids = torch.tensor([tokens([3, (1, 4, 4), 5], 16)])
+    input_ids = torch.tensor([vlm_row([3, (1, 4, 4), 5], 16)])
     gen = torch.Generator().manual_seed(1)
     batch = dict(input_ids=input_ids, pixel_values=torch.randn(16, PATCH_DIM, generator=gen),
                  image_grid_thw=grid, labels=torch.randint(0, 400, input_ids.shape, generator=gen))
@@ -292,6 +287,7 @@ def _collectives_rank(rank, world_size, path, sequence_parallel):
     return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_one_input_reduction_per_block(text_ckpt, sequence_parallel):
     """A mixer's column-parallel projections (GDN's six, attention's three) and the MLP's two share one input:

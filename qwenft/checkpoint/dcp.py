@@ -3,7 +3,8 @@
 Layout under <run_dir>/checkpoints/:
     step-000010/        model + optimizer: one DCP shard file per rank plus `.metadata`;
                         extra.pt (rank 0): step, scheduler, data stream position, RNG state;
-                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export)
+                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export);
+                        manifest.json: every other file's size and CRC-32, checked before a resume loads
     latest              the name of the newest complete step dir, written last
     best                checkpoint.keep_best: the step dir with the lowest val_loss, never rotated away
 
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 EXTRA = "extra.pt"
 META = "checkpoint.json"
+MANIFEST = "manifest.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position
 # peft runs: only the trained parameters (the frozen base comes from model.path or the seed, as at the start)
 _TRAINABLE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
@@ -137,25 +140,88 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
                          f"checkpoint.resume=none")
 
 
-def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume", valid: str = "auto or none") -> Path | None:
-    """The checkpoint dir that `key=value` names (auto: `latest`, None when there is none yet; none: None; else
-    a step dir), checked to be complete. Reads only files, so it can run before anything is built or written."""
+# ---------------------------------------------------------------- verification
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_records(path: Path, names: list[str]) -> dict[str, dict]:
+    return {name: {"bytes": (path / name).stat().st_size, "crc32": _crc32(path / name)} for name in names}
+
+
+def _damage(path: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the step dir `path`, as short phrases (none: complete). Sizes and presence are checked
+    by every rank; the CRC-32s of the manifest's files are split over the `world` ranks (this one reads every
+    `world`-th from `rank`), so a large checkpoint is read once in all. A checkpoint saved before manifests
+    existed is checked for its three fixed files only."""
+    if not path.is_dir():
+        return ["the dir is missing"]
+    if not (path / MANIFEST).is_file():
+        return [f"no {f}" for f in (".metadata", EXTRA, META) if not (path / f).is_file()]
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError):
+        return [f"{MANIFEST} is unreadable"]
+    problems = []
+    for i, (name, record) in enumerate(sorted(files.items())):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != record["bytes"]:
+            problems.append(f"{name} is {file.stat().st_size} bytes, {record['bytes']} when saved")
+        elif i % world == rank and _crc32(file) != record["crc32"]:
+            problems.append(f"{name} has another checksum than when saved")
+    return problems
+
+
+def _damage_on_all_ranks(path: Path) -> list[str]:
+    """`_damage` checked by every rank of the default process group together (each the same answer)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _damage(path)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, _damage(path, dist.get_rank(), dist.get_world_size()))
+    return sorted({p for problems in found for p in problems})
+
+
+def _summary(problems: list[str]) -> str:
+    return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+
+
+def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
+         valid: str = "auto or none") -> tuple[Path | None, list[str]]:
+    """The checkpoint dir that `key=value` names, verified against its manifest before anything loads it;
+    collective when a process group exists. `auto`: `latest`, or, when that one is damaged, the newest complete
+    step dir (None when the run has saved none yet); `none`: None; else that step dir. Also returns one line
+    for each damaged checkpoint passed over. Reads only files: it runs before anything is built or written."""
     if value == "none":
-        return None
-    if value == "auto":
-        name = read_pointer(ckpt_root, "latest")
-        if name is None:
-            return None
-        path = ckpt_root / name
-    else:
+        return None, []
+    if value != "auto":
         path = Path(value)
         if not path.is_dir():
             raise ValueError(f"{key}={value} does not exist; give a step-NNNNNN dir, or {valid}")
-    missing = [f for f in (".metadata", EXTRA, META) if not (path / f).is_file()]
-    if missing:
-        raise ValueError(f"{key}={value}: {path} is incomplete or corrupt (no {', '.join(missing)}); give another "
-                         f"step-NNNNNN dir, or {valid}")
-    return path
+        problems = _damage_on_all_ranks(path)
+        if problems:
+            raise ValueError(f"{key}={value}: {path} is incomplete or corrupt ({_summary(problems)}); give another "
+                             f"step-NNNNNN dir, or {valid}")
+        return path, []
+    latest = read_pointer(ckpt_root, "latest")
+    steps = sorted((p.name for p in ckpt_root.glob("step-*") if p.is_dir()), reverse=True)
+    candidates = ([latest] if latest else []) + [name for name in steps if name != latest]
+    passed_over = []
+    for name in candidates:
+        problems = _damage_on_all_ranks(ckpt_root / name)
+        if not problems:
+            return ckpt_root / name, passed_over
+        passed_over.append(f"{ckpt_root / name} is incomplete or corrupt ({_summary(problems)})")
+    if passed_over:
+        raise ValueError(f"{key}={value}: no complete checkpoint in {ckpt_root}: {' | '.join(passed_over)}; "
+                         f"delete {ckpt_root} to start afresh, or set {key}=none")
+    return None, []
 
 
 @dataclass
@@ -215,14 +281,23 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Finish the save in flight (collective): once this rank's shards are written (rank 0's future also
-        covers `.metadata`, written after every rank reported its shards), rank 0 renames the temp dir, then
-        writes `latest`, then `best`, then deletes checkpoints beyond `keep`."""
+        covers `.metadata`, written after every rank reported its shards), the ranks checksum the files between
+        them, rank 0 writes the manifest, renames the temp dir, then writes `latest`, then `best`, then deletes
+        checkpoints beyond `keep`."""
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
         if pending.future is not None:
             pending.future.result()
-        if dist.get_rank() == 0:
+        dist.barrier()  # every rank's shards written
+        tmp = self.root / f".{pending.name}.tmp"
+        names = sorted(p.name for p in tmp.iterdir() if p.name != MANIFEST)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        records = [None] * world
+        dist.all_gather_object(records, _file_records(tmp, names[rank::world]))
+        if rank == 0:
+            manifest = {"files": {k: v for r in records for k, v in r.items()}}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             self._publish(pending.name, pending.val_loss)
         dist.barrier()
 

@@ -129,6 +129,11 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             group, name = option.groups()
             valid = ", ".join(group_options()[group])
             raise ConfigError(f"{group}={name!r} is not a {group} option; choose one of {valid}") from None
+        tilde = next((o for o in overrides if "=~" in o), None)
+        if tilde is not None:  # Hydra's lexer takes a leading ~ for its reset syntax
+            key, value = tilde.split("=", 1)
+            raise ConfigError(f"{tilde}: Hydra cannot read a value starting with ~; write the full path, e.g. "
+                              f"{key}={os.path.expanduser(value)}") from None
         raise ConfigError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     # The recipe chosen is the `recipe` group's choice; record it as a plain key.
     raw_recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "tiny")

@@ -322,6 +322,12 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"eval.max_batches={cfg.eval.max_batches} must be >= 1 (or null for the whole set)")
     if len(cfg.optim.betas) != 2:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")
+    if not cfg.optim.lr > 0:  # torch refuses it only once the model is built, without naming the key
+        raise ValueError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if not 0 <= cfg.optim.betas[0] < 1 or not 0 <= cfg.optim.betas[1] < 1:
+        raise ValueError(f"optim.betas={list(cfg.optim.betas)} must each be in [0, 1)")
+    if not cfg.optim.eps >= 0 or not cfg.optim.weight_decay >= 0:
+        raise ValueError(f"optim.eps={cfg.optim.eps} and optim.weight_decay={cfg.optim.weight_decay} must be >= 0")
     if cfg.plan.gpu_memory_gib <= 0:
         raise ValueError(f"plan.gpu_memory_gib={cfg.plan.gpu_memory_gib} must be > 0")
     if cfg.plan.image_patches is not None and cfg.plan.image_patches < 1:

@@ -122,7 +122,7 @@ def _init_adapters(model: nn.Module, seed: int, device) -> None:
     _fill(model, lambda name: read_box(name, tuple(shapes[name]), (0,) * len(shapes[name])), read_box, set(shapes))
 
 
-def _checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
+def checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
     """{hf_key: safetensors file} from the index, or from the single model.safetensors."""
     from safetensors import safe_open
 
@@ -130,19 +130,38 @@ def _checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist")
     index = ckpt_dir / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
         files = {}
         for key, fname in weight_map.items():
             path = ckpt_dir / fname
             if fname not in files and not path.is_file():
-                raise FileNotFoundError(f"shard {fname!r} listed in {SAFETENSORS_INDEX} is missing from {ckpt_dir}")
+                raise FileNotFoundError(f"shard {fname!r} listed in {SAFETENSORS_INDEX} is missing from {ckpt_dir}; "
+                                        f"copy or download it again")
             files[key] = path
+        for path in set(files.values()):
+            _check_shard(path)
         return files
     single = ckpt_dir / SAFETENSORS_SINGLE
     if single.is_file():
-        with safe_open(single, "pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {str(ckpt_dir)!r}")
+        return {k: single for k in _check_shard(single)}
+    raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {str(ckpt_dir)!r}; give a dir with "
+                            f"the checkpoint's safetensors weights")
+
+
+def _check_shard(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, whose header and size are checked on opening (a truncated
+    file fails here, named, instead of as safetensors' bare `incomplete metadata` on the first read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"{path} ({path.stat().st_size} bytes) is truncated or corrupt ({e}); copy or download "
+                         f"it again") from None
 
 
 def _first(items, n=5) -> str:
@@ -161,7 +180,7 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
     ckpt_dir = Path(ckpt_dir)
     cfg, shapes = _model_info(model)
     ckpt_cfg = config_from_hf_dir(ckpt_dir)  # also checks dir / config.json / model_type
-    files = _checkpoint_files(ckpt_dir)
+    files = checkpoint_files(ckpt_dir)
     # A model may keep only the first layers of a checkpoint (model.num_layers), never more.
     if ckpt_cfg.text.num_hidden_layers < cfg.text.num_hidden_layers or ckpt_cfg.text.hidden_size != cfg.text.hidden_size:
         raise ValueError(

@@ -5,6 +5,7 @@ import logging
 import math
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +43,8 @@ class StepStats:
 
 def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
     """Train as `qwenft train` does; `on_step(step)`, if given, runs after each step (scripts/bench.py's profiler)."""
-    with signals.StopOnSignal() as stop:
-        job = build_job(cfg, save_config=lambda run_dir: _save_config(cfg, run_dir))
+    with signals.StopOnSignal() as stop, ExitStack() as cleanup:  # cleanup: the run dir's lock
+        job = build_job(cfg, save_config=lambda run_dir: _save_config(cfg, run_dir), cleanup=cleanup)
         return train(job, stop, return_state, on_step)
 
 
@@ -69,7 +70,12 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
     for step in range(job.start_step, job.max_steps + 1):
         start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
-        stats = train_step(job, micro_batches, step, result)
+        try:
+            stats = train_step(job, micro_batches, step, result)
+        except ValueError:  # train.on_nonfinite=error: the error's line on its own, not after the bar
+            if progress is not None:
+                progress.close()
+            raise
         elapsed = time.perf_counter() - start
         result.losses.append(stats.loss)
         if step % cfg.train.log_every == 0 or step == job.max_steps:

@@ -57,7 +57,7 @@ def reshard_policy(schedule: str, reduce_grad_per_microbatch: bool) -> bool:
     deferred weight-gradient step looks up the stage's parameters by identity, so it needs the same
     unsharded parameters the forward used (measured: resharding there trains wrong numbers).
     At pp = 1 (schedule 1f1b) the same holds: knob off, each unit all-gathers once per step instead of in the
-    first forward and again in every backward (`qwenft.train.build.parallel_spec` reshards anyway when a step
+    first forward and again in every backward (`qwenft.train.spec.resolve_parallel` reshards anyway when a step
     has one microbatch).
     """
     return reduce_grad_per_microbatch and schedule not in SPLIT_BACKWARD

@@ -163,6 +163,16 @@ def named_config(name: str) -> ModelConfig:
                      "via model.path)")
 
 
+def transformers_default_mrope_section(half_rotary_dim: int) -> list[int]:
+    """The section transformers' Qwen3.5 rotary embedding applies when config.json gives none: it takes
+    [11, 11, 10] (the released sizes' 32 = rotary_dim/2) and interleaves H at 1, 4, 7, ... and W at 2, 5, 8, ...
+    as far as the dims go; with fewer dims that is fewer H and W slots, here counted, so a checkpoint made with
+    transformers' defaults (head_dim 32: rotary_dim/2 = 4 -> [2, 1, 1]) loads and computes as transformers'."""
+    h = len(range(1, min(11 * 3, half_rotary_dim), 3))
+    w = len(range(2, min(10 * 3, half_rotary_dim), 3))
+    return [half_rotary_dim - h - w, h, w]
+
+
 def _text_from_hf(d: dict) -> TextConfig:
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -172,7 +182,11 @@ def _text_from_hf(d: dict) -> TextConfig:
     kw = {k: v for k, v in d.items() if k in names}
     kw["rope_theta"] = rope.get("rope_theta", d.get("rope_theta", TextConfig.rope_theta))
     kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
-    kw["mrope_section"] = list(rope.get("mrope_section", [11, 11, 10]))
+    if "mrope_section" in rope:
+        kw["mrope_section"] = list(rope["mrope_section"])
+    else:
+        head_dim = kw.get("head_dim", TextConfig.head_dim)
+        kw["mrope_section"] = transformers_default_mrope_section(int(head_dim * kw["partial_rotary_factor"]) // 2)
     if d.get("layer_types") is None and "num_hidden_layers" in d:
         every = d.get("full_attention_interval", 4)
         kw["layer_types"] = [

@@ -28,6 +28,20 @@ def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if name in FP32_PARAM_NAMES else dtype
 
 
+def check_kernel(kernels: str) -> None:
+    """Refuse, before anything is built, `fla` where it cannot run (not installed, or no CUDA)."""
+    if kernels != "fla":
+        return
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"model.kernels.gdn=fla but flash-linear-attention does not import ({e}); "
+                         f"pip install -e '.[gpu]', or set model.kernels.gdn=auto (torch kernels without it)") from None
+    if not torch.cuda.is_available():
+        raise ValueError("model.kernels.gdn=fla needs CUDA (flash-linear-attention's kernels are Triton); set "
+                         "model.kernels.gdn=torch or auto on this machine")
+
+
 def resolve_kernel(kernels: str) -> str:
     if kernels not in KERNELS:
         raise ValueError(f"model.kernels.gdn={kernels!r}; valid: {list(KERNELS)}")

@@ -1,0 +1,311 @@
+"""Faults a user meets from files, processes and the environment, on real files and processes: each ends in one
+line naming the file or key, exit code 2, rank 0 alone printing it under torchrun, the traceback in train.log."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+FAST = ("train.progress_bar=false", "checkpoint.export_hf=false", "train.global_batch_size=4")
+
+
+def qwenft(*args, module="qwenft", timeout=600):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+def one_line_error(out, *needles) -> str:
+    """The run failed with exit code 2 and exactly one error line, no traceback; returns that line."""
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "qwenft: error:" in line]
+    assert len(lines) == 1, out.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 HF checkpoint as `qwenft train` exports it."""
+    run = tmp_path_factory.mktemp("hf") / "run"
+    out = qwenft("train", "train.max_steps=1", f"run_dir={run}", "train.progress_bar=false",
+                 "train.global_batch_size=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run / "hf"
+
+
+@pytest.mark.slow
+def test_model_path_empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    line = one_line_error(qwenft("train", f"model.path={tmp_path / 'empty'}", f"run_dir={run}", *FAST),
+                          f"model.path={tmp_path / 'empty'}", "config.json")
+    assert "Hugging Face" in line
+    log = (run / "train.log").read_text()
+    assert "Traceback" in log and "no config.json" in log  # the traceback for debugging
+    assert not (run / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_model_path_shard_missing(tmp_path, hf_dir):
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    from safetensors import safe_open
+
+    with safe_open(model / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in keys[1:]}
+    weight_map[keys[0]] = "model-00002-of-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    one_line_error(qwenft("train", f"model.path={model}", f"run_dir={tmp_path / 'run'}", *FAST),
+                   f"model.path={model}", "model-00002-of-00002.safetensors", "missing")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [100, 300_000])  # inside the header; inside the tensor data
+def test_model_path_shard_truncated(tmp_path, hf_dir, size):
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    os.truncate(model / "model.safetensors", size)
+    run = tmp_path / "run"
+    one_line_error(qwenft("train", f"model.path={model}", f"run_dir={run}", *FAST),
+                   str(model / "model.safetensors"), "truncated", "download it again")
+    assert not (run / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_run_dir_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    one_line_error(qwenft("train", f"run_dir={tmp_path / 'file'}", *FAST), f"run_dir={tmp_path / 'file'}",
+                   "is a file")
+    one_line_error(qwenft("train", f"run_dir={tmp_path / 'file' / 'sub'}", *FAST), "Not a directory")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a read-only dir")
+def test_run_dir_unwritable(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o500)
+    try:
+        one_line_error(qwenft("train", f"run_dir={run}", *FAST), f"run_dir={run}", "cannot be written")
+    finally:
+        run.chmod(0o700)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla is installed")
+def test_fla_not_installed(tmp_path):
+    one_line_error(qwenft("train", "model.kernels.gdn=fla", f"run_dir={tmp_path / 'run'}", *FAST),
+                   "model.kernels.gdn=fla", "pip install")
+
+
+TORCHRUN = ("--standalone", "--nproc-per-node=2", "-m", "qwenft", "train")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_mistake_rank0_only(tmp_path):
+    """qwenft's torchrun (launcher.nproc_per_node, slurm) passes exit code 2 and the one line through; plain
+    torchrun adds its own report, but the line appears once, not once per rank."""
+    args = ("mesh.dp=4", f"run_dir={tmp_path / 'run'}", *FAST)
+    one_line_error(qwenft(*TORCHRUN, *args, module="qwenft.launch.torchrun"),
+                   "mesh.dp=4 = 4 but the world size is 2")
+    one_line_error(qwenft("train", "launcher.nproc_per_node=2", *args), "mesh.dp=4 = 4 but the world size is 2")
+    plain = qwenft(*TORCHRUN, *args, module="torch.distributed.run")
+    assert plain.stderr.count("qwenft: error:") == 1, plain.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_rank0_file_fault_reaches_every_rank(tmp_path):
+    """run_dir is made by rank 0 only; its failure stops every rank at once (none waits in a collective)."""
+    (tmp_path / "file").write_text("x")
+    one_line_error(qwenft(*TORCHRUN, f"run_dir={tmp_path / 'file'}", *FAST, module="qwenft.launch.torchrun",
+                          timeout=120), "is a file")
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+CKPT = ("checkpoint.every_steps=1", "checkpoint.keep=3")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A run that saved step-000001..3 (each with its manifest)."""
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    out = qwenft("train", "train.max_steps=3", f"run_dir={run}", *FAST, *CKPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def _files(root: Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _assert_unchanged(root: Path, before: dict) -> None:
+    """Every file as it was; train.log may only have grown (the failed attempt logs its start and traceback)."""
+    after = _files(root)
+    log = root / "train.log"
+    assert after.pop(log).startswith(before[log])
+    assert after == {p: b for p, b in before.items() if p != log}
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncate_distcp", "delete_extra", "flip_a_byte"])
+def test_damaged_latest_falls_back_to_newest_complete(tmp_path, saved_run, damage):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    step3 = run / "checkpoints" / "step-000003"
+    if damage == "truncate_distcp":
+        os.truncate(step3 / "__0_0.distcp", 1000)
+        what = "__0_0.distcp is 1000 bytes"
+    elif damage == "delete_extra":
+        (step3 / "extra.pt").unlink()
+        what = "extra.pt is missing"
+    else:
+        _flip_a_byte(step3 / "__0_0.distcp")
+        what = "__0_0.distcp has another checksum than when saved"
+    out = qwenft("train", "train.max_steps=4", f"run_dir={run}", *FAST, *CKPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert f"{step3} is incomplete or corrupt ({what}" in log and "resuming from" in log, log
+    assert "resumed from " + str(run / "checkpoints" / "step-000002") + "; continuing at step 3" in log
+
+
+@pytest.mark.slow
+def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, saved_run):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    for step in (run / "checkpoints").glob("step-*"):
+        os.truncate(step / "extra.pt", 10)
+    before = _files(run)
+    line = one_line_error(qwenft("train", "train.max_steps=5", "optim.lr=1e-3", f"run_dir={run}", *FAST, *CKPT),
+                          "checkpoint.resume=auto: no complete checkpoint in", "extra.pt is 10 bytes",
+                          "checkpoint.resume=none")
+    assert "step-000003" in line and "step-000001" in line
+    _assert_unchanged(run, before)  # config.yaml keeps the old run's values
+    assert "Traceback" in (run / "train.log").read_text()[len(before[run / "train.log"]):]
+
+
+@pytest.mark.slow
+def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    step2 = run / "checkpoints" / "step-000002"
+    (step2 / "__0_0.distcp").unlink()
+    one_line_error(qwenft("train", f"checkpoint.resume={step2}", f"run_dir={tmp_path / 'other'}", *FAST),
+                   f"checkpoint.resume={step2}", "__0_0.distcp is missing")
+
+
+# ---------------------------------------------------------------- one run per run dir
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_second_run_into_a_run_dir_fails_at_once_and_a_dead_holder_frees_it(tmp_path):
+    import signal
+    import socket
+    import time
+
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "qwenft", "train", "train.max_steps=100000", f"run_dir={run}",
+                              *FAST], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (run / "metrics.jsonl").exists():  # training: the lock is held
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.5)
+        start = time.time()
+        one_line_error(qwenft("train", "train.max_steps=2", f"run_dir={run}", *FAST),
+                       f"run_dir={run} is in use by another qwenft run", f"pid {first.pid} ",
+                       f"host {socket.gethostname()}")
+        assert time.time() - start < 60
+    finally:
+        first.send_signal(signal.SIGKILL)  # dies holding the lock: its .lock file stays, stale
+        first.wait()
+    assert (run / ".lock").read_text().startswith(f"pid {first.pid} ")
+    out = qwenft("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", *FAST, "checkpoint.resume=none")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (run / ".lock").exists()  # released at the end of the run
+
+
+# ---------------------------------------------------------------- configs transformers writes
+
+def test_checkpoint_with_transformers_default_rope_loads_and_matches(tmp_path):
+    """Qwen3_5TextConfig's own defaults give no mrope_section and head_dim 32 (rotary_dim/2 = 4): qwenft loads
+    it and computes what transformers computes, with text and with M-RoPE (3, B, T) position ids."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qwenft.models.loader import build_model, load_hf_weights
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen3_5TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_key_head_dim=16,
+                               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    assert "mrope_section" not in hf_cfg.rope_parameters
+    hf = Qwen3_5ForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path)
+    cfg = config_from_hf_dir(tmp_path)
+    model = load_hf_weights(build_model(cfg, kernels="torch"), tmp_path, device="cpu").eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(12).expand(2, 12)
+    pos3 = torch.stack([pos, pos // 2, pos % 3])  # distinct T, H, W positions exercise the section
+    with torch.no_grad():
+        for p in (pos, pos3):
+            ours, theirs = model(input_ids=ids, position_ids=p), hf(input_ids=ids, position_ids=p).logits
+            assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4), (ours - theirs).abs().max()
+
+
+# ---------------------------------------------------------------- CPU threads
+
+@pytest.mark.parametrize("cores, ranks, load, threads", [
+    (2, 1, 0.1, 2),   # an idle machine: every core
+    (2, 1, 1.0, 1),   # one busy neighbour on 2 cores: 1 thread (about 2 s a step there, not 20-80 s)
+    (2, 1, 5.0, 1),   # never fewer than one
+    (16, 2, 0.0, 8),  # ranks on one node share the cores
+    (16, 2, 8.0, 4),
+])
+def test_cpu_threads_leave_busy_cores_alone(cores, ranks, load, threads):
+    from qwenft.train.build import cpu_threads
+
+    assert cpu_threads(cores, ranks, load) == threads
+
+
+@pytest.mark.slow
+def test_cpu_threads_chosen_are_logged(tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=1", f"run_dir={tmp_path / 'r'}",
+                          *FAST], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cpu threads: " in (tmp_path / "r" / "train.log").read_text()
+
+
+# ---------------------------------------------------------------- smaller edges
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
+    ("data.path=~/x.jsonl", "data.path=~/x.jsonl: Hydra cannot read a value starting with ~; write the full path"),
+])
+@pytest.mark.slow
+def test_config_edges_are_one_line(tmp_path, override, needle):
+    run = tmp_path / "run"
+    one_line_error(qwenft("train", override, f"run_dir={run}", *FAST), needle)
+    assert not run.exists()  # refused before the run dir
