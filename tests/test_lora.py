@@ -78,6 +78,8 @@ def _assert_same(result, reference, tol=1e-5):
     assert values.keys() == ref_values.keys()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_reference_trains_every_adapter(reference):
     """Guards against a vacuous comparison: every adapter, B included, has a gradient from step 2 on (B's is
     nonzero at step 1, A's is zero then: B = 0) and the loss falls."""
@@ -91,6 +93,8 @@ def test_reference_trains_every_adapter(reference):
     assert {f"layers.0.linear_attn.{p}_proj.lora_B.weight" for p in "qkv"} <= values.keys()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_step0_loss_equals_base_model_exactly(tmp_path, reference):
     from qwenft.train.runner import run
 
@@ -102,6 +106,8 @@ def test_step0_loss_equals_base_model_exactly(tmp_path, reference):
     assert losses[0] == reference[0][0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("knob", ["false", "true"])
 def test_dp2_equals_one_process(tmp_path, reference, knob):
     results = run_distributed(_train, 2, _overrides(tmp_path, f"dp2-{knob}",
@@ -110,6 +116,7 @@ def test_dp2_equals_one_process(tmp_path, reference, knob):
         _assert_same(result, reference)
 
 
+@pytest.mark.slow
 def test_base_frozen_in_compute_dtype(tmp_path):
     """bf16 compute: the base is held in bf16 only, the adapters in fp32 (master), and only adapters are trained."""
     from qwenft.conf.layout import resolve_layout
@@ -144,12 +151,16 @@ def test_base_frozen_in_compute_dtype(tmp_path):
     (2, ["mesh.pp=2", "pipeline.schedule=interleaved_1f1b", "pipeline.reduce_grad_per_microbatch=true"]),
     (4, ["mesh.tp=2", "mesh.pp=2"]),
 ], ids=["tp2", "pp2", "pp2-interleaved-knob", "tp2xpp2"])
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_mesh_equals_one_process(tmp_path, reference, world_size, mesh):
     """Adapters sharded with their projections (tp) and split over stages (pp): same losses and gradients."""
     results = run_distributed(_train, world_size, _overrides(tmp_path, "mesh", *mesh))
     _assert_same(_merge(results), reference)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("option", ["model.activation_checkpointing=true", "model.activation_checkpointing=selective",
                                     "model.compile=true"])
 def test_layer_options_equal_one_process(tmp_path, reference, option):
@@ -158,6 +169,7 @@ def test_layer_options_equal_one_process(tmp_path, reference, option):
     _assert_same(result, reference)
 
 
+@pytest.mark.slow
 def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
     """The run's adapter dir, loaded by peft onto transformers' Qwen3_5ForCausalLM, uses every key and gives
     qwenft's logits (fp32)."""
@@ -219,6 +231,7 @@ def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
     assert (base_logits - ours).abs().max() / ours.abs().max() > 1e-3  # the adapters trained away from zero
 
 
+@pytest.mark.slow
 def test_tiny_lora_recipe_loss_falls(tmp_path):
     from qwenft.train.runner import run
 
@@ -265,6 +278,8 @@ def test_vision_without_tower():
         check_targets(named_config("tiny"), LoRAConfig(vision=True))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_resume_across_full_and_lora_refused(tmp_path):
     """A full finetuning checkpoint does not resume into a LoRA run, nor the reverse (one line, before loading)."""
     from qwenft.train.runner import run
@@ -285,6 +300,8 @@ def test_resume_across_full_and_lora_refused(tmp_path):
         assert isinstance(msg, str) and f"checkpoint.resume={ckpt}" in msg and there in msg and "\n" not in msg, msg
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_checkpoint_trainable_only_and_resume_bit_identical(tmp_path):
     """A LoRA checkpoint holds the adapters and their AdamW state only; resuming it continues bit-identically
     on the same mesh and within 1e-5 on dp2."""
@@ -312,6 +329,7 @@ def test_checkpoint_trainable_only_and_resume_bit_identical(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
+@pytest.mark.slow
 def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path):
     """checkpoint.export_hf=merged: <run_dir>/hf is the base with the adapters merged, transformers' logits equal
     qwenft's adapted model's (fp32)."""
