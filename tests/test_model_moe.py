@@ -261,3 +261,51 @@ def test_tiny_moe_builds_on_meta_with_fused_expert_shapes():
     }
     with pytest.raises(ValueError, match="num_experts_per_tok 9"):
         dataclasses.replace(t, num_experts_per_tok=9)
+
+
+def test_vlm_logits_grads_and_export_match_transformers(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration: transformers' vision tower + the native MoE decoder, the released
+    layout (`model.language_model.` + `model.visual.`)."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+    from qwenft.models.qwen3_5.vision import tiny_vision_config
+
+    image, start, end = 500, 502, 503
+    text = named_config("tiny_moe").text
+    cfg = dataclasses.replace(named_config("tiny_moe"), vision=tiny_vision_config(text.hidden_size),
+                              image_token_id=image, video_token_id=501, vision_start_token_id=start,
+                              vision_end_token_id=end)
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForConditionalGeneration(to_hf_config(cfg)).float()
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    loaded = config_from_hf_dir(tmp_path / "hf")
+    assert loaded.text == cfg.text and loaded.vision is not None
+    model = load_hf_weights(build_model(loaded, kernels="torch", moe_kernel="loop"), tmp_path / "hf", device="cpu")
+
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches -> 4 merged tokens
+    ids = torch.tensor([[11, 12, start] + [image] * 4 + [end] + list(range(20, 36))])
+    pixels = torch.randn(16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 400, ids.shape, generator=torch.Generator().manual_seed(2))
+    ref = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == image).int(),
+             output_router_logits=True)
+    assert min_topk_gap(ref.router_logits, text.num_experts_per_tok) > 1e-5
+    F.cross_entropy(ref.logits.flatten(0, 1), labels.flatten()).backward()
+    logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid)
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    assert rel_err(logits, ref.logits) < 1e-5
+    grads = adapter.to_hf_state_dict({n: p.grad for n, p in model.named_parameters()}, cfg.text, adapter.VLM_PREFIX)
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == set(hf_grads)
+    for name, g in hf_grads.items():
+        tol = 1e-4 if name.endswith(DECAY_PATH) else 1e-5  # see test_logits_loss_aux_and_grads_match_transformers
+        assert rel_err(grads[name], g) < tol, name
+
+    save_hf(model, loaded, tmp_path / "export")
+    again = Qwen3_5MoeForConditionalGeneration.from_pretrained(tmp_path / "export")
+    assert again.config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    original = hf.state_dict()
+    assert all(torch.equal(t, original[k]) for k, t in again.state_dict().items())
