@@ -27,11 +27,12 @@ SAFETENSORS_SINGLE = "model.safetensors"
 
 def build_model(cfg: ModelConfig, kernels: str = "auto", layer_ids=None, embed: bool = True, head: bool = True,
                 device="meta", dtype: torch.dtype | None = None, ce_chunk_tokens: int = 0,
-                attention_kernel: str = "auto", ce_kernel: str = "torch") -> Qwen3_5Model:
+                attention_kernel: str = "auto", ce_kernel: str = "torch", moe_kernel: str = "auto") -> Qwen3_5Model:
     """The native model on `device` (default meta: shapes only). `dtype` casts all but GDN's fp32 params."""
     with torch.device(device):
         model = Qwen3_5Model(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
-                             ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel)
+                             ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel,
+                             moe_kernel=moe_kernel)
     if dtype is not None:
         model.to_dtype(dtype)
     return model
@@ -189,14 +190,16 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
         )
     dropped = {str(i) for i in range(cfg.text.num_hidden_layers, ckpt_cfg.text.num_hidden_layers)}
     prefix = adapter.detect_prefix(files)
+    per_expert = adapter.detect_per_expert(files)
     tied = cfg.tie_word_embeddings and "lm_head.weight" not in files
-    sources = {n: adapter.hf_source(n, cfg.text, prefix, tied) for n in shapes}
+    sources = {n: adapter.hf_source(n, cfg.text, prefix, tied, per_expert) for n in shapes}
 
-    missing = {s.hf_key for s in sources.values()} - set(files)
+    needed = {k for s in sources.values() for k in adapter.source_keys(s, cfg.text.num_experts)}
+    missing = needed - set(files)
     if missing:
         raise ValueError(f"checkpoint {ckpt_dir} is missing {len(missing)} keys the model needs: {_first(missing)}")
     # unexpected = not used by the WHOLE model (a pipeline stage legitimately skips other stages' keys)
-    allowed = adapter.expected_hf_keys(_all_native_keys(cfg), cfg.text, prefix, tied) | {"lm_head.weight"}
+    allowed = adapter.expected_hf_keys(_all_native_keys(cfg), cfg.text, prefix, tied, per_expert) | {"lm_head.weight"}
     unexpected = {
         k for k in files
         if k not in allowed and not k.startswith(adapter.IGNORED_HF_PREFIXES)
@@ -225,6 +228,9 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
 
     def read_box(name, local_shape, offset):
         src = sources[name]
+        if isinstance(src, adapter.ExpertSource):
+            return read_expert_box(lambda key: open_(files[key]).get_slice(key), src, tuple(shapes[name]),
+                                   local_shape, offset)
         sl = open_(files[src.hf_key]).get_slice(src.hf_key)
         check_rows(name, sl)
         row0 = src.row_start or 0
@@ -242,6 +248,27 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
     _init_adapters(model, seed, device)
     _reinit_buffers(model)
     return model
+
+
+def read_expert_box(get_slice, src: adapter.ExpertSource, shape, local_shape, offset) -> torch.Tensor:
+    """Experts [e0, e0+ne) x rows [r0, r0+nr) x columns [c0, c0+nc) of a fused native expert tensor of `shape`,
+    read from a checkpoint that stores one tensor per expert and projection (`get_slice(key)`: safetensors)."""
+    (e0, r0, c0), (ne, nr, nc) = offset, local_shape
+    experts = []
+    for j in range(e0, e0 + ne):
+        rows, part0, cols = [], 0, None
+        for key in src.keys(j):
+            sl = get_slice(key)
+            part_rows, cols = sl.get_shape()
+            lo, hi = max(r0, part0), min(r0 + nr, part0 + part_rows)
+            if lo < hi:
+                rows.append(sl[lo - part0:hi - part0, c0:c0 + nc])
+            part0 += part_rows
+        if (part0, cols) != tuple(shape[1:]):
+            raise ValueError(f"shape mismatch for {src.keys(j)}: the model expects {tuple(shape[1:])} per expert "
+                             f"(projections stacked), the checkpoint has {(part0, cols)}")
+        experts.append(torch.cat(rows))
+    return torch.stack(experts)
 
 
 def _all_native_keys(cfg: ModelConfig) -> list[str]:

@@ -8,6 +8,13 @@ TP would be wrong: split into q/k/v first.)
 
 Key prefixes: `model.` (Qwen3_5ForCausalLM) or `model.language_model.` (the VLM layout of the released
 checkpoints); `lm_head.weight` sits at the top. Native `visual.*` maps to HF `model.visual.*` unchanged.
+
+Qwen3.5-MoE's routed experts are fused natively as transformers holds them in memory
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`); a checkpoint stores them either
+so (one `Source` each, rows = experts, so an expert-parallel rank reads its experts' rows) or one tensor per
+expert and projection, `mlp.experts.{j}.{gate,up,down}_proj.weight`, which is what transformers 5.24's
+`save_pretrained` writes (`ExpertSource`). transformers' `from_pretrained` reads both; `to_hf_state_dict`
+writes the fused form. Router, shared expert and its gate are plain renames.
 """
 
 from typing import NamedTuple
@@ -31,18 +38,46 @@ class Source(NamedTuple):
     row_end: int | None = None
 
 
+class ExpertSource(NamedTuple):
+    """A fused native expert tensor stored per expert: expert j's `projections` (`{prefix}{j}.{proj}.weight`)
+    concatenated along dim 1 (gate rows, then up rows), stacked along dim 0."""
+    prefix: str  # e.g. "model.layers.3.mlp.experts."
+    projections: tuple[str, ...]  # ("gate_proj", "up_proj") or ("down_proj",)
+
+    def keys(self, expert: int) -> list[str]:
+        return [f"{self.prefix}{expert}.{proj}.weight" for proj in self.projections]
+
+
+_EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def detect_per_expert(hf_keys) -> bool:
+    """True if the checkpoint stores one tensor per expert (`mlp.experts.0.gate_proj.weight`), not fused ones."""
+    return any(k.endswith(".mlp.experts.0.gate_proj.weight") for k in hf_keys)
+
+
+def source_keys(src, num_experts: int) -> list[str]:
+    """The HF keys a `Source` or `ExpertSource` reads."""
+    if isinstance(src, ExpertSource):
+        return [k for j in range(num_experts) for k in src.keys(j)]
+    return [src.hf_key]
+
+
 def detect_prefix(hf_keys) -> str:
     """`model.language_model.` if the checkpoint uses the VLM layout, else `model.`."""
     return VLM_PREFIX if any(k.startswith(VLM_PREFIX) for k in hf_keys) else CAUSAL_LM_PREFIX
 
 
-def hf_source(native_key: str, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, tied: bool = False) -> Source:
-    """Where a native tensor comes from in an HF checkpoint."""
+def hf_source(native_key: str, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, tied: bool = False,
+              per_expert: bool = False) -> Source | ExpertSource:
+    """Where a native tensor comes from in an HF checkpoint (`per_expert`: experts stored one per tensor)."""
     if native_key.startswith("visual."):
         return Source(VISUAL_PREFIX + native_key[len("visual."):])
     if native_key == "lm_head.weight":
         return Source(prefix + "embed_tokens.weight") if tied else Source("lm_head.weight")
     parts = native_key.split(".")
+    if per_expert and parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
+        return ExpertSource(prefix + ".".join(parts[:4]) + ".", _EXPERT_PROJECTIONS[parts[4]])
     if parts[0] == "layers" and parts[2] == "linear_attn":
         name = ".".join(parts[3:])
         base = prefix + ".".join(parts[:3]) + "."
@@ -68,11 +103,15 @@ def native_to_hf_keys(native_keys, cfg: TextConfig, prefix: str = CAUSAL_LM_PREF
 
 def from_hf_state_dict(hf_sd: dict, native_keys, cfg: TextConfig, prefix: str | None = None,
                        tied: bool = False) -> dict:
-    """Native state dict for `native_keys` from a full HF state dict."""
+    """Native state dict for `native_keys` from a full HF state dict (fused or per-expert MoE layout)."""
     prefix = detect_prefix(hf_sd) if prefix is None else prefix
+    per_expert = detect_per_expert(hf_sd)
     out = {}
     for k in native_keys:
-        src = hf_source(k, cfg, prefix, tied)
+        src = hf_source(k, cfg, prefix, tied, per_expert)
+        if isinstance(src, ExpertSource):
+            out[k] = torch.stack([torch.cat([hf_sd[key] for key in src.keys(j)]) for j in range(cfg.num_experts)])
+            continue
         t = hf_sd[src.hf_key]
         out[k] = t if src.row_start is None else t[src.row_start:src.row_end]
     return out
@@ -93,5 +132,6 @@ def to_hf_state_dict(native_sd: dict, cfg: TextConfig, prefix: str = CAUSAL_LM_P
     return out
 
 
-def expected_hf_keys(native_keys, cfg: TextConfig, prefix: str, tied: bool) -> set[str]:
-    return {src.hf_key for src in native_to_hf_keys(native_keys, cfg, prefix, tied).values()}
+def expected_hf_keys(native_keys, cfg: TextConfig, prefix: str, tied: bool, per_expert: bool = False) -> set[str]:
+    return {key for k in native_keys if not (tied and k == "lm_head.weight")
+            for key in source_keys(hf_source(k, cfg, prefix, tied, per_expert), cfg.num_experts)}

@@ -1,6 +1,9 @@
 """Qwen3.5 configs: `TextConfig` (the decoder), `ModelConfig` (+ vision), named sizes, HF config I/O.
 
-Field names follow transformers' `Qwen3_5TextConfig` so a config.json reads over one-to-one.
+Field names follow transformers' `Qwen3_5TextConfig` and `Qwen3_5MoeTextConfig` so a config.json reads over
+one-to-one. One `TextConfig` covers both: `num_experts > 0` makes every layer's MLP the sparse MoE block
+(Qwen3.5-MoE has no dense layers: no `mlp_only_layers` / `decoder_sparse_step`), and `intermediate_size`
+is then unused.
 """
 
 import dataclasses
@@ -38,6 +41,12 @@ class TextConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Qwen3.5-MoE; num_experts 0 = the dense model. The other defaults are Qwen3_5MoeTextConfig's.
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -61,10 +70,22 @@ class TextConfig:
                 f"mrope_section {self.mrope_section} sums to {sum(self.mrope_section)}, expected rotary_dim/2 = "
                 f"{self.rotary_dim // 2} (head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor})"
             )
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts {self.num_experts} must be >= 0 (0 = dense MLP)")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
+                             f"{self.num_experts}]")
+        if self.is_moe and min(self.moe_intermediate_size, self.shared_expert_intermediate_size) < 1:
+            raise ValueError(f"moe_intermediate_size {self.moe_intermediate_size} and shared_expert_intermediate_size "
+                             f"{self.shared_expert_intermediate_size} must be >= 1")
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass
@@ -131,7 +152,29 @@ def _named() -> dict[str, ModelConfig]:
         vision=None,
         tie_word_embeddings=False,
     )
-    return {"tiny": tiny, "0.8b": size_0_8b, "2b": size_2b, "4b": size_4b, "9b": size_9b, "27b": size_27b}
+    # MoE. tiny_moe: 8 experts (top 2) with dims that keep torch._grouped_mm's 16-byte alignment in fp32.
+    # 35b_a3b: transformers' Qwen3_5MoeTextConfig defaults (documented as Qwen3.5-35B-A3B) and the slime
+    # Megatron script for Qwen3.5-35B-A3B agree on every dimension below; rope theta 1e7 is the script's
+    # (transformers' default, 1e4, is not the checkpoint's); mrope [11, 11, 10] is every Qwen3.5 with head_dim 256.
+    tiny_moe = ModelConfig(
+        text=_text(
+            vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, mrope_section=[1, 1, 0], linear_num_key_heads=4, linear_num_value_heads=8,
+            linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        ),
+        tie_word_embeddings=False,
+    )
+    size_35b_a3b = ModelConfig(
+        text=_text(
+            hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+            linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+            moe_intermediate_size=512, shared_expert_intermediate_size=512, router_aux_loss_coef=0.001,
+        ),
+        tie_word_embeddings=False,
+    )
+    return {"tiny": tiny, "0.8b": size_0_8b, "2b": size_2b, "4b": size_4b, "9b": size_9b, "27b": size_27b,
+            "tiny_moe": tiny_moe, "35b_a3b": size_35b_a3b}
 
 
 def _tiny_vlm(tiny: ModelConfig) -> ModelConfig:
@@ -144,7 +187,10 @@ def _tiny_vlm(tiny: ModelConfig) -> ModelConfig:
                                video_token_id=6, vision_start_token_id=3, vision_end_token_id=4)
 
 
-UNVERIFIED_SIZES: tuple[str, ...] = ()
+# Released sizes whose config.json numbers qwenft does not have. 397B-A17B: the slime script gives 60 layers,
+# hidden 4096, 32 q / 2 kv heads, 512 experts (top 10), expert and shared-expert width 1024, but not the GDN
+# head counts; 122B-A10B: none. Not guessed: load them with model.path.
+UNVERIFIED_SIZES: tuple[str, ...] = ("122b_a10b", "397b_a17b")
 
 
 def named_config(name: str) -> ModelConfig:
@@ -173,7 +219,7 @@ def transformers_default_mrope_section(half_rotary_dim: int) -> list[int]:
     return [half_rotary_dim - h - w, h, w]
 
 
-def _text_from_hf(d: dict) -> TextConfig:
+def _text_from_hf(d: dict, moe: bool = False) -> TextConfig:
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -192,11 +238,19 @@ def _text_from_hf(d: dict) -> TextConfig:
         kw["layer_types"] = [
             FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(d["num_hidden_layers"])
         ]
+    if moe:
+        kw.setdefault("num_experts", 256)  # Qwen3_5MoeTextConfig's default; the others are TextConfig's
+    else:
+        kw["num_experts"] = 0
     return TextConfig(**kw)
 
 
+TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # -> is MoE
+VLM_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_moe": True}
+
+
 def config_from_hf_dir(path) -> ModelConfig:
-    """Read `config.json` of a transformers Qwen3.5 checkpoint (model_type `qwen3_5` or `qwen3_5_text`)."""
+    """Read `config.json` of a transformers Qwen3.5 or Qwen3.5-MoE checkpoint (text-only or VLM)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
@@ -205,22 +259,31 @@ def config_from_hf_dir(path) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
     d = json.loads(cfg_file.read_text())
     model_type = d.get("model_type")
-    if model_type == "qwen3_5_text":
-        return ModelConfig(text=_text_from_hf(d), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
-    if model_type == "qwen3_5":
+    if model_type in TEXT_MODEL_TYPES:
+        return ModelConfig(text=_text_from_hf(d, TEXT_MODEL_TYPES[model_type]),
+                           tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+    if model_type in VLM_MODEL_TYPES:
         tok = {k: d[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
                if k in d}
         tie = d.get("tie_word_embeddings", d.get("text_config", {}).get("tie_word_embeddings", False))
-        return ModelConfig(text=_text_from_hf(d.get("text_config") or {}), vision=d.get("vision_config"),
-                           tie_word_embeddings=bool(tie), **tok)
+        return ModelConfig(text=_text_from_hf(d.get("text_config") or {}, VLM_MODEL_TYPES[model_type]),
+                           vision=d.get("vision_config"), tie_word_embeddings=bool(tie), **tok)
     raise ValueError(
-        f"config.json in {str(path)!r} has model_type {model_type!r}; valid: 'qwen3_5', 'qwen3_5_text'"
+        f"config.json in {str(path)!r} has model_type {model_type!r}; valid: "
+        f"{sorted(TEXT_MODEL_TYPES) + sorted(VLM_MODEL_TYPES)}"
     )
+
+
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "router_aux_loss_coef")
 
 
 def _hf_text_kwargs(t: TextConfig, tie: bool) -> dict:
     kw = {f.name: getattr(t, f.name) for f in dataclasses.fields(TextConfig)}
     for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
+        kw.pop(k)
+    # each transformers class takes only its own fields: the MoE config has no intermediate_size
+    for k in (("intermediate_size",) if t.is_moe else MOE_FIELDS):
         kw.pop(k)
     kw["layer_types"] = list(t.layer_types)
     kw["rope_parameters"] = {
@@ -232,18 +295,26 @@ def _hf_text_kwargs(t: TextConfig, tie: bool) -> dict:
 
 
 def to_hf_config(cfg: ModelConfig):
-    """A transformers config: `Qwen3_5TextConfig` (text-only) or `Qwen3_5Config` (when `cfg.vision` is set)."""
-    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    """A transformers config: `Qwen3_5TextConfig` (text-only) or `Qwen3_5Config` (when `cfg.vision` is set),
+    or their `Qwen3_5Moe*` counterparts when `cfg.text.num_experts > 0`."""
+    if cfg.text.is_moe:
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig as VLMConfig
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig as TextConfigHF
+        arch = "Qwen3_5Moe"
+    else:
+        from transformers.models.qwen3_5 import Qwen3_5Config as VLMConfig
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig as TextConfigHF
+        arch = "Qwen3_5"
 
     text = _hf_text_kwargs(cfg.text, cfg.tie_word_embeddings)
     if cfg.vision is None:
-        hf = Qwen3_5TextConfig(**text)
-        hf.architectures = ["Qwen3_5ForCausalLM"]
+        hf = TextConfigHF(**text)
+        hf.architectures = [f"{arch}ForCausalLM"]
         return hf
-    hf = Qwen3_5Config(
+    hf = VLMConfig(
         text_config=text, vision_config=dict(cfg.vision), image_token_id=cfg.image_token_id,
         video_token_id=cfg.video_token_id, vision_start_token_id=cfg.vision_start_token_id,
         vision_end_token_id=cfg.vision_end_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
     )
-    hf.architectures = ["Qwen3_5ForConditionalGeneration"]
+    hf.architectures = [f"{arch}ForConditionalGeneration"]
     return hf

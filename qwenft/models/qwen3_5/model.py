@@ -8,46 +8,38 @@ subset still knows each layer's kind. Builds on the meta device with no compute;
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import GatedAttention, RMSNorm, RotaryEmbedding
 from .configs import FULL_ATTENTION, ModelConfig, TextConfig
 from .gdn import GatedDeltaNet, param_dtype, positions_in_document
+from .moe import MLP, MoE, RouterStats
 from ..linear_ce import LMHead
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int, kernels: str, attention_kernel: str = "auto"):
+    def __init__(self, cfg: TextConfig, layer_id: int, kernels: str, attention_kernel: str = "auto",
+                 moe_kernel: str = "auto"):
         super().__init__()
         self.layer_type = cfg.layer_types[layer_id]
         if self.layer_type == FULL_ATTENTION:
             self.self_attn = GatedAttention(cfg, attention_kernel)
         else:
             self.linear_attn = GatedDeltaNet(cfg, kernels)
-        self.mlp = MLP(cfg)
+        # Qwen3.5-MoE: every layer's MLP is the sparse block
+        self.mlp = MoE(cfg, moe_kernel) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope, cu_seqlens=None):
+    def forward(self, h, rope, cu_seqlens=None, router_mask=None):
         x = self.input_layernorm(h)
         if self.layer_type == FULL_ATTENTION:
             x = self.self_attn(x, rope, cu_seqlens)
         else:
             x = self.linear_attn(x, cu_seqlens)
         h = h + x
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, router_mask) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 def _compile(fn):
@@ -72,7 +64,8 @@ def _compile(fn):
 def compile_layer(layer: DecoderLayer) -> None:
     """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place.
 
-    Compiled, each its own graph: the two layer norms, the MLP, and the mixer's pieces before and after its
+    Compiled, each its own graph: the two layer norms, the MLP (of MoE: the shared expert only; routing has
+    data-dependent shapes), and the mixer's pieces before and after its
     kernel (attention: q/k/v/gate projections, q/k norms and rotary, then the sigmoid gate and o_proj; GDN:
     the six projections and beta's sigmoid, the fp32 decay, then the gated norm and out_proj). Left eager:
     the kernels (fla's Triton convs and delta rule, the torch reference, SDPA or varlen flash attention) and
@@ -83,7 +76,8 @@ def compile_layer(layer: DecoderLayer) -> None:
     submodules inside the pieces and are traced into them. Layers of one kind share their graphs (one code
     object, parameters are graph inputs).
     """
-    for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
+    mlp = layer.mlp.shared_expert if isinstance(layer.mlp, MoE) else layer.mlp
+    for module in (layer.input_layernorm, layer.post_attention_layernorm, mlp):
         module.forward = _compile(module.forward)
     if layer.layer_type == FULL_ATTENTION:
         attn = layer.self_attn
@@ -104,7 +98,7 @@ class Qwen3_5Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_ids=None, embed: bool = True, head: bool = True,
                  kernels: str = "torch", ce_chunk_tokens: int = 0, attention_kernel: str = "auto",
-                 ce_kernel: str = "torch"):
+                 ce_kernel: str = "torch", moe_kernel: str = "auto"):
         super().__init__()
         t = cfg.text
         self.cfg = cfg
@@ -119,7 +113,7 @@ class Qwen3_5Model(nn.Module):
 
             self.visual = build_vision(cfg)
         self.rotary = RotaryEmbedding(t)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels, attention_kernel) for i in ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels, attention_kernel, moe_kernel) for i in ids})
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
         self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens, ce_kernel) if head else None
         self.tie_weights()
@@ -133,6 +127,11 @@ class Qwen3_5Model(nn.Module):
         """Recompute non-persistent buffers (garbage after meta init + `to_empty`)."""
         self.rotary.reset()
 
+    def router_stats(self) -> dict[int, RouterStats]:
+        """{layer id: routing of the last forward} for this module's MoE layers (empty for a dense model); feed
+        `moe.load_balancing_loss` (after the forward, before the backward) or log `load_e` per expert."""
+        return {int(i): layer.mlp.stats for i, layer in self.layers.items() if isinstance(layer.mlp, MoE)}
+
     def to_dtype(self, dtype: torch.dtype) -> "Qwen3_5Model":
         """Cast parameters to `dtype`, keeping GDN's A_log / dt_bias in at least fp32 (works on meta too)."""
         for module in self.modules():
@@ -141,14 +140,16 @@ class Qwen3_5Model(nn.Module):
         return self
 
     def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,
-                pixel_values=None, image_grid_thw=None, inputs_embeds=None, labels=None) -> torch.Tensor:
+                pixel_values=None, image_grid_thw=None, inputs_embeds=None, labels=None,
+                router_mask=None) -> torch.Tensor:
         """First stage: `input_ids` [B, T] (or `inputs_embeds` [B, T, H], replacing the embedding lookup);
         later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
         row, or per document when `cu_seqlens` (int32 offsets into the flattened B*T) is given.
         Returns logits [B, T, V] when this module has the head, else hidden states. With `labels` [B, T]
         (IGNORE_INDEX = no loss) the head returns instead the fp32 CE summed over labelled tokens, `ce_chunk_tokens`
         tokens at a time so the whole logits never exist (`qwenft.models.linear_ce.LMHead`). Stages without
-        the head ignore `labels`."""
+        the head ignore `labels`. `router_mask` [B, T] bool (MoE): the tokens the router statistics count, e.g.
+        not padding (transformers: its attention_mask); None = all."""
         if self.embed_tokens is not None and hidden_states is None:
             if inputs_embeds is None:
                 if input_ids is None:
@@ -175,7 +176,7 @@ class Qwen3_5Model(nn.Module):
                 position_ids = positions_in_document(cu_seqlens, B * T).view(B, T)
         rope = self.rotary(position_ids, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, cu_seqlens)
+            h = layer(h, rope, cu_seqlens, router_mask)
         if self.lm_head is None:
             return h
         return self.lm_head(self.norm(h), labels=labels)

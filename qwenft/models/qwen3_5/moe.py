@@ -1,0 +1,154 @@
+"""The feed-forward blocks: the dense SwiGLU `MLP` and Qwen3.5-MoE's sparse `MoE`.
+
+`MoE` follows transformers' `Qwen3_5MoeSparseMoeBlock`: a softmax router picks `num_experts_per_tok` experts
+per token and renormalises their probabilities to sum to 1 (always: Qwen3.5-MoE has no `norm_topk_prob`);
+the routed experts are SwiGLU MLPs stored fused as transformers keeps them (`experts.gate_up_proj [E, 2I, H]`,
+gate rows first, `experts.down_proj [E, H, I]`); a shared expert (a SwiGLU MLP of its own width) sees every
+token and is scaled by `sigmoid(shared_expert_gate(x))`. The router's logits and softmax are at least fp32
+(transformers takes the logits in the compute dtype, then a fp32 softmax; in fp32 the two are the same).
+
+The routed experts run on tokens permuted (sorted) by expert, so each expert's tokens are one contiguous
+slice: `kernel="loop"` is the reference (one matmul pair per expert, any device and dtype), `"grouped_mm"`
+is `torch._grouped_mm` over the same slices (one kernel for all experts; `"auto"` picks it for bf16 on CUDA).
+
+Shape suffixes: n tokens (B*T), h hidden, e experts, k experts per token, m = n*k routed (token, expert)
+pairs, i expert intermediate width.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configs import TextConfig
+
+KERNELS = ("auto", "grouped_mm", "loop")
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RouterStats(NamedTuple):
+    """One MoE layer's routing over the tokens it counts (all, or those of `router_mask`)."""
+
+    load_e: torch.Tensor  # int64 [E]: tokens routed to each expert (with a mask: of the counted tokens)
+    prob_sum_e: torch.Tensor  # fp32 (fp64 in an fp64 model) [E]: router probability summed over tokens; has grad
+    tokens: torch.Tensor  # scalar in prob_sum_e's dtype: tokens counted
+
+
+def load_balancing_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` (Switch Transformer's aux loss) over the layers of `stats`:
+    `E * sum_e f_e * P_e`, f_e = assignments to expert e per token, P_e = mean router probability of e, both
+    pooled over every layer and token before the product (not a per-layer loss averaged). f sums to top_k.
+
+    Sums of `load_e`, `prob_sum_e` and `tokens` over ranks give the same pooled value; only `prob_sum_e` carries
+    a gradient."""
+    load_e = torch.stack([s.load_e for s in stats]).sum(0).float()
+    prob_sum_e = torch.stack([s.prob_sum_e for s in stats]).sum(0)
+    tokens = torch.stack([s.tokens for s in stats]).sum()
+    return load_e.numel() * ((load_e / tokens) * (prob_sum_e / tokens)).sum()
+
+
+def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
+    if kernel not in KERNELS:
+        raise ValueError(f"model.kernels.moe={kernel!r}; valid: {list(KERNELS)}")
+    if kernel != "auto":
+        return kernel
+    # torch's CUDA grouped GEMM takes bf16 only (torch 2.11-2.13); fp32 on CUDA and the CPU loop over experts
+    use_grouped = x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return "grouped_mm" if use_grouped else "loop"
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, fused as transformers stores them (rows of dim 0 = experts)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_mh: torch.Tensor, load_e: torch.Tensor, kernel: str) -> torch.Tensor:
+        """Expert outputs for tokens sorted by expert (`load_e[e]` consecutive rows each), in the same order."""
+        if kernel == "grouped_mm":
+            return grouped_experts(x_mh, load_e, self.gate_up_proj, self.down_proj)
+        return looped_experts(x_mh, load_e, self.gate_up_proj, self.down_proj)
+
+
+def looped_experts(x_mh, load_e, gate_up_eih, down_ehi) -> torch.Tensor:
+    """Reference: one SwiGLU per expert on its slice of the sorted tokens (one host sync for the counts)."""
+    out, start = [], 0
+    for e, count in enumerate(load_e.tolist()):
+        if count == 0:
+            continue
+        gate_mi, up_mi = F.linear(x_mh[start:start + count], gate_up_eih[e]).chunk(2, dim=-1)
+        out.append(F.linear(F.silu(gate_mi) * up_mi, down_ehi[e]))
+        start += count
+    return torch.cat(out) if out else x_mh.new_zeros(x_mh.shape)
+
+
+def grouped_experts(x_mh, load_e, gate_up_eih, down_ehi) -> torch.Tensor:
+    """`torch._grouped_mm` (private; torch >= 2.8): row group g of `x` times `w[g]`, groups ending at the
+    int32 cumulative offsets `offs`; weights go in as [E, in, out] views. CUDA takes bf16 only; the CPU
+    build also runs fp32. Every stride must be a multiple of 16 bytes (H and I multiples of 8 in bf16)."""
+    offs = load_e.cumsum(0).to(torch.int32)
+    gate_up_mi = torch._grouped_mm(x_mh, gate_up_eih.transpose(-2, -1), offs=offs)
+    gate_mi, up_mi = gate_up_mi.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate_mi) * up_mi, down_ehi.transpose(-2, -1), offs=offs)
+
+
+class MoE(nn.Module):
+    """The sparse MLP of a Qwen3.5-MoE layer. Keys as transformers': `gate.weight` (router), `experts.*`,
+    `shared_expert.*`, `shared_expert_gate.weight`.
+
+    Each forward leaves its routing in `self.stats` (`RouterStats`, read it after the forward and before the
+    backward: activation checkpointing's recompute overwrites it) for the aux loss and the expert load."""
+
+    def __init__(self, cfg: TextConfig, kernel: str = "auto"):
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"model.kernels.moe={kernel!r}; valid: {list(KERNELS)}")
+        self.top_k = cfg.num_experts_per_tok
+        self.kernel = kernel
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.stats: RouterStats | None = None
+
+    def forward(self, x_bth: torch.Tensor, router_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`router_mask` [B, T] bool: the tokens `stats` counts (None = all); every token is routed either way."""
+        x_nh = x_bth.flatten(0, -2)
+        n = x_nh.shape[0]
+        router_dtype = torch.promote_types(x_nh.dtype, torch.float32)  # fp32, or fp64 in an fp64 model
+        probs_ne = F.linear(x_nh.to(router_dtype), self.gate.weight.to(router_dtype)).softmax(dim=-1)
+        top_p_nk, top_e_nk = probs_ne.topk(self.top_k, dim=-1)
+        top_w_nk = (top_p_nk / top_p_nk.sum(dim=-1, keepdim=True)).to(x_nh.dtype)
+
+        # permute: (token, expert) pairs sorted by expert, stable so each expert keeps token order
+        expert_m = top_e_nk.flatten()
+        order_m = expert_m.argsort(stable=True)
+        load_e = torch.bincount(expert_m, minlength=self.gate.out_features)
+        y_mh = self.experts(x_nh[order_m // self.top_k], load_e, resolve_kernel(self.kernel, x_nh))
+        # unpermute, then each token's weighted sum over its k experts
+        y_nkh = y_mh.new_empty(y_mh.shape).index_copy(0, order_m, y_mh).view(n, self.top_k, -1)
+        routed_nh = (y_nkh * top_w_nk.unsqueeze(-1)).sum(dim=1)
+
+        shared_nh = torch.sigmoid(self.shared_expert_gate(x_nh)) * self.shared_expert(x_nh)
+        self.stats = self._stats(probs_ne, top_e_nk, load_e, router_mask)
+        return (routed_nh + shared_nh).view_as(x_bth)
+
+    def _stats(self, probs_ne, top_e_nk, load_e, router_mask) -> RouterStats:
+        if router_mask is None:
+            return RouterStats(load_e.detach(), probs_ne.sum(dim=0), probs_ne.new_tensor(float(probs_ne.shape[0])))
+        mask_n = router_mask.flatten().to(probs_ne.device)
+        counted_e = torch.bincount(top_e_nk[mask_n].flatten(), minlength=probs_ne.shape[1])
+        return RouterStats(counted_e, probs_ne[mask_n].sum(dim=0), mask_n.sum().to(probs_ne.dtype))
