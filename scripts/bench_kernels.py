@@ -12,7 +12,6 @@
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,20 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qwenft.models.linear_ce import IGNORE_INDEX, fused_linear_ce_sum  # noqa: E402
 from qwenft.train.optim import LowPrecisionAdamW  # noqa: E402
-
-
-def _time_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench_layers import time_ms  # noqa: E402  (scripts/ is on the path: this file runs from there)
 
 
 def bench_adamw(total_params: float) -> dict:
@@ -58,7 +44,7 @@ def bench_adamw(total_params: float) -> dict:
     for fused in (False, True):
         ps = make()
         opt = LowPrecisionAdamW(ps, fused=fused, **hyper)
-        ms = _time_ms(opt.step, repeat=5, warmup=2)
+        ms = time_ms(opt.step, warmup=2, iters=5)
         out[f"{'fused' if fused else 'foreach'}_ms_per_1e9_params"] = ms * 1e9 / n
         del ps, opt
         torch.cuda.empty_cache()
@@ -121,7 +107,7 @@ def bench_ce(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
-        out[name] = {"ms": _time_ms(step), "peak_gib_above_inputs": peak,
+        out[name] = {"ms": time_ms(step), "peak_gib_above_inputs": peak,
                      "loss_rel_err": abs(loss.item() / scale - ref_loss.item()) / abs(ref_loss.item()),
                      "dh_rel_err": rel(dh, ref_dh), "dw_rel_err": rel(dw, ref_dw)}
         del loss, dh, dw

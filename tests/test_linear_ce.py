@@ -117,17 +117,23 @@ def test_fsdp_sharded_head_equals_one_process():
 
 
 @pytest.mark.distributed
-def test_vocab_sharded_weight_is_refused():
-    """A DTensor lm_head (vocab_parallel TP) is refused with the keys to change."""
+@pytest.mark.parametrize("kernel", ["chunked", "fused"])
+def test_vocab_sharded_weight_is_refused(kernel):
+    """A DTensor lm_head (vocab_parallel TP) is refused by the chunked and the fused CE, with the keys to change."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    from qwenft.models.linear_ce import fused_linear_ce_sum
+
+    ce, key = {"chunked": (chunked_linear_ce_sum, "model.ce_chunk_tokens=0"),
+               "fused": (fused_linear_ce_sum, "model.kernels.ce=torch")}[kernel]
 
     def body(rank, world):
         mesh = init_device_mesh("cpu", (world,))
         h, w, labels = _inputs()
         w = distribute_tensor(w, mesh, [Shard(0)])
-        with pytest.raises(ValueError, match="mesh.vocab_parallel=false or model.ce_chunk_tokens=0"):
-            chunked_linear_ce_sum(h, w, labels, 8)
+        with pytest.raises(ValueError, match=f"mesh.vocab_parallel=false or {key}"):
+            ce(h, w, labels, 8)
         return True
 
     assert run_distributed(body, 1) == [True]
@@ -192,22 +198,3 @@ def test_fused_model_labels_path_equals_logits_path(tied):
     ref_grads = dict(ref_model.named_parameters())
     for name, p in model.named_parameters():
         assert rel_err(p.grad, ref_grads[name].grad) < 1e-6, name
-
-
-@pytest.mark.distributed
-def test_fused_vocab_sharded_weight_is_refused():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from distributed import run_distributed
-    from qwenft.models.linear_ce import fused_linear_ce_sum
-
-    def body(rank, world):
-        mesh = init_device_mesh("cpu", (world,))
-        h, w, labels = _inputs()
-        w = distribute_tensor(w, mesh, [Shard(0)])
-        with pytest.raises(ValueError, match="mesh.vocab_parallel=false or model.kernels.ce=torch"):
-            fused_linear_ce_sum(h, w, labels, 8)
-        return True
-
-    assert run_distributed(body, 1) == [True]

@@ -173,3 +173,18 @@ def test_export_from_pp2_run_loads_in_transformers(tmp_path):
     with torch.no_grad():
         ref, got = native(input_ids=ids), hf(input_ids=ids).logits
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("bar", ["false", "true"])
+def test_train_log_has_a_line_every_log_every_steps(tmp_path, bar):
+    """train.log gets the step lines whether or not the progress bar shows them on the console."""
+    from helpers import tiny_overrides
+
+    overrides = tiny_overrides(tmp_path, "train.max_steps=5", "train.log_every=2", f"train.progress_bar={bar}",
+                               "checkpoint.export_hf=false")
+    (result,) = run_distributed(train, 1, overrides)
+    lines = [line for line in (tmp_path / "train.log").read_text().splitlines() if " | loss " in line]
+    assert [line.split("step ")[1].split(" ")[0] for line in lines] == ["2/5", "4/5", "5/5"], lines
+    assert f"loss {result.losses[-1]:.4f}" in lines[-1]

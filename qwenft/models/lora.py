@@ -85,15 +85,10 @@ def _matches(entry: str, hf_name: str) -> bool:
 
 def check_targets(model_cfg, lora: LoRAConfig) -> None:
     """Raise before anything is built when a peft.* value cannot work for this model: a target_modules entry
-    that matches no module (naming those that exist), rank or alpha <= 0, vision without a vision tower."""
+    that matches no module (naming those that exist), vision without a vision tower. (rank, alpha and dropout
+    are checked with the rest of the config, in qwenft.conf.schema.)"""
     from .qwen3_5.model import Qwen3_5Model
 
-    if lora.rank < 1:
-        raise ValueError(f"peft.rank={lora.rank} must be >= 1")
-    if lora.alpha <= 0:
-        raise ValueError(f"peft.alpha={lora.alpha} must be > 0")
-    if not 0 <= lora.dropout < 1:
-        raise ValueError(f"peft.dropout={lora.dropout} must be in [0, 1)")
     if lora.vision and model_cfg.vision is None:
         raise ValueError("peft.vision=true but the model has no vision tower; set peft.vision=false")
     with torch.device("meta"):

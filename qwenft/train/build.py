@@ -363,12 +363,17 @@ def _make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
         cleanup.callback(lock.release)
 
 
-def _setup_logging(run_dir: Path, is_main: bool) -> None:
-    log.setLevel(logging.INFO if is_main else logging.WARNING)
-    for handler in log.handlers:  # an earlier run in this process (tests) left its log file open
-        handler.close()
-    log.handlers.clear()
+def _setup_logging(run_dir: Path, is_main: bool, progress_bar: bool) -> None:
+    """The `qwenft` logger: console and (rank 0) run_dir/train.log. Its child `qwenft.steps` carries the
+    per-step lines: to train.log always, to the console only without the progress bar (which shows them)."""
+    steps = logging.getLogger("qwenft.steps")
+    for logger in (log, steps):
+        logger.setLevel(logging.INFO if is_main else logging.WARNING)
+        for handler in logger.handlers:  # an earlier run in this process (tests) left its log file open
+            handler.close()
+        logger.handlers.clear()
     log.propagate = False
+    steps.propagate = not progress_bar
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     console = logging.StreamHandler()
     console.setFormatter(fmt)
@@ -377,6 +382,8 @@ def _setup_logging(run_dir: Path, is_main: bool) -> None:
         file = logging.FileHandler(run_dir / "train.log")
         file.setFormatter(fmt)
         log.addHandler(file)
+        if progress_bar:
+            steps.addHandler(file)
 
 
 @dataclass
@@ -432,7 +439,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     ckpt_root = run_dir / "checkpoints"
     on_rank0(is_main, lambda: _make_run_dir(run_dir, cleanup))
     dist.barrier()
-    _setup_logging(run_dir, is_main)
+    _setup_logging(run_dir, is_main, cfg.train.progress_bar)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
              run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one

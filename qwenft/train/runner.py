@@ -127,9 +127,14 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
 
 
 def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_steps: int) -> None:
-    """One line of metrics.jsonl (and wandb): the step's numbers and its throughput."""
+    """One line of metrics.jsonl (and wandb) with the step's numbers and its throughput, and one in train.log
+    (and on the console when there is no progress bar)."""
     tokens, world = job.spec.batching.tokens_per_step, job.spec.layout.world_size
     flops = job.flops_per_token * tokens / elapsed / world
+    logging.getLogger("qwenft.steps").info(
+        "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.2f s | %.0f tokens/s/GPU | peak %.2f GiB",
+        step, job.max_steps, stats.loss, stats.lr, stats.grad_norm, elapsed, tokens / elapsed / world,
+        peak_memory_gib(job.device))
     job.metrics.log({
         "step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
         "label_tokens": stats.label_tokens, "epoch": job.data.epoch_progress,
