@@ -20,7 +20,8 @@ commands:
   recipes   list recipes, one line each
   plan      per-rank GPU memory of the recipe's whole mesh, planned on this machine (--json: as JSON)
   export    {{export_usage}}
-            a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; docs/checkpointing.md
+            a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; a LoRA run's as a peft
+            adapter dir, or with merged=true merged into the run's model.path; docs/checkpointing.md
 
 overrides (Hydra syntax): a.b=v sets a key, group=option picks a config group option, ~a.b resets a key.
 keys: `qwenft show [recipe=NAME]` prints every key with its value; docs/cli.md says what each does
@@ -88,7 +89,7 @@ def _slurm(args: list[str]) -> int:
 
 
 EXPORT_USAGE = ("qwenft export run_dir=DIR out=DIR [checkpoint=latest|best|STEP_DIR] [dtype=bfloat16|float32] "
-                "[tokenizer=DIR]")
+                "[tokenizer=DIR] [merged=false|true]")
 
 
 def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
@@ -110,15 +111,17 @@ def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
 
 def _export(args: list[str]) -> int:
     """`qwenft export`: a run's DCP checkpoint, saved on any mesh, as an HF checkpoint written by one CPU
-    process through the same writer as checkpoint.export_hf. Every input is checked before anything is read
-    or written, and an existing non-empty `out` is refused."""
+    process through the same writer as checkpoint.export_hf. A LoRA run's checkpoint holds only what it trained:
+    its adapters are written as a peft adapter dir, or with merged=true merged into the run's base (model.path).
+    Every input is checked before anything is read or written, and an existing non-empty `out` is refused."""
     import torch
 
     from qwenft.checkpoint import dcp, hf_export
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
-    from qwenft.train.build import load_preprocessors
+    from qwenft.models.lora import is_adapter
+    from qwenft.train.build import load_preprocessors, lora_config
 
-    opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None}
+    opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None, "merged": "false"}
     for arg in args:
         key, sep, value = arg.partition("=")
         if not sep or key not in opts:
@@ -132,9 +135,28 @@ def _export(args: list[str]) -> int:
     dtype = opts["dtype"] or cfg.checkpoint.export_dtype
     if dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"dtype={dtype!r} is not valid; choose one of bfloat16, float32")
+    if opts["merged"] not in ("false", "true"):
+        raise ConfigError(f"merged={opts['merged']!r} is not valid; choose one of false, true")
+    merged = opts["merged"] == "true"
     path = _export_checkpoint(run_dir / "checkpoints", opts["checkpoint"])
+    meta = dcp.read_meta(path)
+    lora = lora_config(cfg) if (meta.get("peft") or {}).get("method", "none") != "none" else None
+    if merged and lora is None:
+        raise ConfigError(f"merged=true merges a LoRA run's adapters, but {path} is a full finetuning checkpoint; "
+                          f"drop merged=true")
+    if merged and not (cfg.model.path and Path(cfg.model.path).is_dir()):
+        raise ConfigError(f"model.path={cfg.model.path} (from {run_dir / 'config.yaml'}) "
+                          f"{'does not exist' if cfg.model.path else 'is unset (the run trained a random-init base)'}"
+                          f": merged=true needs the run's base model there; restore it, or export the adapters "
+                          f"alone without merged=true")
     hf_export.check_out_dir(out)
-    model_cfg = dcp.model_config_from_meta(dcp.read_meta(path))
+    model_cfg = dcp.model_config_from_meta(meta)
+    if lora is not None and not merged:
+        state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora)
+        hf_export.write_peft_adapter({k: v for k, v in state.items() if is_adapter(k)}, model_cfg, lora,
+                                     cfg.model.path or cfg.model.name, out)
+        print(f"exported the LoRA adapters of {path} ({dtype}, peft format) to {out}")
+        return 0
     source, key = next(((v, k) for k, v in (("tokenizer", opts["tokenizer"]), ("data.tokenizer", cfg.data.tokenizer),
                                              ("model.path", cfg.model.path)) if v), (None, None))
     if source not in (None, *BUILT_IN) and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
@@ -142,9 +164,14 @@ def _export(args: list[str]) -> int:
         raise ConfigError(f"{key}={source}{where} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) to export "
                           f"with the model; pass tokenizer=DIR, a dir with the run's tokenizer")
     _, _, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None, source)
-    state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype))
+    if merged:
+        trained = dcp.load_model_state(path, model_cfg, torch.float32, lora)
+        state = hf_export.merge_into_base(trained, model_cfg, lora, Path(cfg.model.path), cfg.seed,
+                                          getattr(torch, dtype))
+    else:
+        state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype))
     hf_export.write_hf(state, model_cfg, preprocessors, out)
-    print(f"exported {path} ({dtype}) to {out}")
+    print(f"exported {path} ({dtype}{', adapters merged into ' + cfg.model.path if merged else ''}) to {out}")
     return 0
 
 

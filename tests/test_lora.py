@@ -358,3 +358,64 @@ def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path):
         ours, theirs = model.eval()(input_ids=input_ids), hf.eval()(input_ids=input_ids).logits
     assert (theirs - ours).abs().max() / ours.abs().max() < 1e-5
     assert not (tmp_path / "run" / "adapter").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_export_of_a_checkpoint_adapters_and_merged(tmp_path, capsys):
+    """`qwenft export` of a LoRA run's training checkpoint: the adapter dir loads in peft onto transformers' model
+    with the logits of the run's own end-of-training adapter dir (within 1e-6); merged=true writes the base from
+    model.path with the adapters merged (transformers' logits = peft's within 1e-5); once model.path is gone,
+    merged=true fails in one line naming it."""
+    from peft import PeftModel
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    from qwenft.checkpoint.hf_export import write_hf_checkpoint
+    from qwenft.cli import main
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5 import adapter
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.runner import run
+
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = max(cfg.text.vocab_size, len(load_tokenizer("tiny")))
+    base_model = init_random_weights(build_model(cfg, kernels="torch", device="meta"), seed=7, device="cpu")
+    base = tmp_path / "base"
+    write_hf_checkpoint(adapter.to_hf_state_dict({n: p.detach() for n, p in base_model.named_parameters()},
+                                                 cfg.text, adapter.CAUSAL_LM_PREFIX), cfg, base)
+
+    def train(rank, world_size, overrides):
+        return run(compose(overrides)).losses
+
+    run_dir = tmp_path / "run"
+    run_distributed(train, 1, ["recipe=tiny_lora", "train.max_steps=2", "data.seq_len=64", "optim.lr=5e-2",
+                               "lr_scheduler.warmup_steps=0", "train.progress_bar=false", "model.kernels.gdn=torch",
+                               f"model.path={base}", "data.tokenizer=tiny", "checkpoint.every_steps=2",
+                               "checkpoint.export_hf=true", "checkpoint.export_dtype=float32", f"run_dir={run_dir}"])
+    assert main(["export", f"run_dir={run_dir}", f"out={tmp_path / 'adapter'}", "dtype=float32"]) == 0
+    assert main(["export", f"run_dir={run_dir}", f"out={tmp_path / 'merged'}", "dtype=float32", "merged=true"]) == 0
+
+    input_ids = torch.randint(0, cfg.text.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+
+    def logits(model):
+        with torch.no_grad():
+            return model.eval()(input_ids=input_ids).logits
+
+    def with_adapter(adapter_dir):
+        return logits(PeftModel.from_pretrained(Qwen3_5ForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                                adapter_dir))
+
+    run_end, exported = with_adapter(run_dir / "adapter"), with_adapter(tmp_path / "adapter")
+    assert (exported - run_end).abs().max() / run_end.abs().max() < 1e-6
+    base_logits = logits(Qwen3_5ForCausalLM.from_pretrained(base, dtype=torch.float32))
+    assert (base_logits - run_end).abs().max() / run_end.abs().max() > 1e-3  # the adapters trained away from zero
+    merged = logits(Qwen3_5ForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32))
+    assert (merged - run_end).abs().max() / run_end.abs().max() < 1e-5
+
+    base.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["export", f"run_dir={run_dir}", f"out={tmp_path / 'again'}", "merged=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"model.path={base}" in err and "does not exist" in err and "\n" not in err, err
+    assert not (tmp_path / "again").exists()

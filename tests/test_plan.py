@@ -98,10 +98,24 @@ def _storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def _fsdp_accumulators(module) -> list:
+    """The unsharded gradients FSDP2 accumulates outside `.grad`: with a compute dtype other than the reduce
+    dtype (bf16 and fp32), the first backward without gradient sync moves each gradient into an fp32
+    `unsharded_accumulated_grad` of its FSDPParam (no public accessor)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from qwenft.distributed.fsdp import param_groups
+
+    return [fp.unsharded_accumulated_grad for m in module.modules() if isinstance(m, FSDPModule)
+            for group in param_groups(fully_shard.state(m)) for fp in group.fsdp_params
+            if fp.unsharded_accumulated_grad is not None]
+
+
 def _real_step_bytes(rank, world_size, overrides):
     """Run the real runner for one step and record, on this rank: the gradients held after the first microbatch's
     backward (knob off: the unsharded accumulator), and after the optimizer step (before zero_grad) the
-    parameters, sharded gradients and optimizer state."""
+    trained parameters, every parameter of the model parts (a frozen base too), sharded gradients and optimizer
+    state."""
     from qwenft.distributed.pipeline import stage as pp_stage
     from qwenft.train import build, runner
 
@@ -111,10 +125,15 @@ def _real_step_bytes(rank, world_size, overrides):
         def backward_maybe_with_nosync(self, *args, **kwargs):
             result = super().backward_maybe_with_nosync(*args, **kwargs)
             seen.setdefault("first_backward_grads", _storage_bytes(
-                p.grad for p in self.submod.parameters() if p.grad is not None))
+                [p.grad for p in self.submod.parameters() if p.grad is not None] + _fsdp_accumulators(self.submod)))
             return result
 
-    build_optimizer = build.build_optimizer
+    build_optimizer, build_model_parts = build.build_optimizer, build.build_model_parts
+    parts = []
+
+    def recording_model_parts(*args, **kwargs):
+        parts.extend(build_model_parts(*args, **kwargs))
+        return parts
 
     def recording_optimizer(*args, **kwargs):
         optimizer = build_optimizer(*args, **kwargs)
@@ -123,6 +142,7 @@ def _real_step_bytes(rank, world_size, overrides):
         def measure_then_zero_grad(set_to_none=True):
             params = [p for group in optimizer.param_groups for p in group["params"]]
             seen.setdefault("params", _storage_bytes(params))
+            seen.setdefault("all_params", _storage_bytes(p for _, m in parts for p in m.parameters()))
             seen.setdefault("grads", _storage_bytes(p.grad for p in params))
             seen.setdefault("optimizer", _storage_bytes(v for s in optimizer.state.values() for v in s.values()))
             zero_grad(set_to_none)
@@ -132,6 +152,7 @@ def _real_step_bytes(rank, world_size, overrides):
 
     pp_stage.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
     build.build_optimizer = recording_optimizer
+    build.build_model_parts = recording_model_parts
     runner.run(compose(overrides))
     return seen
 
@@ -152,6 +173,46 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
         assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)  # sharded, after the step
         assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tiny_3d_lora_plan_equals_a_real_steps_bytes(tmp_path):
+    """peft=lora on tp2 x pp2 x dp2, bf16 compute with fp32 master weights (knob off, 2 microbatches): the frozen
+    base is held in bf16 only, the adapters in fp32 with gradients and AdamW state; every rank's planned parameter
+    (base + adapters), gradient and optimizer bytes equal one real training step's, byte for byte."""
+    overrides = ["recipe=tiny_3d", "peft=lora", "train.max_steps=1", "data.seq_len=64",
+                 "pipeline.reduce_grad_per_microbatch=false", "model.dtype=bfloat16", "optim.master_dtype=float32",
+                 "optim.state_dtype=float32", "model.kernels.gdn=torch", "train.progress_bar=false",
+                 "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
+    real = run_distributed(_real_step_bytes, 8, overrides)
+    _, plans = _plan(*overrides)
+    for p, seen in zip(plans, real):
+        assert p.param_bytes == seen["all_params"], (p.rank, p.param_bytes, seen)
+        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
+        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
+        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+        assert seen["params"] < seen["all_params"]  # the optimizer holds the adapters, not the base
+
+
+@pytest.mark.slow
+def test_27b_lora_plan_keeps_optimizer_state_for_the_adapters_only(tmp_path, capsys):
+    """`qwenft plan recipe=qwen3_5_27b_lora` against the same recipe fully finetuned (fp32 master weights and AdamW
+    state both): per rank, the adapters' (~0.4% of the model) optimizer state and gradients are under 1% of full
+    finetuning's, and the frozen base is held once in bf16, half of the fp32 master weights."""
+    reports = {}
+    for peft in ("lora", "none"):
+        out = tmp_path / f"{peft}.json"
+        assert main(["plan", "recipe=qwen3_5_27b_lora", f"peft={peft}", f"plan.json={out}"]) == 0
+        reports[peft] = json.loads(out.read_text())["ranks"]
+        table = capsys.readouterr().out
+        assert ("frozen base bfloat16, lora adapters float32" in table) == (peft == "lora"), table
+    assert len(reports["lora"]) == len(reports["none"]) == 2  # tp2 (mesh.dp=-1 planned as 1)
+    for lora, full in zip(reports["lora"], reports["none"]):
+        assert 0 < lora["optimizer_bytes"] < 0.01 * full["optimizer_bytes"], (lora, full)
+        assert 0 < lora["grad_bytes"]["knob_off"] < 0.01 * full["grad_bytes"]["knob_off"], (lora, full)
+        assert 0.5 * full["param_bytes"] < lora["param_bytes"] < 0.51 * full["param_bytes"], (lora, full)
+        assert lora["total_bytes"] < 0.5 * full["total_bytes"]
 
 
 @pytest.mark.slow

@@ -337,16 +337,20 @@ class Checkpointer:
         return extra["step"]
 
 
-def load_model_state(path: Path, model_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None) -> dict[str, torch.Tensor]:
     """The model's parameters from a checkpoint of any mesh, on this one CPU process, in `dtype` (GDN's
     A_log/dt_bias stay fp32): full tensors under their native names, without the optimizer state (DCP reads
-    only the keys asked for)."""
+    only the keys asked for). With `lora` (a LoRA run's checkpoint) only the trained parameters it holds: the
+    adapters, and embeddings / lm_head with peft.train_embeddings / train_head."""
     from qwenft.models.loader import build_model
+    from qwenft.models.lora import apply_lora
     from qwenft.models.qwen3_5.gdn import param_dtype
 
     meta_model = build_model(model_config, kernels="torch", device="meta")
+    if lora is not None:
+        apply_lora(meta_model, lora, adapter_dtype=dtype)
     state = {name: torch.empty(p.shape, dtype=param_dtype(name.rsplit(".", 1)[-1], dtype))
-             for name, p in meta_model.named_parameters()}
+             for name, p in meta_model.named_parameters() if lora is None or p.requires_grad}
     with warnings.catch_warnings():  # one process without a process group is what `qwenft export` means to do
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())

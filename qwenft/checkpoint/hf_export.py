@@ -2,6 +2,8 @@
 
     export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16)   # end of training
     write_hf(state, model_cfg, preprocessors, out_dir)       # `qwenft export`: a state loaded from a DCP checkpoint
+    write_peft_adapter(state, model_cfg, lora, base, out_dir)  # `qwenft export` of a LoRA run's checkpoint
+    merge_into_base(trained, model_cfg, lora, base_dir, seed, dtype)  # ... merged=true: then write_hf
     export_peft_adapter(modules, model_cfg, lora, base, run_dir / "adapter", mesh, torch.float32)   # peft=lora
     save_hf(model, model_cfg, out_dir)                        # one model (any TP/FSDP sharding), weights + config
 
@@ -137,6 +139,24 @@ def export_peft_adapter(modules: list[torch.nn.Module], model_cfg, lora, base_mo
     if dist.get_rank() == 0:
         write_peft_adapter(state, model_cfg, lora, base_model, out_dir, replace=True)
     dist.barrier()
+
+
+def merge_into_base(trained: dict[str, torch.Tensor], model_cfg, lora, base_dir: Path, seed: int,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's trained parameters (`dcp.load_model_state(..., lora=lora)`) merged into the base
+    weights read from `base_dir` (the run's model.path), in fp32, as `export_merged_hf` merges them: full native
+    parameters in `dtype` (GDN's decay in fp32), for `write_hf`."""
+    from qwenft.models.loader import build_model, load_hf_weights
+    from qwenft.models.lora import apply_lora, merge_adapters
+    from qwenft.models.qwen3_5.gdn import param_dtype
+
+    model = build_model(model_cfg, kernels="torch", device="meta", dtype=torch.float32)
+    apply_lora(model, lora, adapter_dtype=torch.float32)
+    load_hf_weights(model, base_dir, device="cpu", dtype=torch.float32, seed=seed)
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    state.update({name: t.float() for name, t in trained.items()})
+    return {k: v.to(param_dtype(k.rsplit(".", 1)[-1], dtype))
+            for k, v in merge_adapters(state, model_cfg, lora.scaling).items()}
 
 
 def full_native_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -7,9 +7,11 @@ Each rank's share is built the way `qwenft train` builds it (`build.build_model_
 tensor parallel plan, activation checkpointing, FSDP2 `fully_shard`), on the meta device, in this one process
 playing every rank in turn on a fake process group. Parameters, gradients and optimizer state are read from
 those modules: local DTensor shards, FSDP's padded shards, its units and its mixed-precision dtypes.
-Activations and logits are estimated per token from the model's dims (qwenft.train.activations), times the
-microbatches a rank holds under the schedule (`microbatches_in_flight`). docs/performance.md ("Memory
-planner") says what is counted, how it compares with measured peaks, and where it is approximate.
+With peft=lora only the adapters are trained: the frozen base counts its compute-dtype shards and their gathered
+copies, with no gradient and no optimizer state. Activations and logits are estimated per token from the model's
+dims (qwenft.train.activations), times the microbatches a rank holds under the schedule (`microbatches_in_flight`).
+docs/performance.md ("Memory planner") says what is counted, how it compares with measured peaks, and where it
+is approximate.
 """
 
 import dataclasses
@@ -380,8 +382,10 @@ def format_table(plans: list[RankPlan], cfg: Config) -> str:
     knob, ac = _settings(cfg)
     batching, dtypes = resolve_batching(cfg, layout.dp), resolve_dtypes(cfg, "cuda")
     microbatch_size, n = batching.microbatch_size, batching.num_microbatches
-    dtypes = (f"params {dtypes.master}, compute {dtypes.compute}, AdamW state "
-              f"{dtypes.state}").replace("torch.", "")
+    # peft=lora: the frozen base is built in the compute dtype, only the adapters in the master dtype
+    params = (f"params {dtypes.master}" if cfg.peft.method == "none"
+              else f"frozen base {dtypes.compute}, {cfg.peft.method} adapters {dtypes.master}")
+    dtypes = f"{params}, compute {dtypes.compute}, AdamW state {dtypes.state}".replace("torch.", "")
     dp_note = " (mesh.dp=-1 planned as 1)" if cfg.mesh.dp == -1 else ""
     lines = [
         f"qwenft plan {cfg.recipe}: {layout.world_size} rank{'s' if layout.world_size > 1 else ''} = "
