@@ -32,6 +32,9 @@ class KernelsOptions:
     # the lm_head's cross-entropy: fused = gradients formed in the forward, no fp32 logits
     # (qwenft.models.linear_ce); auto = fused on CUDA unless the head is vocab-parallel, else torch
     ce: str = "auto"
+    # an MoE model's routed experts: grouped_mm (torch._grouped_mm, one kernel for all experts), loop (one
+    # matmul pair per expert); auto = grouped_mm for bf16 on CUDA, else loop
+    moe: str = "auto"
 
 
 @dataclass
@@ -231,6 +234,7 @@ CHOICES = {
     "model.kernels.gdn": ("auto", "fla", "torch"),
     "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
     "model.kernels.ce": ("auto", "torch", "fused"),
+    "model.kernels.moe": ("auto", "grouped_mm", "loop"),
     "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),

@@ -47,6 +47,9 @@ def validate_tp(text: TextConfig, tp: int) -> None:
     """Raise before anything is built when a head count of `text` cannot be split evenly over `tp` ranks."""
     if tp < 1:
         raise ValueError(f"mesh.tp={tp}; it must be >= 1")
+    if tp > 1 and text.is_moe:
+        raise ValueError(f"mesh.tp={tp}: tensor parallelism does not shard the MoE block yet (num_experts="
+                         f"{text.num_experts}); train an MoE model with mesh.tp=1 (dp and pp work)")
     counts = [("num_attention_heads", text.num_attention_heads, "full attention query heads"),
               ("num_key_value_heads", text.num_key_value_heads, "full attention key/value heads"),
               ("linear_num_key_heads", text.linear_num_key_heads, "GatedDeltaNet key heads"),

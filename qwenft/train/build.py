@@ -31,8 +31,8 @@ from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
 from qwenft.launch import run_lock, signals
 from qwenft.train import metrics as metrics_lib
-from qwenft.train.evaluate import (build_eval_schedule, ce_sum, eval_loss_pipelined, eval_loss_unpipelined,
-                                   val_micro_batches)
+from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
+                                   forward_batch, val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
@@ -163,7 +163,8 @@ def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple
     lora = lora_config(cfg)
     dtype = spec.dtypes.master if lora is None else spec.dtypes.compute
     model_kwargs = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
-                        ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=spec.parallel.ce_kernel)
+                        ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=spec.parallel.ce_kernel,
+                        moe_kernel=cfg.model.kernels.moe)
     layers = spec.parallel.stage_layers
     out = []
     for i in spec.stage_ids(mesh["pp"].get_local_rank()):
@@ -239,24 +240,66 @@ StepFn = Callable[[list[dict], torch.Tensor], torch.Tensor]
 
 
 def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.Tensor, device,
-               reduce_grad_per_microbatch: bool, ce_in_model: bool) -> torch.Tensor:
-    """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss."""
+               reduce_grad_per_microbatch: bool, ce_in_model: bool, loss_fn=None) -> torch.Tensor:
+    """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss.
+    `loss_fn`: a `pipeline.schedule.TokenCE` (default: token CE alone); an MoE model's aux loss joins it
+    when `loss_fn.aux_weight` is set."""
+    from qwenft.distributed.pipeline.schedule import TokenCE
+
+    loss_fn = loss_fn or TokenCE(ce_in_model=ce_in_model)
+    loss_fn.label_tokens = label_tokens
+    loss_fn.reset()
+    moe = {"return_routing": True} if model.cfg.text.is_moe else {}
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, reduce_grad_per_microbatch)
-        loss = ce_sum(model, mb, device, ce_in_model) / label_tokens.clamp(min=1)
+        labels = mb["labels"].to(device)
+        output = forward_batch(model, mb, device, **({"labels": labels} if ce_in_model else {}), **moe)
+        loss = loss_fn(output, labels)
         loss.backward()
         step_loss += loss.detach()
     return step_loss
 
 
-def _accumulation_step(model: nn.Module, spec: RunSpec, dp_group, device) -> StepFn:
+def _token_loss(spec: RunSpec, model_cfg):
+    """The step's loss function: token CE, plus router_aux_loss_coef x the aux loss averaged over the global
+    batch's microbatches for an MoE model (docs/models.md, "Training an MoE model")."""
+    from qwenft.distributed.pipeline.schedule import TokenCE
+
+    t, b = model_cfg.text, spec.batching
+    aux_weight = t.router_aux_loss_coef / (b.num_microbatches * spec.layout.dp) if t.is_moe else 0.0
+    return TokenCE(ce_in_model=spec.parallel.ce_in_model, aux_weight=aux_weight)
+
+
+def _accumulation_step(model: nn.Module, spec: RunSpec, loss_fn, dp_group, device) -> StepFn:
     def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
         loss = accumulate(model, micro_batches, label_tokens, device, spec.parallel.reduce_grad_per_microbatch,
-                          spec.parallel.ce_in_model)
+                          spec.parallel.ce_in_model, loss_fn)
         dist.all_reduce(loss, group=dp_group)
         return loss
     return step
+
+
+def moe_step_metrics(job: "Job") -> dict:
+    """An MoE model's routing in the step just run, summed over dp ranks (a collective: every rank calls it):
+    `aux_loss`, the load-balancing loss averaged over the global batch's microbatches (before
+    router_aux_loss_coef), and `expert_load_max_over_mean`, per layer the tokens of its busiest expert over the
+    mean per expert (1.0 = balanced). {} for a dense model."""
+    t, loss_fn = job.model_cfg.text, job.loss_fn
+    if not t.is_moe:
+        return {}
+    totals = torch.zeros(1 + t.num_hidden_layers * t.num_experts, device=job.device, dtype=torch.float64)
+    if loss_fn.aux_sum is not None:  # the rank that computed the loss (the last pipeline stage's)
+        totals[0] = loss_fn.aux_sum
+        totals[1:] = loss_fn.load_le.flatten()
+    dist.all_reduce(totals, group=job.dp_group)
+    if job.spec.layout.pp > 1:
+        dist.all_reduce(totals, group=job.pp_group)
+    load_le = totals[1:].view(t.num_hidden_layers, t.num_experts)
+    ratio = load_le.amax(dim=1) / load_le.mean(dim=1).clamp(min=1)
+    microbatches = job.spec.batching.num_microbatches * job.spec.layout.dp
+    return {"aux_loss": totals[0].item() / microbatches,
+            "expert_load_max_over_mean": [round(r, 3) for r in ratio.tolist()]}
 
 
 def _pipeline_stages(parts: list[tuple[int, nn.Module]], spec: RunSpec, mesh, device) -> list:
@@ -269,11 +312,10 @@ def _pipeline_stages(parts: list[tuple[int, nn.Module]], spec: RunSpec, mesh, de
             for i, module in parts]
 
 
-def _pipeline_step(stages: list, spec: RunSpec, mesh, device) -> StepFn:
+def _pipeline_step(stages: list, spec: RunSpec, loss_fn, mesh, device) -> StepFn:
     from qwenft.distributed.pipeline import schedule as pp_schedule
 
     name, n = spec.parallel.schedule, spec.batching.num_microbatches
-    loss_fn = pp_schedule.TokenCE(ce_in_model=spec.parallel.ce_in_model)
     try:
         schedule = pp_schedule.build_schedule(name, stages, n, loss_fn)
     except ValueError as e:
@@ -401,6 +443,7 @@ class Job:
     model_parts: list[nn.Module]  # this rank's model, or the modules of its pipeline stages
     params: list[nn.Parameter]  # the trained ones, on this rank
     step: StepFn  # forward + backward of one step's microbatches -> the loss summed over them and dp ranks
+    loss_fn: object  # the step's pipeline.schedule.TokenCE: token CE (+ MoE aux loss); holds the step's routing
     validate: Callable[[], float] | None  # the validation loss (eval.every_steps), else None
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -486,10 +529,11 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     for _, module in parts:
         load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)
     modules = [module for _, module in parts]
+    loss_fn = _token_loss(spec, model_cfg)
     if layout.pp > 1:
-        step = _pipeline_step(_pipeline_stages(parts, spec, mesh, device), spec, mesh, device)
+        step = _pipeline_step(_pipeline_stages(parts, spec, mesh, device), spec, loss_fn, mesh, device)
     else:
-        step = _accumulation_step(modules[0], spec, mesh["dp"].get_group(), device)
+        step = _accumulation_step(modules[0], spec, loss_fn, mesh["dp"].get_group(), device)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,
@@ -516,7 +560,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         log.info("resumed from %s; continuing at step %d", resume_from, start_step)
 
     return Job(cfg=cfg, spec=spec, model_cfg=model_cfg, mesh=mesh, device=device, run_dir=run_dir, is_main=is_main,
-               data=data, preprocessors=preprocessors, model_parts=modules, params=params, step=step,
+               data=data, preprocessors=preprocessors, model_parts=modules, params=params, step=step, loss_fn=loss_fn,
                validate=_validation(cfg, model_cfg, spec, mesh, device, modules), optimizer=optimizer,
                scheduler=scheduler, checkpointer=checkpointer, metrics=metrics, max_steps=max_steps,
                start_step=start_step, flops_per_token=metrics_lib.flops_per_token(model_cfg.text, cfg.data.seq_len),

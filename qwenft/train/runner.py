@@ -16,7 +16,7 @@ from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
-from qwenft.train.build import Job, build_job, lora_config
+from qwenft.train.build import Job, build_job, lora_config, moe_step_metrics
 from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
 
@@ -39,6 +39,7 @@ class StepStats:
     grad_norm: float
     label_tokens: int
     lr: float  # the rate this step trained with
+    moe: dict = field(default_factory=dict)  # an MoE model's aux loss and expert load (build.moe_step_metrics)
 
 
 def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
@@ -106,6 +107,7 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(job.device)
     dist.all_reduce(label_tokens, group=job.dp_group)
     step_loss = job.step(micro_batches, label_tokens)
+    moe = moe_step_metrics(job)
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm_(job.params, max_norm, pp_group=job.pp_group if job.spec.layout.pp > 1 else None)
     lr = job.scheduler.get_last_lr()[0]
@@ -123,7 +125,7 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         log.warning("step %d skipped: non-finite loss=%s or grad_norm=%s (train.on_nonfinite=skip, %d skipped "
                     "so far)", step, loss_value, grad_norm.item(), result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_value, grad_norm.item(), int(label_tokens.item()), lr)
+    return StepStats(loss_value, grad_norm.item(), int(label_tokens.item()), lr, moe)
 
 
 def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_steps: int) -> None:
@@ -142,7 +144,7 @@ def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_step
         "tokens_per_sec_per_gpu": tokens / elapsed / world,
         "tflops_per_gpu": flops / 1e12,
         "mfu": flops / job.peak_flops if job.peak_flops else None,
-        "peak_memory_gib": peak_memory_gib(job.device), "skipped_steps": skipped_steps,
+        "peak_memory_gib": peak_memory_gib(job.device), "skipped_steps": skipped_steps, **stats.moe,
     })
 
 

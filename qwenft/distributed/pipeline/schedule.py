@@ -11,6 +11,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from qwenft.distributed.pipeline.split import SINGLE_STAGE
 from qwenft.models.loss import count_label_tokens, token_ce_sum
+from qwenft.models.qwen3_5.moe import routing_aux_loss
 
 # config name -> torch class name (torch.distributed.pipelining.schedules, torch 2.13)
 SCHEDULES = {
@@ -36,20 +37,43 @@ def stack_images(pixel_values: list, image_grid_thw: list) -> tuple[torch.Tensor
 
 
 class TokenCE:
-    """Pipeline loss: token CE summed over one microbatch / the label tokens of the whole global batch
-    (set `label_tokens` before each step), so schedules run with scale_grads=False.
+    """The training loss of one microbatch: token CE summed over it / the label tokens of the whole global batch
+    (set `label_tokens` before each step), plus for an MoE model `aux_weight` x its load-balancing loss; used
+    with and without pipelining, so schedules run with scale_grads=False.
 
-    `ce_in_model=True` (`model.ce_chunk_tokens`): the last stage was given the labels and returns the CE sum
+    `ce_in_model=True` (`model.ce_chunk_tokens`): the model's head was given the labels and returns the CE sum
     itself (chunked, never the whole logits), so only the division is left here.
+
+    MoE: the output is `(ce or logits, routing)` (`Qwen3_5Model.forward`'s `return_routing`), routing over every
+    layer of the microbatch. The aux loss is transformers' (pooled over layers and this microbatch's tokens),
+    one per microbatch; `aux_weight` = router_aux_loss_coef / (microbatches per step x dp) averages it over the
+    global batch's microbatches, since the gradients are summed over dp ranks. `aux_sum` and `load_le` collect
+    the step's aux losses (without the weight) and tokens per layer and expert on the rank that computes the loss;
+    `reset()` them before each step.
     """
 
-    def __init__(self, ce_in_model: bool = False):
+    def __init__(self, ce_in_model: bool = False, aux_weight: float = 0.0):
         self.label_tokens = torch.ones(())
         self.ce_in_model = ce_in_model
+        self.aux_weight = aux_weight
+        self.reset()
+
+    def reset(self) -> None:
+        self.aux_sum = self.load_le = None
 
     def __call__(self, output, labels):
+        routing = None
+        if isinstance(output, tuple):
+            output, routing = output
         ce = output if self.ce_in_model else token_ce_sum(output, labels)
-        return ce / self.label_tokens.clamp(min=1)
+        loss = ce / self.label_tokens.clamp(min=1)
+        if routing is None:
+            return loss
+        aux = routing_aux_loss(routing)
+        load_le = routing[:, 1].detach()
+        self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
+        self.load_le = load_le if self.load_le is None else self.load_le + load_le
+        return loss + self.aux_weight * aux
 
 
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
@@ -113,6 +137,7 @@ def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_t
     """Forward + backward of all microbatches; returns the step loss summed over microbatches and dp ranks,
     on every rank (the last stage's value, all-reduced over pp)."""
     loss_fn.label_tokens = label_tokens
+    loss_fn.reset()
     losses: list = []
     schedule.step(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
                   **batch.kwargs(labels=loss_fn.ce_in_model))

@@ -23,29 +23,37 @@ class StageModel(Qwen3_5Model):
     patch are dropped here, and a microbatch left without images gives the model `pixel_values=None`.
     `labels` reach every stage when the head computes the loss itself (chunked or fused CE); only the last
     stage uses them.
+
+    MoE: every stage returns `(output, routing)` and a later stage receives `routing` as its second positional
+    input: the router statistics of the layers so far (`Qwen3_5Model.forward`'s `return_routing`), so the last
+    stage's loss sees the whole model's routing of the microbatch and the aux loss's gradient reaches every
+    stage's router through the pipeline's own backward.
     """
 
-    def forward(self, x, position_ids, pixel_values=None, image_grid_thw=None, labels=None):
+    def forward(self, x, routing=None, *, position_ids, pixel_values=None, image_grid_thw=None, labels=None):
         if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
             position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
         cu_seqlens = cu_seqlens_from_position_ids(positions).to(x.device)
+        moe = dict(routing=routing, return_routing=True) if self.cfg.text.is_moe else {}
         if self.embed_tokens is None:
-            return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens, labels=labels)
+            return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens, labels=labels,
+                                   **moe)
         if image_grid_thw is not None:
             image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]
             pixel_values = pixel_values[: int(image_grid_thw.prod(-1).sum())] if len(image_grid_thw) else None
             image_grid_thw = image_grid_thw if len(image_grid_thw) else None
         return super().forward(input_ids=x, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                               pixel_values=pixel_values, image_grid_thw=image_grid_thw, labels=labels)
+                               pixel_values=pixel_values, image_grid_thw=image_grid_thw, labels=labels, **moe)
 
 
 def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str, ce_chunk_tokens: int = 0,
-                      attention_kernel: str = "auto", ce_kernel: str = "torch") -> StageModel:
+                      attention_kernel: str = "auto", ce_kernel: str = "torch", moe_kernel: str = "auto") -> StageModel:
     """Like `qwenft.models.loader.build_model`, on meta, as a `StageModel` (same parameter names)."""
     with torch.device("meta"):
         return StageModel(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
-                          ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel)
+                          ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel,
+                          moe_kernel=moe_kernel)
 
 
 def reshard_policy(schedule: str, reduce_grad_per_microbatch: bool) -> bool:

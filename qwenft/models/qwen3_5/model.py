@@ -13,7 +13,7 @@ from torch import nn
 from .attention import GatedAttention, RMSNorm, RotaryEmbedding
 from .configs import FULL_ATTENTION, ModelConfig, TextConfig
 from .gdn import GatedDeltaNet, param_dtype, positions_in_document
-from .moe import MLP, MoE, RouterStats
+from .moe import MLP, MoE, RouterStats, routing_rows
 from ..linear_ce import LMHead
 
 
@@ -141,7 +141,7 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,
                 pixel_values=None, image_grid_thw=None, inputs_embeds=None, labels=None,
-                router_mask=None) -> torch.Tensor:
+                router_mask=None, routing=None, return_routing: bool = False):
         """First stage: `input_ids` [B, T] (or `inputs_embeds` [B, T, H], replacing the embedding lookup);
         later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
         row, or per document when `cu_seqlens` (int32 offsets into the flattened B*T) is given.
@@ -149,7 +149,11 @@ class Qwen3_5Model(nn.Module):
         (IGNORE_INDEX = no loss) the head returns instead the fp32 CE summed over labelled tokens, `ce_chunk_tokens`
         tokens at a time so the whole logits never exist (`qwenft.models.linear_ce.LMHead`). Stages without
         the head ignore `labels`. `router_mask` [B, T] bool (MoE): the tokens the router statistics count, e.g.
-        not padding (transformers: its attention_mask); None = all."""
+        not padding (transformers: its attention_mask); None = all.
+
+        `return_routing=True` (MoE) returns `(output, routing)`: `routing` ([num_hidden_layers, 3, E],
+        `moe.routing_rows`) is the given `routing` (an earlier pipeline stage's, None = zeros) plus this
+        module's layers' routing of this forward, with grad, for the aux loss (`moe.routing_aux_loss`)."""
         if self.embed_tokens is not None and hidden_states is None:
             if inputs_embeds is None:
                 if input_ids is None:
@@ -177,6 +181,9 @@ class Qwen3_5Model(nn.Module):
         rope = self.rotary(position_ids, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, cu_seqlens, router_mask)
-        if self.lm_head is None:
-            return h
-        return self.lm_head(self.norm(h), labels=labels)
+        out = h if self.lm_head is None else self.lm_head(self.norm(h), labels=labels)
+        if not return_routing:
+            return out
+        t = self.cfg.text
+        own = routing_rows(self.router_stats(), t.num_hidden_layers, t.num_experts, h)
+        return out, own if routing is None else routing + own

@@ -58,6 +58,28 @@ def load_balancing_loss(stats: list[RouterStats]) -> torch.Tensor:
     return load_e.numel() * ((load_e / tokens) * (prob_sum_e / tokens)).sum()
 
 
+def routing_rows(stats: dict[int, RouterStats], num_layers: int, num_experts: int,
+                 like: torch.Tensor) -> torch.Tensor:
+    """`stats` ({layer id: RouterStats}) as one tensor `[num_layers, 3, E]` in the router dtype: per layer the
+    router probability summed over tokens (row 0, with grad), the tokens routed to each expert (row 1) and the
+    tokens counted (row 2, in every column); zeros for layers not in `stats`. Summing such tensors over pipeline
+    stages gives the whole model's routing of a microbatch (`routing_aux_loss`); `like` gives device and dtype."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    zeros = torch.zeros(3, num_experts, dtype=dtype, device=like.device)
+    rows = [zeros] * num_layers
+    for i, s in stats.items():
+        rows[i] = torch.stack([s.prob_sum_e.to(dtype), s.load_e.to(dtype), s.tokens.to(dtype).expand(num_experts)])
+    return torch.stack(rows)
+
+
+def routing_aux_loss(routing_l3e: torch.Tensor) -> torch.Tensor:
+    """`load_balancing_loss` of a `routing_rows` tensor (pooled over its layers); the gradient flows through
+    the probability row only."""
+    load_e, prob_sum_e = routing_l3e[:, 1].detach().sum(0), routing_l3e[:, 0].sum(0)
+    tokens = routing_l3e[:, 2, 0].detach().sum().clamp(min=1)
+    return load_e.numel() * ((load_e / tokens) * (prob_sum_e / tokens)).sum()
+
+
 def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
     if kernel not in KERNELS:
         raise ValueError(f"model.kernels.moe={kernel!r}; valid: {list(KERNELS)}")
