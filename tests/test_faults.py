@@ -338,3 +338,16 @@ def test_tensor_parallel_runs_print_no_harmless_fsdp_warning(tmp_path):
     assert run_distributed(_embedding_view_warnings, 2, overrides, True) == [[], []]
     unfiltered = run_distributed(_embedding_view_warnings, 2, overrides + [f"run_dir={tmp_path / 'b'}"], False)
     assert all(unfiltered), unfiltered
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_is_its_own_line_and_in_train_log(tmp_path):
+    """A diverging run (train.on_nonfinite=error) stops with one line, not glued after the progress bar, and
+    train.log holds the same error with its traceback."""
+    run = tmp_path / "run"
+    out = qwenft("train", "optim.lr=1e30", "optim.max_grad_norm=0", "train.max_steps=5", "train.progress_bar=true",
+                 "checkpoint.export_hf=false", "train.global_batch_size=4", f"run_dir={run}")
+    line = one_line_error(out, "non-finite loss/grad norm at step", "train.on_nonfinite=skip")
+    assert line.startswith("qwenft: error:"), line  # on a line of its own, after the closed bar
+    log = (run / "train.log").read_text()
+    assert "non-finite loss/grad norm at step" in log and "Traceback" in log
