@@ -41,7 +41,7 @@ def _help() -> str:
 def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
     from qwenft.launch import signals
-    from qwenft.train.build import default_run_dir
+    from qwenft.train.rundir import default_run_dir
 
     run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
     args = [a for a in overrides if not a.startswith("run_dir=")] + [f"run_dir={run_dir}"]
@@ -65,7 +65,7 @@ def _slurm(args: list[str]) -> int:
     import dataclasses
 
     from qwenft.launch import slurm
-    from qwenft.train.build import default_run_dir
+    from qwenft.train.rundir import default_run_dir
 
     overrides = [a for a in args if a != "--dry-run"]
     cfg = compose(overrides)

@@ -284,7 +284,7 @@ def test_checkpoint_with_transformers_default_rope_loads_and_matches(tmp_path):
     (16, 2, 8.0, 4),
 ])
 def test_cpu_threads_leave_busy_cores_alone(cores, ranks, load, threads):
-    from qwenft.train.build import cpu_threads
+    from qwenft.train.rundir import cpu_threads
 
     assert cpu_threads(cores, ranks, load) == threads
 

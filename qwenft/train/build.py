@@ -12,12 +12,9 @@
 import dataclasses
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -26,57 +23,23 @@ from torch import nn
 
 from qwenft.checkpoint import dcp as ckpt_lib
 from qwenft.conf.schema import Config
-from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.conf.layout import resolve_layout
+from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
-from qwenft.launch import run_lock, signals
+from qwenft.launch import signals
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    forward_batch, val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
+from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0, set_cpu_threads,
+                                 setup_logging)
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
 
 log = logging.getLogger("qwenft")
 
 
-# ---------------------------------------------------------------- user faults
-
 HF_DIR_HINT = "give a Hugging Face Qwen3.5 checkpoint dir (config.json + *.safetensors, as from_pretrained reads)"
-
-
-def describe(e: Exception) -> str:
-    """An exception as the rest of one line: a file fault names its file."""
-    if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.strerror or type(e).__name__}: {e.filename}"
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-@contextmanager
-def _input_file(key: str, value, hint: str | None = None):
-    """A missing, unreadable or corrupt file behind `key=value` as one ValueError naming both and, with `hint`
-    (else the error says it), what to do."""
-    try:
-        yield
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{key}={value}: {describe(e)}" + (f"; {hint}" if hint else "")) from e
-
-
-def on_rank0(is_main: bool, fn: Callable[[], None]) -> None:
-    """Run `fn` on rank 0 only, and raise its user fault (ValueError, OSError) on every rank: no rank waits in a
-    collective for one that has stopped, and each exits with the same code (rank 0 alone prints the line)."""
-    error, failure = [None], None
-    if is_main:
-        try:
-            fn()
-        except (ValueError, OSError) as e:
-            error, failure = [describe(e)], e
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(error, src=0)
-    if failure is not None:
-        raise failure
-    if error[0] is not None:
-        raise ValueError(error[0])
 
 
 # ---------------------------------------------------------------- model
@@ -86,7 +49,7 @@ def model_config(cfg: Config):
     from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 
     if cfg.model.path:
-        with _input_file("model.path", cfg.model.path, HF_DIR_HINT):
+        with input_file("model.path", cfg.model.path, HF_DIR_HINT):
             model_cfg = config_from_hf_dir(cfg.model.path)
     else:
         model_cfg = named_config(cfg.model.name)
@@ -190,7 +153,7 @@ def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype | None, devi
     from qwenft.models.loader import init_random_weights, load_hf_weights
 
     if cfg.model.path:
-        with _input_file("model.path", cfg.model.path):
+        with input_file("model.path", cfg.model.path):
             load_hf_weights(module, cfg.model.path, device=device, dtype=dtype, seed=cfg.seed)
     else:
         init_random_weights(module, seed=cfg.seed, device=device, dtype=dtype)
@@ -354,80 +317,6 @@ def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: li
 
 # ---------------------------------------------------------------- the job
 
-def default_run_dir(recipe: str) -> str:
-    return str(Path("outputs") / recipe / datetime.now().strftime("%Y%m%d-%H%M%S"))
-
-
-def _agree_run_dir(cfg: Config) -> Path:
-    """Every rank must write to the same dir; rank 0's timestamp wins."""
-    choice = [cfg.run_dir or default_run_dir(cfg.recipe)]
-    dist.broadcast_object_list(choice, src=0)
-    return Path(choice[0])
-
-
-def cpu_threads(cores: int, ranks_on_node: int, load: float) -> int:
-    """Intra-op threads for a CPU run: this rank's share of the cores not already busy. torch's default (every
-    core) degrades badly when another process holds one: the tiny recipe on 2 cores with one busy neighbour took
-    20-80 s a step with 2 threads, about 2 s with 1 (0.45 s with both cores free)."""
-    share = max(1, cores // ranks_on_node)
-    free = max(0.0, cores - load)
-    return max(1, min(share, round(free / ranks_on_node)))
-
-
-def _set_cpu_threads() -> None:
-    """On a CPU run, unless OMP_NUM_THREADS says, set torch's thread count by `cpu_threads` and log the choice."""
-    if "OMP_NUM_THREADS" in os.environ:
-        log.info("cpu threads: %d (OMP_NUM_THREADS)", torch.get_num_threads())
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    threads = cpu_threads(cores, ranks, load)
-    torch.set_num_threads(threads)
-    log.info("cpu threads: %d (%d cores, %d rank(s) on this node, load %.1f; set OMP_NUM_THREADS to choose)",
-             threads, cores, ranks, load)
-
-
-def _make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
-    """Create (or check) the run dir and lock it for this run; `cleanup` releases the lock at the run's end (without
-    one, the process's exit does)."""
-    hint = "give a directory qwenft may create or write to as run_dir"
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"run_dir={run_dir} is a file, not a directory; {hint}")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):  # mkdir succeeds on an existing read-only dir
-            pass
-    except OSError as e:
-        raise ValueError(f"run_dir={run_dir} cannot be written ({describe(e)}); {hint}") from e
-    lock = run_lock.acquire(run_dir)
-    if cleanup is not None:
-        cleanup.callback(lock.release)
-
-
-def _setup_logging(run_dir: Path, is_main: bool, progress_bar: bool) -> None:
-    """The `qwenft` logger: console and (rank 0) run_dir/train.log. Its child `qwenft.steps` carries the
-    per-step lines: to train.log always, to the console only without the progress bar (which shows them)."""
-    steps = logging.getLogger("qwenft.steps")
-    for logger in (log, steps):
-        logger.setLevel(logging.INFO if is_main else logging.WARNING)
-        for handler in logger.handlers:  # an earlier run in this process (tests) left its log file open
-            handler.close()
-        logger.handlers.clear()
-    log.propagate = False
-    steps.propagate = not progress_bar
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    console = logging.StreamHandler()
-    console.setFormatter(fmt)
-    log.addHandler(console)
-    if is_main:
-        file = logging.FileHandler(run_dir / "train.log")
-        file.setFormatter(fmt)
-        log.addHandler(file)
-        if progress_bar:
-            steps.addHandler(file)
-
-
 @dataclass
 class Job:
     """A run ready to train from `start_step`: its specs and its built components."""
@@ -477,18 +366,18 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     dp_rank = mesh["dp"].get_local_rank()
     device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
 
-    run_dir = _agree_run_dir(cfg)
+    run_dir = agree_run_dir(cfg)
     is_main = rank == 0
     ckpt_root = run_dir / "checkpoints"
-    on_rank0(is_main, lambda: _make_run_dir(run_dir, cleanup))
+    on_rank0(is_main, lambda: make_run_dir(run_dir, cleanup))
     dist.barrier()
-    _setup_logging(run_dir, is_main, cfg.train.progress_bar)
+    setup_logging(run_dir, is_main, cfg.train.progress_bar)
     log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
              run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
     resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
     if device.type == "cpu":
-        _set_cpu_threads()
+        set_cpu_threads()
     for damaged in passed_over:
         log.warning("checkpoint.resume=auto: %s; resuming from %s instead", damaged, resume_from)
     if is_main:
@@ -505,7 +394,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
 
         check_targets(model_cfg, lora)
     if cfg.model.path:  # every weight file's header and size, before config.yaml is written
-        with _input_file("model.path", cfg.model.path):
+        with input_file("model.path", cfg.model.path):
             checkpoint_files(Path(cfg.model.path))
     spec = RunSpec(layout, batching, resolve_dtypes(cfg, device.type),
                    resolve_parallel(cfg, layout, model_cfg, batching, device.type))
