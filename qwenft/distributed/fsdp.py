@@ -8,12 +8,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-# Under tensor parallelism the vocab-parallel embedding (torch's RowwiseParallel) returns a view of its
-# all-reduced output, and FSDP2 warns that an in-place op on it would skip its pre-backward hook. Nothing
-# downstream modifies the embeddings in place (the model adds residuals and scatters image features out of
-# place, and the tp x pp x dp parity tests compare every gradient with one process), so the warning, printed
-# once per rank, only alarms.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+def quiet_known_warnings() -> None:
+    """Silence FSDP2's warning that the embedding's unit returned a view. Under tensor parallelism the
+    vocab-parallel embedding (torch's RowwiseParallel) returns a view of its all-reduced output, and FSDP2 warns
+    that an in-place op on it would skip its pre-backward hook. Nothing downstream modifies the embeddings in
+    place (the model adds residuals and scatters image features out of place, and the tp x pp x dp parity tests
+    compare every gradient with one process), so the warning, printed once per rank, only alarms. Called when
+    the units are built, so it holds wherever the filters were reset since import."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
 
 def edge_units(model: nn.Module) -> list:
@@ -55,6 +57,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     """
     from qwenft.models.qwen3_5.gdn import Decay
 
+    quiet_known_warnings()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in model.modules():  # GDN's decay parameters stay fp32 in a bf16 model (gdn.Decay)
