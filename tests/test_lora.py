@@ -149,8 +149,11 @@ def test_base_frozen_in_compute_dtype(tmp_path):
     (2, ["mesh.tp=2"]),
     (2, ["mesh.pp=2"]),
     (2, ["mesh.pp=2", "pipeline.schedule=interleaved_1f1b", "pipeline.reduce_grad_per_microbatch=true"]),
+    (2, ["mesh.pp=2", "pipeline.schedule=gpipe"]),
+    (2, ["mesh.pp=2", "pipeline.schedule=zbv"]),
+    (2, ["mesh.pp=2", "pipeline.schedule=interleaved_zb"]),
     (4, ["mesh.tp=2", "mesh.pp=2"]),
-], ids=["tp2", "pp2", "pp2-interleaved-knob", "tp2xpp2"])
+], ids=["tp2", "pp2", "pp2-interleaved-knob", "pp2-gpipe", "pp2-zbv", "pp2-interleaved-zb", "tp2xpp2"])
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_mesh_equals_one_process(tmp_path, reference, world_size, mesh):
