@@ -172,6 +172,55 @@ def test_layer_options_equal_one_process(tmp_path, reference, option):
     _assert_same(result, reference)
 
 
+def _vlm_overrides(tmp_path, name, *extra):
+    return ["recipe=tiny_vlm", "train.max_steps=4", "data.seq_len=256", "model.kernels.gdn=torch",
+            "train.progress_bar=false", "optim.lr=5e-3", "lr_scheduler.warmup_steps=0", "checkpoint.export_hf=false",
+            "train.global_batch_size=4", "train.micro_batch_size=2", f"run_dir={tmp_path / name}", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_vlm_language_adapters_train_from_the_base(tmp_path):
+    """recipe=tiny_vlm peft=lora: adapters on the language model only (the vision tower frozen whole), step 0's loss
+    is the base VLM's exactly, and the loss falls."""
+    from qwenft.train.runner import run
+
+    def base(rank, world_size, overrides):
+        return run(compose(overrides)).losses
+
+    (losses, grads, values) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "lora", "peft=lora"))[0]
+    (base_losses,) = run_distributed(base, 1, _vlm_overrides(tmp_path, "base", "train.max_steps=1"))
+    assert losses[0] == base_losses[0]
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert values and not any(n.startswith("visual.") for n in values)
+    assert all(g.norm() > 0 for g in grads[1].values())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_vlm_vision_adapters_are_peft_modules_and_train(tmp_path):
+    """peft.vision=true: every linear of transformers' vision tower (Qwen3_5ForConditionalGeneration's
+    `model.visual.*`, the merger included) gets an adapter under that module's name, and the adapters get
+    gradients."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from qwenft.models.lora import PEFT_PREFIX, hf_source
+    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+
+    (losses, grads, values) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "lora", "peft=lora",
+                                                                         "peft.vision=true", "train.max_steps=2"))[0]
+    cfg = named_config("tiny_vlm")
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(to_hf_config(cfg))
+    hf_linears = {n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    adapted = {hf_source(n, cfg).hf_key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in values}
+    assert adapted <= hf_linears
+    assert {n for n in adapted if n.startswith("model.visual.")} == {n for n in hf_linears
+                                                                     if n.startswith("model.visual.")}
+    vision = {n: g for n, g in grads[1].items() if n.startswith("visual.")}
+    assert vision and all(g.norm() > 0 for g in vision.values())
+
+
 @pytest.mark.slow
 def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
     """The run's adapter dir, loaded by peft onto transformers' Qwen3_5ForCausalLM, uses every key and gives
