@@ -283,7 +283,8 @@ def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path, whole):
     assert saved["base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_B.weight"].shape[0] == (
         2 * cfg.text.linear_num_key_heads * cfg.text.linear_key_head_dim
         + cfg.text.linear_num_value_heads * cfg.text.linear_value_head_dim)
-    saved_whole = {"embed_tokens": "base_model.model.model.embed_tokens.weight", "lm_head": "base_model.model.lm_head.weight"}
+    saved_whole = {"embed_tokens": "base_model.model.model.embed_tokens.weight",
+                   "lm_head": "base_model.model.lm_head.weight"}
     assert {saved_whole[m] for m in whole} == {k for k in saved if ".lora_" not in k}
     assert all(torch.equal(saved[saved_whole[m]], state[f"{m}.weight"]) for m in whole)
     with torch.no_grad():
