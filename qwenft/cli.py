@@ -118,7 +118,7 @@ def _export(args: list[str]) -> int:
 
     from qwenft.checkpoint import dcp, hf_export
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
-    from qwenft.models.lora import is_adapter
+    from qwenft.models.lora import in_adapter_dir
     from qwenft.train.build import load_preprocessors, lora_config
 
     opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None, "merged": "false"}
@@ -153,7 +153,7 @@ def _export(args: list[str]) -> int:
     model_cfg = dcp.model_config_from_meta(meta)
     if lora is not None and not merged:
         state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora)
-        hf_export.write_peft_adapter({k: v for k, v in state.items() if is_adapter(k)}, model_cfg, lora,
+        hf_export.write_peft_adapter({k: v for k, v in state.items() if in_adapter_dir(k, lora)}, model_cfg, lora,
                                      cfg.model.path or cfg.model.name, out)
         print(f"exported the LoRA adapters of {path} ({dtype}, peft format) to {out}")
         return 0

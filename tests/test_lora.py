@@ -149,8 +149,11 @@ def test_base_frozen_in_compute_dtype(tmp_path):
     (2, ["mesh.tp=2"]),
     (2, ["mesh.pp=2"]),
     (2, ["mesh.pp=2", "pipeline.schedule=interleaved_1f1b", "pipeline.reduce_grad_per_microbatch=true"]),
+    (2, ["mesh.pp=2", "pipeline.schedule=gpipe"]),
+    (2, ["mesh.pp=2", "pipeline.schedule=zbv"]),
+    (2, ["mesh.pp=2", "pipeline.schedule=interleaved_zb"]),
     (4, ["mesh.tp=2", "mesh.pp=2"]),
-], ids=["tp2", "pp2", "pp2-interleaved-knob", "tp2xpp2"])
+], ids=["tp2", "pp2", "pp2-interleaved-knob", "pp2-gpipe", "pp2-zbv", "pp2-interleaved-zb", "tp2xpp2"])
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_mesh_equals_one_process(tmp_path, reference, world_size, mesh):
@@ -169,10 +172,61 @@ def test_layer_options_equal_one_process(tmp_path, reference, option):
     _assert_same(result, reference)
 
 
+def _vlm_overrides(tmp_path, name, *extra):
+    return ["recipe=tiny_vlm", "train.max_steps=4", "data.seq_len=256", "model.kernels.gdn=torch",
+            "train.progress_bar=false", "optim.lr=5e-3", "lr_scheduler.warmup_steps=0", "checkpoint.export_hf=false",
+            "train.global_batch_size=4", "train.micro_batch_size=2", f"run_dir={tmp_path / name}", *extra]
+
+
 @pytest.mark.slow
-def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
+@pytest.mark.distributed
+def test_vlm_language_adapters_train_from_the_base(tmp_path):
+    """recipe=tiny_vlm peft=lora: adapters on the language model only (the vision tower frozen whole), step 0's loss
+    is the base VLM's exactly, and the loss falls."""
+    from qwenft.train.runner import run
+
+    def base(rank, world_size, overrides):
+        return run(compose(overrides)).losses
+
+    (losses, grads, values) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "lora", "peft=lora"))[0]
+    (base_losses,) = run_distributed(base, 1, _vlm_overrides(tmp_path, "base", "train.max_steps=1"))
+    assert losses[0] == base_losses[0]
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert values and not any(n.startswith("visual.") for n in values)
+    assert all(g.norm() > 0 for g in grads[1].values())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_vlm_vision_adapters_are_peft_modules_and_train(tmp_path):
+    """peft.vision=true: every linear of transformers' vision tower (Qwen3_5ForConditionalGeneration's
+    `model.visual.*`, the merger included) gets an adapter under that module's name, and the adapters get
+    gradients."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from qwenft.models.lora import PEFT_PREFIX, hf_source
+    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+
+    (losses, grads, values) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "lora", "peft=lora",
+                                                                         "peft.vision=true", "train.max_steps=2"))[0]
+    cfg = named_config("tiny_vlm")
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(to_hf_config(cfg))
+    hf_linears = {n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    adapted = {hf_source(n, cfg).hf_key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in values}
+    assert adapted <= hf_linears
+    assert {n for n in adapted if n.startswith("model.visual.")} == {n for n in hf_linears
+                                                                     if n.startswith("model.visual.")}
+    vision = {n: g for n, g in grads[1].items() if n.startswith("visual.")}
+    assert vision and all(g.norm() > 0 for g in vision.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("whole", [(), ("embed_tokens", "lm_head")], ids=["adapters", "modules-to-save"])
+def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path, whole):
     """The run's adapter dir, loaded by peft onto transformers' Qwen3_5ForCausalLM, uses every key and gives
-    qwenft's logits (fp32)."""
+    qwenft's logits (fp32). With peft.train_embeddings / peft.train_head the trained embed_tokens / lm_head are
+    peft's `modules_to_save`: the base given to peft has other (random) ones, which the adapter dir replaces."""
     import json
 
     from peft import PeftModel
@@ -190,16 +244,20 @@ def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
     def train(rank, world_size, overrides):
         return run(compose(overrides), return_state=True).state_dict
 
+    lora = LoRAConfig(rank=4, alpha=8, train_embeddings="embed_tokens" in whole, train_head="lm_head" in whole)
     overrides = _overrides(tmp_path, "run", "checkpoint.export_hf=true", "checkpoint.export_dtype=float32",
-                           "peft.rank=4", "peft.alpha=8")
+                           "peft.rank=4", "peft.alpha=8", f"peft.train_embeddings={lora.train_embeddings}",
+                           f"peft.train_head={lora.train_head}")
     (state,) = run_distributed(train, 1, overrides)
     cfg = named_config("tiny")
     cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]
     base = {k: v for k, v in state.items() if not is_adapter(k)}
+    gen = torch.Generator().manual_seed(1)
+    base.update({f"{m}.weight": torch.randn(base[f"{m}.weight"].shape, generator=gen) for m in whole})
     write_hf_checkpoint(adapter.to_hf_state_dict(base, cfg.text, adapter.CAUSAL_LM_PREFIX), cfg, tmp_path / "base")
 
     model = build_model(cfg, kernels="torch", device="meta")
-    apply_lora(model, LoRAConfig(rank=4, alpha=8), adapter_dtype=torch.float32)
+    apply_lora(model, lora, adapter_dtype=torch.float32)
     model.to_empty(device="cpu")
     model.load_state_dict(state, strict=True)
     model.init_buffers()
@@ -211,6 +269,7 @@ def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
     adapter_dir = tmp_path / "run" / "adapter"
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["base_model_name_or_path"] == "tiny"
+    assert config["modules_to_save"] == (list(whole) or None)
     assert set(config["target_modules"]) == {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
                                              "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     hf = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -224,6 +283,10 @@ def test_peft_adapter_loads_in_peft_with_equal_logits(tmp_path):
     assert saved["base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_B.weight"].shape[0] == (
         2 * cfg.text.linear_num_key_heads * cfg.text.linear_key_head_dim
         + cfg.text.linear_num_value_heads * cfg.text.linear_value_head_dim)
+    saved_whole = {"embed_tokens": "base_model.model.model.embed_tokens.weight",
+                   "lm_head": "base_model.model.lm_head.weight"}
+    assert {saved_whole[m] for m in whole} == {k for k in saved if ".lora_" not in k}
+    assert all(torch.equal(saved[saved_whole[m]], state[f"{m}.weight"]) for m in whole)
     with torch.no_grad():
         theirs = peft_model(input_ids=input_ids).logits
     err = (theirs - ours).abs().max() / ours.abs().max()

@@ -110,8 +110,8 @@ def export_merged_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: l
 
 def write_peft_adapter(state: dict[str, torch.Tensor], model_cfg, lora, base_model: str, out_dir: Path,
                        replace: bool = False) -> None:
-    """Native LoRA adapter tensors `state` as a peft adapter dir: adapter_model.safetensors under transformers'
-    module names + adapter_config.json, which `peft.PeftModel.from_pretrained(model, out_dir)` loads (and
+    """Native LoRA adapter tensors `state` (and embed_tokens / lm_head when trained whole) as a peft adapter dir:
+    adapter_model.safetensors under transformers' module names + adapter_config.json, which `peft.PeftModel.from_pretrained(model, out_dir)` loads (and
     vLLM / SGLang serve). Written to a temp dir and renamed, as `write_hf`."""
     from safetensors.torch import save_file
 
@@ -132,10 +132,11 @@ def write_peft_adapter(state: dict[str, torch.Tensor], model_cfg, lora, base_mod
 
 def export_peft_adapter(modules: list[torch.nn.Module], model_cfg, lora, base_model: str, out_dir: Path, mesh,
                         dtype: torch.dtype) -> None:
-    """Write the trained LoRA adapters as a peft adapter dir (collective; global rank 0 writes)."""
-    from qwenft.models.lora import is_adapter
+    """Write the trained LoRA adapters (and embed_tokens / lm_head when trained whole) as a peft adapter dir
+    (collective; global rank 0 writes)."""
+    from qwenft.models.lora import in_adapter_dir
 
-    state = _gather_on_rank0(modules, mesh, dtype, keep=is_adapter)
+    state = _gather_on_rank0(modules, mesh, dtype, keep=lambda name: in_adapter_dir(name, lora))
     if dist.get_rank() == 0:
         write_peft_adapter(state, model_cfg, lora, base_model, out_dir, replace=True)
     dist.barrier()

@@ -56,6 +56,16 @@ def is_adapter(name: str) -> bool:
     return any(f".{a}." in name for a in ADAPTER_NAMES)
 
 
+def modules_to_save(lora: LoRAConfig) -> list[str]:
+    """The modules trained whole, by transformers' leaf name (adapter_config.json's `modules_to_save`)."""
+    return [name for flag, name in ((lora.train_embeddings, "embed_tokens"), (lora.train_head, "lm_head")) if flag]
+
+
+def in_adapter_dir(name: str, lora: LoRAConfig) -> bool:
+    """Whether a native parameter goes into peft's adapter dir: an adapter's, or that of a module trained whole."""
+    return is_adapter(name) or name.removesuffix(".weight") in modules_to_save(lora)
+
+
 def hf_module_name(native_module: str, text_cfg) -> str:
     """transformers' name of the module a native linear is (a piece of), without the `model.` prefix:
     `layers.0.linear_attn.q_proj` -> `layers.0.linear_attn.in_proj_qkv`, `visual.blocks.0.attn.qkv` unchanged."""
@@ -160,7 +170,10 @@ def _hf_prefix(model_cfg) -> str:
 
 def hf_source(native_key: str, model_cfg) -> adapter.Source:
     """Where a native adapter tensor sits in peft's adapter_model.safetensors: A whole, B as the row range its
-    base weight has in transformers' (possibly fused) weight."""
+    base weight has in transformers' (possibly fused) weight; embed_tokens / lm_head trained whole under their
+    module's name (peft saves `...embed_tokens.modules_to_save.default.weight` as `...embed_tokens.weight`)."""
+    if not is_adapter(native_key):
+        return adapter.Source(PEFT_PREFIX + adapter.hf_source(native_key, model_cfg.text, _hf_prefix(model_cfg)).hf_key)
     module, _, leaf = native_key.rpartition(".lora_")  # "layers.0.linear_attn.q_proj", "B.weight"
     if module.startswith("visual."):
         base = adapter.Source(adapter.VISUAL_PREFIX + module[len("visual."):] + ".weight")
@@ -171,7 +184,7 @@ def hf_source(native_key: str, model_cfg) -> adapter.Source:
 
 
 def to_peft_state_dict(native: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """peft's adapter state dict (transformers' module names) from the full native adapter tensors."""
+    """peft's adapter state dict (transformers' module names) from the full native tensors `in_adapter_dir`."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, t in native.items():
         src = hf_source(name, model_cfg)
@@ -202,7 +215,7 @@ def peft_adapter_config(model_cfg, lora: LoRAConfig, base_model: str) -> dict:
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": peft_target_modules(model_cfg, lora), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": None}
+            "modules_to_save": modules_to_save(lora) or None}
 
 
 def merge_adapters(state: dict[str, torch.Tensor], model_cfg, scaling: float) -> dict[str, torch.Tensor]:
