@@ -6,6 +6,6 @@ import sys
 if __package__ in (None, ""):  # `torchrun qwenft ...` runs this directory as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qwenft.cli import main  # noqa: E402
+from qwenft.cli import entry  # noqa: E402
 
-sys.exit(main())
+entry()

@@ -191,6 +191,21 @@ def _plan(args: list[str]) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `qwenft` command (and `python -m qwenft`): `main`, then exit with its code. A training process that
+    stops on a user fault (exit code 2) after joining a process group leaves at once, without the interpreter's
+    teardown: its line is printed, train.log flushed and the group destroyed, and letting the interpreter free
+    the rest of the run (the exception's frames hold the mesh) has aborted in gloo's C++ teardown
+    ("terminate called without an active exception") now and then under load."""
+    code = main()
+    if code == 2 and "torch.distributed" in sys.modules:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
