@@ -68,9 +68,10 @@ def test_knob_on_keeps_fewer_gradient_bytes(tp4pp4):
 
 def test_one_microbatch_plans_the_knob_off_as_the_knob_on():
     """pp = 1 with one microbatch a step: the backward reduce-scatters at once and parameters reshard after the
-    forward (build.build_model_parts), so the knob off has neither the accumulator nor the gathered stage."""
+    forward (build.build_model_parts), so the knob off has neither the accumulator nor the gathered stage.
+    fp32 master weights: FSDP casts them to the compute dtype, so it wraps the model at dp = 1 too."""
     shape = ["recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
-             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false"]
+             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "optim.master_dtype=float32"]
     ((one,),), ((two,),) = (_plan(*shape, f"train.global_batch_size={n}")[1:] for n in (1, 2))
     assert one.peaks["knob_off"] == one.peaks["knob_on"] and one.total_bytes == one.peaks["knob_on"]["ac_on"]
     assert two.peaks["knob_off"]["ac_on"] > two.peaks["knob_on"]["ac_on"]
@@ -171,6 +172,33 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
     for p, seen in zip(plans, real):
         assert p.param_bytes == seen["params"], (p.rank, p.param_bytes, seen)
         assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)  # sharded, after the step
+        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
+        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+
+
+def test_one_rank_in_the_compute_dtype_plans_no_gathered_copy():
+    """dp = tp = 1 with bf16 weights (the 27B model group's default): no FSDP, so nothing is all-gathered, the knob
+    changes nothing, and the peak is the weights, gradients, AdamW state, activations and logits."""
+    (one,) = _plan("recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
+                   "train.micro_batch_size=1", "train.global_batch_size=4")[1]
+    assert one.unsharded_bytes == {"knob_off": 0, "knob_on": 0} and one.peaks["knob_off"] == one.peaks["knob_on"]
+    assert one.grad_bytes["knob_off"] == one.grad_bytes["knob_on"] == one.param_bytes  # each in its weight's dtype
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_without_fsdp_plan_equals_a_real_steps_bytes(tmp_path):
+    """pp2 at dp = tp = 1 with bf16 weights and moments: FSDP is left out (spec.uses_fsdp); each rank's planned
+    parameter, gradient and optimizer bytes equal one real training step's, byte for byte."""
+    overrides = ["recipe=tiny", "mesh.pp=2", "train.max_steps=1", "data.seq_len=64", "model.dtype=bfloat16",
+                 "optim.master_dtype=bfloat16", "optim.state_dtype=bfloat16", "model.kernels.gdn=torch",
+                 "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
+    real = run_distributed(_real_step_bytes, 2, overrides)
+    _, plans = _plan(*overrides)
+    for p, seen in zip(plans, real):
+        assert p.unsharded_bytes == {"knob_off": 0, "knob_on": 0}
+        assert p.param_bytes == seen["params"], (p.rank, p.param_bytes, seen)
+        assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"] == seen["grads"], (p.rank, p.grad_bytes, seen)
         assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
 

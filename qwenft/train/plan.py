@@ -84,6 +84,8 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
     embedding = getattr(module, "embed_tokens", None)
+    if not isinstance(module, FSDPModule):  # one data-parallel rank, no FSDP (spec.uses_fsdp)
+        return [_plain_param(stage, name, p) for name, p in module.named_parameters()]
     out, seen = [], set()
     for name, m in module.named_modules():
         # fully_shard([norm, lm_head]) (fsdp.edge_units) makes both FSDPModules of one state: count it once
@@ -105,6 +107,17 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
                                   p.requires_grad, tp_replica))
     return out
+
+
+def _plain_param(stage: int, name: str, p: torch.nn.Parameter) -> _Param:
+    """A parameter without FSDP: stored, computed and its gradient accumulated in its own dtype, never
+    gathered (no second copy: `padded_unsharded` 0), its gradient the size of this rank's (tensor parallel) shard."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    tp_replica = not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)
+    return _Param((stage, _unit_name(name.rsplit(".", 1)[0])), p.dtype, p.dtype, p.dtype, local, local, local, 0,
+                  local, p.requires_grad, tp_replica)
 
 
 def _unit_name(module_name: str) -> str:
@@ -268,6 +281,9 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     if single_pass:
         for per_knob in (grads, unsharded, grads_in_flight, head_grads):
             per_knob["knob_off"] = per_knob["knob_on"]
+    if not par.fsdp:  # no FSDP (spec.uses_fsdp): autograd accumulates into .grad whatever the knob says
+        for per_knob in (grads, unsharded, grads_in_flight, head_grads):
+            per_knob["knob_on"] = per_knob["knob_off"]
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]

@@ -58,6 +58,7 @@ class ParallelSpec:
     ce_in_model: bool  # chunked or fused CE: the head returns the CE sum, never the whole logits
     activation_checkpointing: str  # model.activation_checkpointing's mode
     compile: bool  # model.compile: per-layer torch.compile
+    fsdp: bool  # FSDP2 wraps the model: dp > 1, or weights stored in another dtype than they compute in
 
     @property
     def num_stages(self) -> int:
@@ -133,7 +134,26 @@ def resolve_ce_kernel(cfg: Config, layout: Layout, device: str) -> str:
     return "fused" if device == "cuda" and not (layout.tp > 1 and cfg.mesh.vocab_parallel) else "torch"
 
 
-def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str) -> ParallelSpec:
+def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
+    """Whether FSDP2 wraps the model. With one data-parallel rank it has nothing to shard or reduce, yet its
+    all-gather still copies every unit's parameters into a buffer of their own (a second copy of the weights
+    while they are gathered) and its hooks run around every unit; it is left out then, unless it is needed to
+    cast weights stored in optim.master_dtype to the compute dtype (without it autograd accumulates gradients
+    in the weights' own dtype, the master dtype, as FSDP would), or tensor parallelism shards the layers: FSDP
+    makes every parameter a DTensor of one kind for the optimizer, and reduces the vocab-parallel embedding's
+    gradient, which DTensor's backward returns replicated, to the rank's shard.
+
+    With peft=lora the frozen base is stored in the compute dtype and the adapters cast themselves
+    (lora._add_adapter), so only trained embeddings or head (`peft` options) need FSDP's cast."""
+    if layout.dp > 1 or layout.tp > 1:
+        return True
+    if peft.method == "lora":
+        return dtypes.master != dtypes.compute and (peft.train_embeddings or peft.train_head)
+    return dtypes.master != dtypes.compute
+
+
+def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str,
+                     dtypes: Dtypes) -> ParallelSpec:
     """The pipeline placement and FSDP's resharding; raises on head counts, a schedule, a stage split or a model
     that the layout cannot run."""
     from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
@@ -158,11 +178,12 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_kernel=(ce_kernel := resolve_ce_kernel(cfg, layout, device)),
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        compile=cfg.model.compile)
+        compile=cfg.model.compile, fsdp=uses_fsdp(layout, dtypes, cfg.peft))
 
 
 def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec:
     """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu")."""
     check_mesh_keys(cfg, layout)
     batching = resolve_batching(cfg, layout.dp)
-    return RunSpec(layout, batching, resolve_dtypes(cfg, device), resolve_parallel(cfg, layout, model_cfg, batching, device))
+    dtypes = resolve_dtypes(cfg, device)
+    return RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device, dtypes))
