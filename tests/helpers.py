@@ -64,6 +64,34 @@ def train_with_state(rank, world_size, overrides):
     return run(compose(overrides), return_state=True)
 
 
+# what qwenft.distributed.mesh.init_process_group sets for a lone process (a free port of its own)
+_RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def train_alone(overrides, return_state=False):
+    """`qwenft train` with these overrides in this process, as a lone rank (no torchrun); its RunResult. The
+    process group the run made is destroyed after it and the rendezvous variables put back, so a later run
+    makes its own group on a fresh port. The GPU tier trains this way: a process forked after its parent
+    initialised CUDA (run_distributed's ranks) cannot use CUDA."""
+    import torch.distributed as dist
+
+    from qwenft.distributed.fake_pg import forget_meshes
+    from qwenft.train.runner import run
+
+    saved = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
+    try:
+        return run(compose(overrides), return_state=return_state)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_meshes()  # no DTensor cache entry may point at the destroyed group
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def assert_same_training(result, reference, rtol=1e-5, steps=3, rtol_by_suffix=None):
     """Two RunResults with state: both ran `steps` steps and the reference's loss moved (a vacuous comparison
     is caught); every step's loss, every validation loss of the reference and every parameter (norm of the

@@ -332,8 +332,7 @@ def predict(cfg: Config) -> list[RankPlan]:
 
     Builds each rank's share through `build.build_model_parts` on a fake process group ("fake" backend), one
     rank at a time, in this process; needs no GPU and no process group of its own."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from qwenft.distributed.fake_pg import fake_process_group
     from qwenft.distributed.mesh import build_mesh
     from qwenft.train import build
     from qwenft.train.spec import resolve_spec
@@ -347,25 +346,11 @@ def predict(cfg: Config) -> list[RankPlan]:
     ctx = _Context(cfg, model_cfg, spec)
     plans = []
     for rank in range(layout.world_size):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
-        try:
+        with fake_process_group(layout.world_size, rank):
             mesh = build_mesh(layout, device="cpu")
             coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
             plans.append(_rank_plan(ctx, rank, coords, build.build_model_parts(cfg, model_cfg, spec, mesh)))
-        finally:
-            dist.destroy_process_group()
-            _forget_fake_meshes()
     return plans
-
-
-def _forget_fake_meshes() -> None:
-    """Drop DTensor's sharding-propagation caches (Python and C++). Their keys compare meshes by shape and names
-    only, so an entry made on the fake group would hand a later real mesh of the same shape the fake one's
-    process groups ("Could not resolve the process group registered under the name ..."). torch offers this
-    clearing as a debug helper only (2.13)."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
 
 
 # ---------------------------------------------------------------- output
