@@ -269,3 +269,39 @@ def test_checkpoint_trainable_only_and_resume_bit_identical(tied_ckpt, tmp_path)
     (resumed,) = run_distributed(train, 1, _overrides(tied_ckpt, tmp_path / "split", *common, "train.max_steps=4"))
     assert resumed[0] == whole[0][2:]
     assert resumed[1].keys() == whole[1].keys() and all(torch.equal(resumed[1][k], v) for k, v in whole[1].items())
+
+
+@pytest.mark.parametrize("peft, key", [(["peft.train_embeddings=true"], "peft.train_embeddings=true"),
+                                       (["peft.train_head=true"], "peft.train_head=true"),
+                                       (["peft=none"], "model.path=")])
+def test_pipeline_parallel_with_a_trained_tied_matrix_fails_in_one_line(tied_ckpt, peft, key):
+    """A trained tied matrix (LoRA's flags, or full finetuning) cannot be split over stages: one line at the start,
+    naming the key."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.build import model_config
+    from qwenft.train.spec import resolve_spec
+
+    cfg = compose(["recipe=tiny", "peft=lora", f"model.path={tied_ckpt}", "mesh.pp=2", *peft])
+    with pytest.raises(ValueError) as e:
+        resolve_spec(cfg, resolve_layout(1, 2, 1, 2), model_config(cfg), "cpu")
+    msg = str(e.value)
+    assert (key if key != "model.path=" else str(tied_ckpt)) in msg and "mesh.pp=2" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_with_the_tied_matrix_frozen_equals_one_process(tied_ckpt, tmp_path):
+    """peft=lora without train_embeddings / train_head: stage 0 holds the frozen tied matrix as embed_tokens and
+    stage 1 as lm_head, each loaded from the checkpoint's one tensor; losses and adapter gradients within 1e-5 of
+    one process."""
+    frozen = ["peft.train_embeddings=false"]
+    (ref_losses, ref_grads, _, _) = run_distributed(_train, 1, _overrides(tied_ckpt, tmp_path / "one", *frozen))[0]
+    results = run_distributed(_train, 2, _overrides(tied_ckpt, tmp_path / "pp2", *frozen, "mesh.pp=2"))
+    losses = results[0][0]
+    assert len(losses) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), losses
+    for step, ref in enumerate(ref_grads):
+        got = {k: v for r in results for k, v in r[1][step].items()}
+        assert got.keys() == ref.keys() and all(".lora_" in k for k in ref)
+        diff = torch.cat([(got[n] - g).flatten() for n, g in ref.items()]).norm()
+        total = torch.cat([g.flatten() for g in ref.values()]).norm()
+        assert diff / total < 1e-5, f"step {step + 1}: adapter grads rel err {diff / total:.2e}"

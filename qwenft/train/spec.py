@@ -134,6 +134,22 @@ def resolve_ce_kernel(cfg: Config, layout: Layout, device: str) -> str:
     return "fused" if device == "cuda" and not (layout.tp > 1 and cfg.mesh.vocab_parallel) else "torch"
 
 
+def check_tied_stages(cfg: Config, layout: Layout) -> None:
+    """Tied embeddings under pipeline parallelism: embed_tokens sits on the first stage, lm_head on the last. A
+    frozen tied matrix (peft=lora without train_embeddings / train_head) is simply held by both, each stage
+    loading it from the checkpoint's one tensor; a trained one would need its two stages' gradients summed and
+    its updates kept equal, which qwenft does not do, so the run fails here."""
+    model = cfg.model.path or cfg.model.name
+    if cfg.peft.method == "none":
+        raise ValueError(f"model {model} ties lm_head to the embeddings, which mesh.pp={layout.pp} puts on "
+                         f"different stages; use mesh.pp=1 (or peft=lora, which keeps the tied matrix frozen)")
+    flag = next((f for f in ("train_embeddings", "train_head") if getattr(cfg.peft, f)), None)
+    if flag is not None:
+        raise ValueError(f"peft.{flag}=true trains the matrix that model {model} ties between embed_tokens and "
+                         f"lm_head, which mesh.pp={layout.pp} puts on different stages; use mesh.pp=1, or "
+                         f"peft.train_embeddings=false and peft.train_head=false")
+
+
 def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
     """Whether FSDP2 wraps the model. With one data-parallel rank it has nothing to shard or reduce, yet its
     all-gather still copies every unit's parameters into a buffer of their own (a second copy of the weights
@@ -166,8 +182,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         virtual = cfg.pipeline.virtual_stages or pp_split.default_virtual_stages(name)
         pp_split.check_virtual_stages(name, virtual)
         if model_cfg.tie_word_embeddings:
-            raise ValueError(f"model {cfg.model.path or cfg.model.name} ties lm_head to the embeddings, which "
-                             f"mesh.pp={layout.pp} puts on different stages; use mesh.pp=1")
+            check_tied_stages(cfg, layout)
         layers = pp_split.split_layers(num_layers, layout.pp * virtual, model_cfg.vision is not None,
                                        cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
     single_pass = layout.pp == 1 and batching.num_microbatches == 1
