@@ -114,7 +114,7 @@ def _fsdp_accumulators(module) -> list:
 
 def _real_step_bytes(rank, world_size, overrides):
     """Run the real runner for one step and record, on this rank: the gradients held after the first microbatch's
-    backward (knob off: the unsharded accumulator), and after the optimizer step (before zero_grad) the
+    backward (knob off: the unsharded accumulator; a pipeline stage's, or at pp = 1 the model's), and after the optimizer step (before zero_grad) the
     trained parameters, every parameter of the model parts (a frozen base too), sharded gradients and optimizer
     state."""
     from qwenft.distributed.pipeline import stage as pp_stage
@@ -128,6 +128,16 @@ def _real_step_bytes(rank, world_size, overrides):
             seen.setdefault("first_backward_grads", _storage_bytes(
                 [p.grad for p in self.submod.parameters() if p.grad is not None] + _fsdp_accumulators(self.submod)))
             return result
+
+    set_grad_sync = build.set_microbatch_grad_sync
+    microbatches = []
+
+    def recording_grad_sync(model, is_last, reduce_grad_per_microbatch):  # pp = 1: before each microbatch
+        microbatches.append(is_last)
+        if len(microbatches) == 2:  # the first microbatch's backward is done
+            seen.setdefault("first_backward_grads", _storage_bytes(
+                [p.grad for p in model.parameters() if p.grad is not None] + _fsdp_accumulators(model)))
+        set_grad_sync(model, is_last, reduce_grad_per_microbatch)
 
     build_optimizer, build_model_parts = build.build_optimizer, build.build_model_parts
     parts = []
@@ -154,6 +164,7 @@ def _real_step_bytes(rank, world_size, overrides):
     pp_stage.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
     build.build_optimizer = recording_optimizer
     build.build_model_parts = recording_model_parts
+    build.set_microbatch_grad_sync = recording_grad_sync
     runner.run(compose(overrides))
     return seen
 
@@ -221,6 +232,38 @@ def test_tiny_3d_lora_plan_equals_a_real_steps_bytes(tmp_path):
         assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
         assert seen["params"] < seen["all_params"]  # the optimizer holds the adapters, not the base
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tied_lora_train_embeddings_plan_equals_a_real_steps_bytes(tmp_path):
+    """peft=lora with peft.train_embeddings=true on a model with tied embeddings, tp2 x dp2 (vocab parallel), bf16
+    compute with fp32 master weights: the one tied matrix (in the FSDP root) is counted once, in fp32 with its
+    gradient and AdamW state, beside the adapters; every rank's planned bytes equal one real step's."""
+    import dataclasses
+
+    from helpers import save_random_checkpoint
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.qwen3_5.configs import named_config
+
+    cfg = dataclasses.replace(named_config("tiny"), tie_word_embeddings=True)
+    cfg.text.vocab_size = max(cfg.text.vocab_size, len(load_tokenizer("tiny")))
+    ckpt = save_random_checkpoint(cfg, tmp_path / "tied", tokenizer="tiny")
+    overrides = ["recipe=tiny", "peft=lora", "peft.train_embeddings=true", f"model.path={ckpt}", "mesh.tp=2",
+                 "mesh.dp=2", "train.max_steps=1", "data.seq_len=64", "train.global_batch_size=4",
+                 "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "model.dtype=bfloat16",
+                 "optim.master_dtype=float32", "optim.state_dtype=float32", "model.kernels.gdn=torch",
+                 "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"]
+    real = run_distributed(_real_step_bytes, 4, overrides)
+    _, plans = _plan(*overrides)
+    for p, seen in zip(plans, real):
+        assert p.param_bytes == seen["all_params"], (p.rank, p.param_bytes, seen)
+        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
+        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
+        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+    # the tied matrix's fp32 AdamW state (two moments of a vocab shard over tp x dp) is most of the optimizer's
+    shard = cfg.text.vocab_size * cfg.text.hidden_size // 4
+    assert real[0]["optimizer"] > 2 * 4 * shard
 
 
 @pytest.mark.slow

@@ -83,9 +83,14 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
 
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
-    embedding = getattr(module, "embed_tokens", None)
     if not isinstance(module, FSDPModule):  # one data-parallel rank, no FSDP (spec.uses_fsdp)
         return [_plain_param(stage, name, p) for name, p in module.named_parameters()]
+    # Tied to lm_head, the head's backward runs first and leaves a vocab-sharded gradient, which the embedding's
+    # adds into: a shard (measured there too).
+    embedding, head = getattr(module, "embed_tokens", None), getattr(module, "lm_head", None)
+    replicated_weight = None
+    if embedding is not None and not (head is not None and head.weight is embedding.weight):
+        replicated_weight = embedding.weight
     out, seen = [], set()
     for name, m in module.named_modules():
         # fully_shard([norm, lm_head]) (fsdp.edge_units) makes both FSDPModules of one state: count it once
@@ -101,7 +106,7 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                 names = p.device_mesh.mesh_dim_names or ()
                 tp_replica = "tp" not in names or isinstance(p.placements[names.index("tp")], Replicate)
                 padded, unsharded = math.prod(fp.padded_sharded_param_size), math.prod(fp._orig_size)
-                replicated_grad = not tp_replica and embedding is not None and p is embedding.weight
+                replicated_grad = not tp_replica and p is replicated_weight
                 out.append(_Param(unit, p.dtype, compute, policy.reduce_dtype or compute, p.to_local().numel(),
                                   padded, unsharded, padded * dp,
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
