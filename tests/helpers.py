@@ -92,6 +92,30 @@ def train_alone(overrides, return_state=False):
                 os.environ[key] = value
 
 
+def train_recording_grads(overrides):
+    """Train in this (rank's) process; (job, losses, [{trained name: full gradient} per step], {trained name: full
+    value after training}). The gradients are read before the optimizer clears them."""
+    from qwenft.launch import signals
+    from qwenft.train.build import build_job
+    from qwenft.train.runner import train
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    with signals.StopOnSignal() as stop:
+        job = build_job(compose(overrides))
+        named = [(n, p) for m in job.model_parts for n, p in m.named_parameters() if p.requires_grad]
+        grads, zero_grad = [], job.optimizer.zero_grad
+
+        def capture(set_to_none=True):
+            grads.append({n: full(p.grad) for n, p in named})
+            zero_grad(set_to_none=set_to_none)
+
+        job.optimizer.zero_grad = capture
+        result = train(job, stop)
+        return job, result.losses, grads, {n: full(p) for n, p in named}
+
+
 def assert_same_training(result, reference, rtol=1e-5, steps=3, rtol_by_suffix=None):
     """Two RunResults with state: both ran `steps` steps and the reference's loss moved (a vacuous comparison
     is caught); every step's loss, every validation loss of the reference and every parameter (norm of the

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import compose, save_random_checkpoint
+from helpers import compose, save_random_checkpoint, train_recording_grads
 
 EMBED = "embed_tokens.weight"
 
@@ -39,35 +39,16 @@ def _overrides(ckpt, run_dir, *extra):
             f"run_dir={run_dir}", *extra]
 
 
-def _full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
 def _train(rank, world_size, overrides):
     """(losses, [{trained name: gradient} per step], {trained name: value after training}, facts about the tied
-    parameter) of this rank."""
-    from qwenft.launch import signals
-    from qwenft.train.build import build_job
-    from qwenft.train.runner import train
-
-    with signals.StopOnSignal() as stop:
-        job = build_job(compose(overrides))
-        named = [(n, p) for m in job.model_parts for n, p in m.named_parameters() if p.requires_grad]
-        model = job.model_parts[0]
-        facts = {"head_is_embedding": model.lm_head is not None and model.embed_tokens is not None
-                 and model.lm_head.weight is model.embed_tokens.weight,
-                 "optimizer_params": sum(len(g["params"]) for g in job.optimizer.param_groups),
-                 "trained_names": [n for n, _ in named]}
-        grads, zero_grad = [], job.optimizer.zero_grad
-
-        def capture(set_to_none=True):  # the step's gradients, read before the optimizer clears them
-            grads.append({n: _full(p.grad) for n, p in named})
-            zero_grad(set_to_none=set_to_none)
-
-        job.optimizer.zero_grad = capture
-        result = train(job, stop)
-        facts["optimizer_states"] = len(job.optimizer.state)
-        return result.losses, grads, {n: _full(p) for n, p in named}, facts
+    parameter and the optimizer) of this rank."""
+    job, losses, grads, values = train_recording_grads(overrides)
+    model = job.model_parts[0]
+    facts = {"head_is_embedding": model.lm_head is not None and model.embed_tokens is not None
+             and model.lm_head.weight is model.embed_tokens.weight,
+             "optimizer_params": sum(len(g["params"]) for g in job.optimizer.param_groups),
+             "optimizer_states": len(job.optimizer.state), "trained_names": list(values)}
+    return losses, grads, values, facts
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,17 @@ def _real_step_bytes(rank, world_size, overrides):
     return seen
 
 
+def _assert_plan_bytes(plans, real, params: str) -> None:
+    """Every rank's planned parameter bytes equal the real step's `params` ("params": the trained ones,
+    "all_params": every parameter, a frozen base too), and its gradient (sharded after the step, knob on; the
+    first microbatch's, knob off) and optimizer bytes equal the real step's, byte for byte."""
+    for p, seen in zip(plans, real):
+        assert p.param_bytes == seen[params], (p.rank, p.param_bytes, seen)
+        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
+        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
+        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
@@ -180,11 +191,7 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
                  f"run_dir={tmp_path}"]
     real = run_distributed(_real_step_bytes, 8, overrides)
     _, plans = _plan(*overrides)
-    for p, seen in zip(plans, real):
-        assert p.param_bytes == seen["params"], (p.rank, p.param_bytes, seen)
-        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)  # sharded, after the step
-        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
-        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+    _assert_plan_bytes(plans, real, params="params")
 
 
 def test_one_rank_in_the_compute_dtype_plans_no_gathered_copy():
@@ -226,12 +233,8 @@ def test_tiny_3d_lora_plan_equals_a_real_steps_bytes(tmp_path):
                  "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
     real = run_distributed(_real_step_bytes, 8, overrides)
     _, plans = _plan(*overrides)
-    for p, seen in zip(plans, real):
-        assert p.param_bytes == seen["all_params"], (p.rank, p.param_bytes, seen)
-        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
-        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
-        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
-        assert seen["params"] < seen["all_params"]  # the optimizer holds the adapters, not the base
+    _assert_plan_bytes(plans, real, params="all_params")
+    assert all(seen["params"] < seen["all_params"] for seen in real)  # the optimizer holds the adapters only
 
 
 @pytest.mark.distributed
@@ -256,12 +259,8 @@ def test_tied_lora_train_embeddings_plan_equals_a_real_steps_bytes(tmp_path):
                  "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"]
     real = run_distributed(_real_step_bytes, 4, overrides)
     _, plans = _plan(*overrides)
-    for p, seen in zip(plans, real):
-        assert p.param_bytes == seen["all_params"], (p.rank, p.param_bytes, seen)
-        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
-        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
-        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
-    # the tied matrix's fp32 AdamW state (two moments of a vocab shard over tp x dp) is most of the optimizer's
+    _assert_plan_bytes(plans, real, params="all_params")
+    # the optimizer holds the tied matrix: two fp32 moments of its shard over tp x dp, and the adapters
     shard = cfg.text.vocab_size * cfg.text.hidden_size // 4
     assert real[0]["optimizer"] > 2 * 4 * shard
 
