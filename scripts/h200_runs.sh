@@ -74,9 +74,9 @@ bench bf16_ac_off_compile $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan"
   model.activation_checkpointing=false model.compile=true ;;
 lora)  # after side_by_side, warm: LoRA rank 16 on every linear against full finetuning, eager, AC off, both
 # profiled (the frozen base's backward has no weight-gradient matmuls: about 2/3 of full finetuning's matmul time)
-bench full_ft_profile 150 1 0 "--warmup 2 --plan --profile $out/full_ft.txt" train.max_steps=5 $bf16 \
+bench full_ft_profile 300 1 0 "--warmup 2 --plan --profile $out/full_ft.txt" train.max_steps=5 $bf16 \
   model.activation_checkpointing=false
-bench lora_r16_profile 150 1 0 "--warmup 2 --plan --profile $out/lora_r16.txt" train.max_steps=5 \
+bench lora_r16_profile 200 1 0 "--warmup 2 --plan --profile $out/lora_r16.txt" train.max_steps=5 \
   model.activation_checkpointing=false peft=lora peft.rank=16 peft.alpha=32 optim.master_dtype=float32 \
   optim.state_dtype=float32 ;;  # adapters in fp32 (the LoRA recipes' setting), the base in bf16
 fake_tp)  # rank 0 of a fake tp2 and tp4 world against one GPU, eager, AC off: a tensor parallel rank's ceiling
