@@ -225,10 +225,19 @@ def test_35b_a3b_is_transformers_default_moe_config():
     assert ours.rope_parameters["rope_theta"] == 1e7
 
 
-@pytest.mark.parametrize("size", ["122b_a10b", "397b_a17b"])
-def test_sizes_without_published_numbers_refuse(size):
-    with pytest.raises(ValueError, match="model.path"):
-        named_config(size)
+@pytest.mark.parametrize("size, total, active", [("35b_a3b", 35, 3), ("122b_a10b", 122, 10), ("397b_a17b", 397, 17)])
+def test_named_moe_sizes_have_their_names_parameter_counts(size, total, active):
+    """The released names give total and active parameters in billions (Qwen3.5-122B-A10B: 122B, 10B active);
+    the text model built on meta from qwenft's numbers has them to 1B (it lacks the ~0.4B vision tower; 397B-A17B
+    measures 396.3B), active = all but the experts a token is not routed to."""
+    cfg = named_config(size)
+    t = cfg.text
+    model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for layer in model.layers.values() for p in layer.mlp.experts.parameters())
+    n_active = n - experts * (t.num_experts - t.num_experts_per_tok) // t.num_experts
+    assert abs(n / 1e9 - total) < 1 and abs(n_active / 1e9 - active) < 0.5, (n, n_active)
+    assert to_hf_config(cfg).num_experts == t.num_experts  # transformers takes the numbers as they are
 
 
 def test_tiny_moe_builds_on_meta_with_fused_expert_shapes():

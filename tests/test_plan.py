@@ -265,6 +265,19 @@ def test_tied_lora_train_embeddings_plan_equals_a_real_steps_bytes(tmp_path):
     assert real[0]["optimizer"] > 2 * 4 * shard
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, world", [("qwen3_5_35b_a3b", 8), ("qwen3_5_122b_a10b", 32), ("qwen3_5_397b_a17b", 128)])
+def test_moe_recipes_fit_every_rank(recipe, world):
+    """The MoE recipes' layouts, chosen with the planner (their comments give the numbers): every rank of the
+    whole mesh planned and within plan.gpu_memory_gib, every expert of the model held once over the ranks."""
+    cfg, plans = _plan(f"recipe={recipe}")
+    assert [p.rank for p in plans] == list(range(world))
+    assert all(p.total_bytes < cfg.plan.gpu_memory_gib * plan_lib.GIB for p in plans)
+    t = model_config(cfg).text
+    assert sum(p.expert_params for p in plans) == (
+        t.num_hidden_layers * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tiny_moe_plan_equals_a_real_steps_bytes(tmp_path):
