@@ -176,6 +176,24 @@ def make_hf_model(cfg, seed=0):
     return hf
 
 
+def make_hf_moe_model(cfg, seed=0):
+    """A transformers Qwen3.5-MoE model with every weight perturbed (as make_hf_model): `Qwen3_5MoeForCausalLM`, or
+    `Qwen3_5MoeForConditionalGeneration` when `cfg.vision` is set. Its experts run transformers' eager loop (its
+    default is its own torch._grouped_mm path), the plain reference."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+
+    from qwenft.models.qwen3_5.configs import to_hf_config
+
+    torch.manual_seed(seed)
+    cls = Qwen3_5MoeForCausalLM if cfg.vision is None else Qwen3_5MoeForConditionalGeneration
+    hf = cls(to_hf_config(cfg)).float()
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return hf
+
+
 def save_random_checkpoint(cfg, path, seed=0, perturb_norms=False, tokenizer=None):
     """The native model, randomly initialised (fp32), saved in Hugging Face layout at path. perturb_norms: add
     seeded noise (0.1) to the norm weights, which zero / one init would leave blind to a sharded-norm mistake;

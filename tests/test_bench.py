@@ -113,3 +113,26 @@ def test_collective_bandwidth_runs_on_two_cpu_ranks(tmp_path):
         assert r["ranks"] == 2 and r["ms"] > 0
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * (1.0 if r["collective"] == "all_reduce" else 0.5),
                                                abs=0.11)
+
+
+def test_moe_flops_per_token_count_the_active_parameters():
+    """MFU and TFLOP/s of an MoE model (metrics.jsonl, bench.py) count 6 FLOPs per active matmul parameter: per
+    layer the router, the top_k experts a token is routed to and the shared expert with its gate, counted here
+    from the built 35B-A3B model's parameters (a layer's MLP less the experts a token skips); the MLP's share
+    of the FLOPs is what replacing it by nothing removes. The whole model: ~3B active matmul parameters (A3B)."""
+    import dataclasses
+
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.metrics import flops_per_token, matmul_params
+
+    cfg = named_config("35b_a3b")
+    t = cfg.text
+    mlp = build_model(cfg, device="meta").layers["0"].mlp
+    experts = sum(p.numel() for p in mlp.experts.parameters())
+    skipped = experts * (t.num_experts - t.num_experts_per_tok) // t.num_experts
+    active = sum(p.numel() for p in mlp.parameters()) - skipped
+    without_mlp = dataclasses.replace(t, num_experts=0, intermediate_size=0)
+    assert flops_per_token(t, 4096) - flops_per_token(without_mlp, 4096) == 6 * t.num_hidden_layers * active
+    params = matmul_params(t)
+    assert 2.8e9 < sum(params[kind] for kind in t.layer_types) + params["lm_head"] < 3.2e9

@@ -142,6 +142,8 @@ def test_pad_mode_holds_one_document_per_row(tok):
     for r, length in enumerate(lengths):
         assert (batch["input_ids"][r, length:] == tok.pad_token_id).all()
         assert (batch["labels"][r, length - 1:] == IGNORE_INDEX).all()
+        assert batch["padding_mask"][r].tolist() == [t >= length for t in range(64)]  # the tail after the document
+    assert 0 < batch["padding_mask"].sum() < batch["padding_mask"].numel()
 
 
 def test_truncation_policies(tok):

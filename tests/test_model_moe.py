@@ -21,21 +21,7 @@ from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config, to_hf_config
 from qwenft.models.qwen3_5.moe import MoE, load_balancing_loss
 
-
-def make_hf_model(cfg, seed=0):
-    """A transformers model with every weight perturbed (its init leaves norms at 0/1, which hides bugs). Its
-    experts run transformers' eager loop (the default is its own torch._grouped_mm path), the plain reference."""
-    torch.manual_seed(seed)
-    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
-    hf.set_experts_implementation("eager")
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return hf
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from helpers import make_hf_moe_model, rel_err
 
 
 def min_topk_gap(router_logits, k):
@@ -51,7 +37,7 @@ def shifted(labels):
 @pytest.fixture
 def tiny_pair(tmp_path):
     cfg = named_config("tiny_moe")
-    hf = make_hf_model(cfg)
+    hf = make_hf_moe_model(cfg)
     hf.save_pretrained(tmp_path)
     model = load_hf_weights(build_model(cfg, kernels="torch", moe_kernel="loop"), tmp_path, device="cpu")
     return cfg, hf, model, tmp_path
@@ -239,10 +225,19 @@ def test_35b_a3b_is_transformers_default_moe_config():
     assert ours.rope_parameters["rope_theta"] == 1e7
 
 
-@pytest.mark.parametrize("size", ["122b_a10b", "397b_a17b"])
-def test_sizes_without_published_numbers_refuse(size):
-    with pytest.raises(ValueError, match="model.path"):
-        named_config(size)
+@pytest.mark.parametrize("size, total, active", [("35b_a3b", 35, 3), ("122b_a10b", 122, 10), ("397b_a17b", 397, 17)])
+def test_named_moe_sizes_have_their_names_parameter_counts(size, total, active):
+    """The released names give total and active parameters in billions (Qwen3.5-122B-A10B: 122B, 10B active);
+    the text model built on meta from qwenft's numbers has them to 1B (it lacks the ~0.4B vision tower; 397B-A17B
+    measures 396.3B), active = all but the experts a token is not routed to."""
+    cfg = named_config(size)
+    t = cfg.text
+    model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for layer in model.layers.values() for p in layer.mlp.experts.parameters())
+    n_active = n - experts * (t.num_experts - t.num_experts_per_tok) // t.num_experts
+    assert abs(n / 1e9 - total) < 1 and abs(n_active / 1e9 - active) < 0.5, (n, n_active)
+    assert to_hf_config(cfg).num_experts == t.num_experts  # transformers takes the numbers as they are
 
 
 def test_tiny_moe_builds_on_meta_with_fused_expert_shapes():
@@ -275,12 +270,7 @@ def test_vlm_logits_grads_and_export_match_transformers(tmp_path):
     cfg = dataclasses.replace(named_config("tiny_moe"), vision=tiny_vision_config(text.hidden_size),
                               image_token_id=image, video_token_id=501, vision_start_token_id=start,
                               vision_end_token_id=end)
-    torch.manual_seed(0)
-    hf = Qwen3_5MoeForConditionalGeneration(to_hf_config(cfg)).float()
-    hf.set_experts_implementation("eager")
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    hf = make_hf_moe_model(cfg)
     hf.save_pretrained(tmp_path / "hf")
     loaded = config_from_hf_dir(tmp_path / "hf")
     assert loaded.text == cfg.text and loaded.vision is not None

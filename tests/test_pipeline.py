@@ -309,6 +309,7 @@ def test_torchrun_matches_one_process(tmp_path, nproc, mesh):
 PARALLEL_RECIPES = {  # recipe: (world size it is meant for, tp, pp)
     "qwen3_5_27b_tp4pp4": (16, 4, 4), "qwen3_5_27b_pp2dp4": (8, 1, 2), "qwen3_5_27b_tp2pp2dp2": (8, 2, 2),
     "tiny_tp2": (2, 2, 1), "tiny_pp2": (2, 1, 2), "tiny_3d": (8, 2, 2),
+    "qwen3_5_35b_a3b": (8, 1, 1), "qwen3_5_122b_a10b": (32, 1, 8), "qwen3_5_397b_a17b": (128, 1, 16),
 }
 
 
@@ -328,6 +329,8 @@ def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
     cfg = compose([f"recipe={recipe}", "data.path=/data/chats.jsonl"])
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
     assert (layout.tp, layout.pp) == (tp, pp)
+    if cfg.mesh.dp != -1:  # a recipe with a fixed mesh asks for exactly its GPUs
+        assert cfg.launcher.nodes * cfg.launcher.nproc_per_node == world
     batching = resolve_batching(cfg, layout.dp)
     size, count = batching.microbatch_size, batching.num_microbatches
     assert count >= pp * default_virtual_stages(cfg.pipeline.schedule)  # 1F1B needs >= one microbatch a stage

@@ -14,7 +14,7 @@ from helpers import compose, model_config
 from qwenft.cli import main
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, TextConfig
 from qwenft.train import plan as plan_lib
-from qwenft.train.activations import saved_tensor_bytes
+from qwenft.train.activations import moe_activation_bytes, saved_tensor_bytes
 
 
 def _plan(*overrides):
@@ -266,6 +266,46 @@ def test_tied_lora_train_embeddings_plan_equals_a_real_steps_bytes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("recipe, world", [("qwen3_5_35b_a3b", 8), ("qwen3_5_122b_a10b", 32), ("qwen3_5_397b_a17b", 128)])
+def test_moe_recipes_fit_every_rank(recipe, world):
+    """The MoE recipes' layouts, chosen with the planner (their comments give the numbers): every rank of the
+    whole mesh planned and within plan.gpu_memory_gib, every expert of the model held once over the ranks."""
+    cfg, plans = _plan(f"recipe={recipe}")
+    assert [p.rank for p in plans] == list(range(world))
+    assert all(p.total_bytes < cfg.plan.gpu_memory_gib * plan_lib.GIB for p in plans)
+    t = model_config(cfg).text
+    assert sum(p.expert_params for p in plans) == (
+        t.num_hidden_layers * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tiny_moe_plan_equals_a_real_steps_bytes(tmp_path):
+    """tiny_moe on pp2 x dp2 (fp32 on CPU, knob off, 2 microbatches): the fused routed experts, the router and the
+    shared expert of every MoE layer are in each rank's planned parameter, gradient and optimizer bytes, equal to
+    what one real training step allocates, byte for byte."""
+    overrides = ["recipe=tiny_moe", "mesh.pp=2", "mesh.dp=2", "train.max_steps=1", "data.seq_len=64",
+                 "pipeline.reduce_grad_per_microbatch=false", "model.dtype=float32", "model.kernels.moe=loop",
+                 "model.kernels.gdn=torch", "train.progress_bar=false", "checkpoint.export_hf=false",
+                 f"run_dir={tmp_path}"]
+    real = run_distributed(_real_step_bytes, 4, overrides)
+    _, plans = _plan(*overrides)
+    _assert_plan_bytes(plans, real, params="params")
+
+
+def test_tiny_moe_plan_holds_every_expert_once():
+    """pp2 x dp2: each rank stores half of its stage's experts (FSDP shards the experts' dim over dp), the four
+    ranks together every expert of every layer once, and the whole model once."""
+    cfg, plans = _plan("recipe=tiny_moe", "mesh.pp=2", "mesh.dp=2")
+    t = model_config(cfg).text
+    one_layer = t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
+    for p in plans:
+        assert p.expert_params * 2 * plan_lib.expert_shards(plan_lib.resolve_plan_layout(cfg)) == p.layers * one_layer
+    assert sum(p.expert_params for p in plans) == t.num_hidden_layers * one_layer
+    assert sum(p.params_owned for p in plans) == _model_params(cfg)
+
+
+@pytest.mark.slow
 def test_27b_lora_plan_keeps_optimizer_state_for_the_adapters_only(tmp_path, capsys):
     """`qwenft plan recipe=qwen3_5_27b_lora` against the same recipe fully finetuned (fp32 master weights and AdamW
     state both): per rank, the adapters' (~0.4% of the model) optimizer state and gradients are under 1% of full
@@ -327,6 +367,31 @@ def test_attention_layer_estimate_matches_autograds_saved_tensors():
     measured = sum(saved.values()) / tokens
     estimate = plan_lib.layer_activation_bytes(t, FULL_ATTENTION, tp=1, compute_bytes=2)
     assert abs(measured - estimate) < 0.01 * measured, (measured, estimate)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_block_estimate_matches_autograds_saved_tensors(dtype):
+    """An MoE block's forward on CPU (the expert loop; each expert's SwiGLU keeps what torch._grouped_mm's does):
+    the bytes autograd saves per token, the block's input included as the estimate counts it, within 1% of
+    `moe_activation_bytes`. The estimate leaves out the router weight's fp32 copy (per layer, not per token)."""
+    from qwenft.models.qwen3_5.moe import MoE
+
+    t = TextConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   mrope_section=[4, 2, 2], vocab_size=512, num_experts=16, num_experts_per_tok=4,
+                   moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    tokens = 512
+    torch.manual_seed(0)
+    block = MoE(t, kernel="loop").to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(1, tokens, t.hidden_size, dtype=dtype, requires_grad=True)
+    with saved_tensor_bytes(*block.parameters(), x) as saved:
+        block(x)
+    measured = sum(saved.values()) / tokens + dtype.itemsize * t.hidden_size
+    estimate = moe_activation_bytes(t, dtype.itemsize)
+    assert abs(measured - estimate) < 0.01 * measured, (measured, estimate)
+    # the routed copies dominate: top_k x the expert width, not num_experts x
+    assert estimate < dtype.itemsize * t.num_experts_per_tok * (3 * t.hidden_size + 4 * t.moe_intermediate_size) * 2
 
 
 def test_microbatches_in_flight_follow_the_schedule():

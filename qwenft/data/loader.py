@@ -10,6 +10,7 @@ API (what the runner uses):
     batch["labels"]          # [B, T] long, IGNORE_INDEX = ignored, PRE-SHIFTED: loss = CE(logits[:, t], labels[:, t])
     batch["position_ids"]    # [B, T] long, restart at 0 for every document and for the padding tail
     batch["cu_seqlens"]      # [n_segments + 1] int32 offsets of segment starts over the flattened B*T
+    batch["padding_mask"]    # [B, T] bool, true on each row's padding tail (no document's token)
     data.epoch, data.epoch_progress   # epoch of the next row; epochs done as a float, for logging
     data.skipped             # {reason: count} of rows not trained on (log it once at start)
     data.num_documents, data.rows_in_epoch(e)

@@ -8,6 +8,8 @@ Labels are pre-shifted by `chat.tokenize_rows` (each document's last label is IG
 documents never makes one predict into the next.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from qwenft.constants import IGNORE_INDEX
@@ -38,8 +40,16 @@ def pack_documents(lengths: list[int], seq_len: int, open_rows: int = 64) -> lis
     return rows
 
 
-def build_row(docs: list[Document], seq_len: int, pad_id: int) -> tuple[list[int], list[int], list[int]]:
-    """`input_ids`, `labels`, `position_ids` of one row holding `docs` then padding (label IGNORE_INDEX)."""
+class Row(NamedTuple):
+    """One row of `seq_len` tokens: its documents, then `padding` tokens of the pad id (label IGNORE_INDEX)."""
+    input_ids: list[int]
+    labels: list[int]
+    position_ids: list[int]
+    padding: int
+
+
+def build_row(docs: list[Document], seq_len: int, pad_id: int) -> Row:
+    """The `Row` holding `docs` then padding."""
     input_ids, labels, position_ids = [], [], []
     for doc in docs:
         input_ids += doc.input_ids
@@ -47,7 +57,7 @@ def build_row(docs: list[Document], seq_len: int, pad_id: int) -> tuple[list[int
         position_ids += range(len(doc.input_ids))
     pad = seq_len - len(input_ids)
     assert pad >= 0, (len(input_ids), seq_len)
-    return input_ids + [pad_id] * pad, labels + [IGNORE_INDEX] * pad, position_ids + list(range(pad))
+    return Row(input_ids + [pad_id] * pad, labels + [IGNORE_INDEX] * pad, position_ids + list(range(pad)), pad)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -57,8 +67,15 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
 
 
-def collate(rows: list[tuple[list[int], list[int], list[int]]]) -> dict[str, torch.Tensor]:
-    """Rows from `build_row` -> a micro batch: `input_ids`, `labels`, `position_ids` `[B, T]` long, `cu_seqlens`."""
-    input_ids, labels, position_ids = (torch.tensor(column, dtype=torch.long) for column in zip(*rows))
+def padding_mask(padding: list[int], seq_len: int) -> torch.Tensor:
+    """`[B, T]` bool, true on each row's padding tail (`padding[b]` tokens)."""
+    return torch.arange(seq_len) >= seq_len - torch.tensor(padding, dtype=torch.long)[:, None]
+
+
+def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """Rows from `build_row` -> a micro batch: `input_ids`, `labels`, `position_ids` `[B, T]` long, `cu_seqlens`,
+    `padding_mask` `[B, T]` bool."""
+    input_ids, labels, position_ids = (torch.tensor(column, dtype=torch.long) for column in list(zip(*rows))[:3])
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-            "cu_seqlens": cu_seqlens_from_position_ids(position_ids)}
+            "cu_seqlens": cu_seqlens_from_position_ids(position_ids),
+            "padding_mask": padding_mask([row.padding for row in rows], input_ids.shape[1])}

@@ -7,7 +7,8 @@ API (what the runner uses for a model with a vision tower):
     data = build_vlm_data(path, processor, seq_len, micro_batch_size, dp_rank, dp_size, seed, packing,
                           train_on, truncation, on_bad_row, max_image_bytes=...)   # -> VLMData (an SFTData)
     batch = next(data)   # input_ids, labels [B, T]; position_ids [3, B, T] (M-RoPE, per document);
-                         # cu_seqlens; pixel_values [n_patches, C*t*p*p] float32; image_grid_thw [n_images, 3]
+                         # cu_seqlens; padding_mask [B, T]; pixel_values [n_patches, C*t*p*p] float32;
+                         # image_grid_thw [n_images, 3]
 
 A row's `messages[i].content` is a string or a list of parts: `{"type": "text", "text": ...}`,
 `{"type": "image", "image": SRC}` (or OpenAI's `{"type": "image_url", "image_url": {"url": SRC}}`), where
@@ -41,7 +42,7 @@ from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
                               UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
 from qwenft.data.loader import SFTData, load_rows
-from qwenft.data.packing import build_row, cu_seqlens_from_position_ids
+from qwenft.data.packing import build_row, cu_seqlens_from_position_ids, padding_mask
 from qwenft.mrope import document_mrope_position_ids
 
 DEFAULT_MAX_IMAGE_BYTES = 32 * 1024 * 1024
@@ -353,15 +354,15 @@ class VLMData(SFTData):
 
     def _row_tokens(self, doc_ids: list[int]):
         docs = [self.docs[d] for d in doc_ids]
-        input_ids, labels, _ = build_row(docs, self.seq_len, self.pad_id)
+        input_ids, labels, _, padding = build_row(docs, self.seq_len, self.pad_id)
         positions = [document_positions(doc, self.processor) for doc in docs]
         tail = self.seq_len - sum(p.shape[1] for p in positions)
         positions.append(torch.arange(tail).expand(3, tail))
         return (input_ids, labels, torch.cat(positions, dim=1),
-                [image for doc in docs for image in doc.images], [g for doc in docs for g in doc.grids])
+                [image for doc in docs for image in doc.images], [g for doc in docs for g in doc.grids], padding)
 
     def _collate(self, rows) -> dict[str, torch.Tensor]:
-        input_ids, labels, positions, images, grids = zip(*rows)
+        input_ids, labels, positions, images, grids, padding = zip(*rows)
         position_ids = torch.stack(positions, dim=1)
         grids = [g for row in grids for g in row]
         pixel_values, image_grid_thw = self.processor.pixels([s.open() for row in images for s in row])
@@ -370,6 +371,7 @@ class VLMData(SFTData):
                              f"data pipeline expected {grids}; its resize rule is not Qwen's smart_resize")
         return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels),
                 "position_ids": position_ids, "cu_seqlens": cu_seqlens_from_position_ids(position_ids[0]),
+                "padding_mask": padding_mask(list(padding), self.seq_len),
                 "pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
 
 
@@ -407,6 +409,7 @@ def split_microbatches(batch: dict, num_microbatches: int, image_token_id: int, 
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids
         out.append({"input_ids": batch["input_ids"][lo:hi], "labels": batch["labels"][lo:hi],
                     "position_ids": position_ids, "cu_seqlens": cu_seqlens_from_position_ids(positions),
+                    **({"padding_mask": batch["padding_mask"][lo:hi]} if "padding_mask" in batch else {}),
                     "pixel_values": batch["pixel_values"][first_patch:patch],
                     "image_grid_thw": grid[first_image:image]})
     return out

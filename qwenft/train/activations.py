@@ -39,7 +39,7 @@ def layer_activation_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes:
     """
     c, H, F = compute_bytes, t.hidden_size, t.intermediate_size // tp
     norms = 2 * 8 * H / (tp if sequence_parallel else 1)  # 2 RMSNorms: fp32 input copy + fp32 normalised
-    mlp = c * H + 4 * c * F  # input; gate, silu(gate), up, gate*up (down_proj input)
+    mlp = moe_activation_bytes(t, c) if t.is_moe else c * H + 4 * c * F  # dense: input; gate, silu, up, gate*up
     if kind == FULL_ATTENTION:
         q, kv, d = t.num_attention_heads // tp, t.num_key_value_heads // tp, t.head_dim
         mixer = (c * H  # q/k/v_proj input
@@ -60,14 +60,36 @@ def layer_activation_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes:
     return norms + mlp + mixer
 
 
+def moe_activation_bytes(t: TextConfig, compute_bytes: int = 2) -> float:
+    """Bytes autograd keeps per token for one MoE block (`qwenft.models.qwen3_5.moe.MoE`), counted from its code:
+    each token is copied once per routed expert (top_k), and each copy keeps what a dense SwiGLU of the expert
+    width keeps. tests/test_plan.py checks it against autograd's saved tensors (1%)."""
+    c, H, E, k = compute_bytes, t.hidden_size, t.num_experts, t.num_experts_per_tok
+    I, S = t.moe_intermediate_size, t.shared_expert_intermediate_size
+    router = ((4 * H if c < 4 else 0)  # the block input in fp32, the router's matmul input
+              + 4 * E  # softmax output
+              + 8 * k + 4 * k + 4 + c * k  # top-k indices; top-k probabilities and their sum; the cast weights
+              + 8 * k + 8 * k)  # the sort by expert and the token of each copy (int64)
+    routed = c * k * (H  # the token copies, sorted by expert (the experts' input)
+                      + 2 * I + I + I  # gate_up output, silu(gate), silu(gate) * up (down_proj input)
+                      + H + H)  # the experts' outputs (index_copy keeps its source) and the unsorted copy
+    shared = 4 * c * S + c * H + c  # shared expert as a dense SwiGLU; its output and sigmoid gate, multiplied
+    return c * H + router + routed + shared  # c * H: the block input, shared by router, experts and shared expert
+
+
 def layer_matmul_output_bytes(t: TextConfig, kind: str, tp: int = 1, compute_bytes: int = 2) -> float:
     """Bytes per token of one decoder layer's matmul and attention-kernel outputs on one tp rank: what
     model.activation_checkpointing=selective keeps besides the layer's input
     (qwenft.distributed.activation_checkpointing.save_matmuls): not the last, down_proj's. Row-parallel
     outputs (o_proj, out_proj) count whole: the saved mm output precedes tensor parallel's reduce. fla's
-    delta rule is recomputed, so GDN keeps only its projections."""
+    delta rule is recomputed, so GDN keeps only its projections. MoE: the router's fp32 logits and the shared
+    expert's three projections (the block's last matmul is the shared expert's 1-wide gate); the routed experts
+    run as torch._grouped_mm on GPUs (model.kernels.moe=auto), which selective does not keep."""
     c, H, F = compute_bytes, t.hidden_size, t.intermediate_size // tp
-    mlp = c * 2 * F  # gate_proj, up_proj
+    if t.is_moe:
+        mlp = 4 * t.num_experts + c * (2 * t.shared_expert_intermediate_size + H)
+    else:
+        mlp = c * 2 * F  # gate_proj, up_proj
     if kind == FULL_ATTENTION:
         q, kv, d = t.num_attention_heads // tp, t.num_key_value_heads // tp, t.head_dim
         mixer = (c * 2 * (q + kv) * d  # q_proj (query and gate), k_proj, v_proj

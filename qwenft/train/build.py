@@ -206,17 +206,20 @@ def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.
                reduce_grad_per_microbatch: bool, ce_in_model: bool, loss_fn=None) -> torch.Tensor:
     """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss.
     `loss_fn`: a `pipeline.schedule.TokenCE` (default: token CE alone); an MoE model's aux loss joins it
-    when `loss_fn.aux_weight` is set."""
+    when `loss_fn.aux_weight` is set, over the tokens outside the microbatch's `padding_mask`."""
     from qwenft.distributed.pipeline.schedule import TokenCE
 
     loss_fn = loss_fn or TokenCE(ce_in_model=ce_in_model)
     loss_fn.label_tokens = label_tokens
     loss_fn.reset()
-    moe = {"return_routing": True} if model.cfg.text.is_moe else {}
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, reduce_grad_per_microbatch)
         labels = mb["labels"].to(device)
+        moe = {}
+        if model.cfg.text.is_moe:
+            padding = mb.get("padding_mask")
+            moe = {"return_routing": True, "router_mask": None if padding is None else ~padding.to(device)}
         output = forward_batch(model, mb, device, **({"labels": labels} if ce_in_model else {}), **moe)
         loss = loss_fn(output, labels)
         loss.backward()

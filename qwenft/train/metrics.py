@@ -57,8 +57,14 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def matmul_params(t) -> dict[str, int]:
-    """Parameters that take part in a matmul per token, by layer kind (embedding lookups excluded)."""
+    """Parameters that take part in a matmul per token, by layer kind (embedding lookups excluded). MoE: the
+    active ones, the router, the `num_experts_per_tok` experts a token is routed to and the shared expert with
+    its gate, not all `num_experts` experts."""
     mlp = 3 * t.hidden_size * t.intermediate_size
+    if t.is_moe:
+        mlp = t.hidden_size * (t.num_experts  # router
+                               + 3 * t.num_experts_per_tok * t.moe_intermediate_size  # routed experts
+                               + 3 * t.shared_expert_intermediate_size + 1)  # shared expert and its gate
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     attention = t.hidden_size * (2 * q + 2 * kv) + q * t.hidden_size  # q_proj carries the gate: 2*q rows
     kd = t.linear_num_key_heads * t.linear_key_head_dim
@@ -71,8 +77,8 @@ def matmul_params(t) -> dict[str, int]:
 def flops_per_token(t, seq_len: int, chunk: int = 64) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token of a Qwen3.5 text model.
 
-    6 per matmul parameter; plus, per full-attention layer, the causal QK^T and PV products over seq_len
-    (2 products x 2 FLOPs x seq_len/2 keys x heads x head_dim, x3); plus, per GatedDeltaNet layer, the
+    6 per matmul parameter (MoE: per active one, `matmul_params`); plus, per full-attention layer, the causal
+    QK^T and PV products over seq_len (2 products x 2 FLOPs x seq_len/2 keys x heads x head_dim, x3); plus, per GatedDeltaNet layer, the
     chunked delta rule per value head (state read, correction and update: ~4 dk*dv products; intra-chunk
     attention: chunk*(dk+dv)), x2 FLOPs x3. Packing lowers the real attention term (documents are
     shorter than seq_len); this counts the unpacked upper bound, the convention of MFU reports.

@@ -43,6 +43,7 @@ class RankPlan:
     layers: int
     params: int  # elements of the parameter shards this rank stores
     params_owned: int  # the same, counting tensor-parallel replicas on tp rank 0 only (sums to the model's size)
+    expert_params: int  # of `params`, the MoE layers' routed experts (experts.gate_up_proj, experts.down_proj)
     trainable: int
     param_bytes: int  # sharded parameters in their storage dtype, FSDP's padding included
     unsharded_bytes: dict  # compute-dtype parameters FSDP holds all-gathered: knob_off (all), knob_on (in flight:
@@ -73,6 +74,7 @@ class _Param:
     unsharded_grad: int  # the gradient autograd gives the unsharded parameter (see _fsdp_params)
     trainable: bool
     tp_replica: bool  # the same values on every tp rank
+    expert: bool  # a routed-expert weight of an MoE layer ([experts, ...])
 
 
 def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
@@ -80,11 +82,13 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     from torch.distributed.tensor import Replicate
 
     from qwenft.distributed.fsdp import param_groups
+    from qwenft.models.qwen3_5.moe import Experts
 
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
+    experts = {id(p) for m in module.modules() if isinstance(m, Experts) for p in m.parameters()}
     if not isinstance(module, FSDPModule):  # one data-parallel rank, no FSDP (spec.uses_fsdp)
-        return [_plain_param(stage, name, p) for name, p in module.named_parameters()]
+        return [_plain_param(stage, name, p, id(p) in experts) for name, p in module.named_parameters()]
     # Tied to lm_head, the head's backward runs first and leaves a vocab-sharded gradient, which the embedding's
     # adds into: a shard (measured there too).
     embedding, head = getattr(module, "embed_tokens", None), getattr(module, "lm_head", None)
@@ -110,11 +114,11 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                 out.append(_Param(unit, p.dtype, compute, policy.reduce_dtype or compute, p.to_local().numel(),
                                   padded, unsharded, padded * dp,
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
-                                  p.requires_grad, tp_replica))
+                                  p.requires_grad, tp_replica, id(p) in experts))
     return out
 
 
-def _plain_param(stage: int, name: str, p: torch.nn.Parameter) -> _Param:
+def _plain_param(stage: int, name: str, p: torch.nn.Parameter, expert: bool) -> _Param:
     """A parameter without FSDP: stored, computed and its gradient accumulated in its own dtype, never
     gathered (no second copy: `padded_unsharded` 0), its gradient the size of this rank's (tensor parallel) shard."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -122,7 +126,14 @@ def _plain_param(stage: int, name: str, p: torch.nn.Parameter) -> _Param:
     local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
     tp_replica = not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)
     return _Param((stage, _unit_name(name.rsplit(".", 1)[0])), p.dtype, p.dtype, p.dtype, local, local, local, 0,
-                  local, p.requires_grad, tp_replica)
+                  local, p.requires_grad, tp_replica, expert)
+
+
+def expert_shards(layout) -> int:
+    """The ranks that split each MoE layer's routed experts (dim 0 of `experts.gate_up_proj` and `down_proj`)
+    before FSDP shards what one of them holds: expert parallelism's degree; 1 while qwenft has none, so FSDP
+    alone shards the experts over dp like any weight."""
+    return 1
 
 
 def _unit_name(module_name: str) -> str:
@@ -234,6 +245,11 @@ def _logits(ctx: _Context, modules, chunks: int) -> tuple[int, int, int]:
 def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     cfg, pp, par = ctx.cfg, ctx.layout.pp, ctx.spec.parallel
     params = [p for stage, module in modules for p in _fsdp_params(stage, module)]
+    t = ctx.model_cfg.text
+    moe_layers = sum(len(m.layers) for _, m in modules) if t.is_moe else 0
+    # after FSDP's all-gather a rank holds its experts' share of every MoE layer it runs, whole
+    assert sum(p.unsharded for p in params if p.expert) * expert_shards(ctx.layout) == (
+        moe_layers * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size), "expert weights not all planned"
     trained = [p for p in params if p.trainable]
     units = defaultdict(lambda: {"params": 0, "grads": 0, "cast_grads": 0})
     for p in params:
@@ -315,6 +331,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
         stages=[s for s, _ in modules], layers=sum(len(m.layers) for _, m in modules),
         params=sum(p.local for p in params),
         params_owned=sum(p.local for p in params if not p.tp_replica or coords["tp"] == 0),
+        expert_params=sum(p.local for p in params if p.expert),
         trainable=sum(p.local for p in trained), param_bytes=param_bytes, unsharded_bytes=unsharded,
         grad_bytes=grads, grad_in_flight_bytes=grads_in_flight, optimizer_bytes=optimizer,
         activation_bytes={ac: round(chunks * chunk[ac] + recompute[ac]) for ac in chunk},

@@ -88,12 +88,14 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, 
 class PipelineBatch:
     """The microbatches of one step on one dp rank, stacked along dim 0 ([n * microbatch_size, seq_len]).
     M-RoPE `position_ids` are stored batch-first, [n * microbatch_size, 3, seq_len]; images padded per
-    microbatch (`stack_images`)."""
+    microbatch (`stack_images`); `padding_mask` (the rows' padding tails) reaches every stage, whose MoE layers
+    leave those tokens out of the aux loss."""
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
 
     @classmethod
     def from_microbatches(cls, microbatches: list[dict], device) -> "PipelineBatch":
@@ -107,7 +109,8 @@ class PipelineBatch:
         if positions[0].dim() == 3:  # M-RoPE [3, B, T] -> [B, 3, T]: the schedule splits dim 0 into microbatches
             positions = [p.transpose(0, 1) for p in positions]
         position_ids = torch.cat(positions).contiguous().to(device)
-        return cls(cat("input_ids"), position_ids, cat("labels"), **images)
+        padding = {"padding_mask": cat("padding_mask")} if "padding_mask" in microbatches[0] else {}
+        return cls(cat("input_ids"), position_ids, cat("labels"), **images, **padding)
 
     def kwargs(self, labels: bool = False) -> dict:
         """Stage kwargs; `labels=True` adds the labels, for a last stage that computes the loss itself."""
@@ -116,6 +119,8 @@ class PipelineBatch:
             kw["labels"] = self.labels
         if self.pixel_values is not None:
             kw.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
+        if self.padding_mask is not None:
+            kw["padding_mask"] = self.padding_mask
         return kw
 
 

@@ -27,15 +27,20 @@ class StageModel(Qwen3_5Model):
     MoE: every stage returns `(output, routing)` and a later stage receives `routing` as its second positional
     input: the router statistics of the layers so far (`Qwen3_5Model.forward`'s `return_routing`), so the last
     stage's loss sees the whole model's routing of the microbatch and the aux loss's gradient reaches every
-    stage's router through the pipeline's own backward.
+    stage's router through the pipeline's own backward. `padding_mask` (`[B, T]`, the rows' padding tails) keeps
+    those tokens out of the routing statistics.
     """
 
-    def forward(self, x, routing=None, *, position_ids, pixel_values=None, image_grid_thw=None, labels=None):
+    def forward(self, x, routing=None, *, position_ids, pixel_values=None, image_grid_thw=None, labels=None,
+                padding_mask=None):
         if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
             position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
         cu_seqlens = cu_seqlens_from_position_ids(positions).to(x.device)
-        moe = dict(routing=routing, return_routing=True) if self.cfg.text.is_moe else {}
+        moe = {}
+        if self.cfg.text.is_moe:
+            moe = dict(routing=routing, return_routing=True,
+                       router_mask=None if padding_mask is None else ~padding_mask)
         if self.embed_tokens is None:
             return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens, labels=labels,
                                    **moe)

@@ -64,8 +64,8 @@ def _compile(fn):
 def compile_layer(layer: DecoderLayer) -> None:
     """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place.
 
-    Compiled, each its own graph: the two layer norms, the MLP (of MoE: the shared expert only; routing has
-    data-dependent shapes), and the mixer's pieces before and after its
+    Compiled, each its own graph: the two layer norms, the MLP (of MoE: the shared expert only), and the mixer's
+    pieces before and after its
     kernel (attention: q/k/v/gate projections, q/k norms and rotary, then the sigmoid gate and o_proj; GDN:
     the six projections and beta's sigmoid, the fp32 decay, then the gated norm and out_proj). Left eager:
     the kernels (fla's Triton convs and delta rule, the torch reference, SDPA or varlen flash attention) and
@@ -76,6 +76,9 @@ def compile_layer(layer: DecoderLayer) -> None:
     submodules inside the pieces and are traced into them. Layers of one kind share their graphs (one code
     object, parameters are graph inputs).
     """
+    # MoE: the tokens per expert are data (bincount, then the loop's host sync or grouped_mm's offsets), so a graph
+    # around the routed experts would break there or specialise on each batch's counts; the shared expert is a
+    # dense SwiGLU on every token, the one fixed-shape piece worth a graph (the router is one small matmul).
     mlp = layer.mlp.shared_expert if isinstance(layer.mlp, MoE) else layer.mlp
     for module in (layer.input_layernorm, layer.post_attention_layernorm, mlp):
         module.forward = _compile(module.forward)
