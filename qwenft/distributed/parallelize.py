@@ -1,10 +1,11 @@
-"""Per-stage parallelization in its fixed order: TP -> activation checkpointing -> compile -> FSDP2."""
+"""Per-stage parallelization in its fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP2."""
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
+from qwenft.distributed.expert_parallel import apply_ep
 from qwenft.distributed.fsdp import apply_fsdp
 from qwenft.distributed.tensor_parallel import apply_tp
 
@@ -22,8 +23,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: str | bool = False,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
                 reshard_after_forward: bool = True, compile_layers: bool = False, fsdp_prefetch: int = 0) -> nn.Module:
-    """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then (compile_layers) per-layer
-    torch.compile, then FSDP2 over mesh["dp"], with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch).
+    """TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
+    activation checkpointing, then (compile_layers) per-layer torch.compile, then FSDP2 over mesh["dp"] (the
+    experts over mesh["dp_outer"]), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch).
 
     `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
     afterwards (qwenft.models.loader), which fills only each rank's shards. Call
@@ -32,6 +34,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+    expert_mesh = None
+    if "ep" in (mesh.mesh_dim_names or ()):
+        apply_ep(model, mesh["ep"])
+        expert_mesh = mesh["dp_outer"]
     # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
     mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)
     if mode != "false":
@@ -39,5 +45,5 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if compile_layers:
         apply_compile(model)
     apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
-               prefetch=fsdp_prefetch)
+               prefetch=fsdp_prefetch, expert_mesh=expert_mesh)
     return model

@@ -359,7 +359,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     run dir (qwenft.launch.run_lock) until `cleanup` closes, or else until the process exits."""
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world, ep=cfg.mesh.ep)
     batching = resolve_batching(cfg, layout.dp)
     check_mesh_keys(cfg, layout)
     mesh = build_mesh(layout)
