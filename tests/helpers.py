@@ -64,6 +64,57 @@ def train_with_state(rank, world_size, overrides):
     return run(compose(overrides), return_state=True)
 
 
+def train_with_grads(rank, world_size, overrides):
+    """As train_with_state, with the last step's gradients (clipped, as the optimizer took them), gathered whole on
+    every rank, in result.grads. The optimizer's zero_grad is wrapped to read them first, in this forked rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from qwenft.train import runner
+
+    build_job, jobs, grads = runner.build_job, [], {}
+
+    def build(*args, **kwargs):
+        job = build_job(*args, **kwargs)
+        zero_grad = job.optimizer.zero_grad
+
+        def keep_then_zero(set_to_none=True):
+            grads.clear()
+            for module in job.model_parts:
+                for name, p in module.named_parameters():
+                    if p.grad is not None:
+                        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                        grads[name] = g.detach().float().cpu().clone()
+            zero_grad(set_to_none=set_to_none)
+
+        job.optimizer.zero_grad = keep_then_zero
+        jobs.append(job)
+        return job
+
+    runner.build_job = build
+    result = runner.run(compose(overrides), return_state=True)
+    if jobs[0].spec.layout.pp > 1:
+        parts = [None] * dist.get_world_size(jobs[0].pp_group)
+        dist.all_gather_object(parts, grads, group=jobs[0].pp_group)
+        grads = {k: v for part in parts for k, v in part.items()}
+    result.grads = grads
+    return result
+
+
+def assert_same_grads(result, reference, rtol=1e-5, rtol_by_suffix=None):
+    """The last step's gradients of two train_with_grads results: the same parameters, all of them together and
+    each one within rtol (norm of the difference over the reference's norm); rtol_by_suffix as in
+    assert_same_training."""
+    assert result.grads.keys() == reference.grads.keys() and reference.grads
+    diff = torch.stack([(result.grads[n] - g).norm() for n, g in reference.grads.items()]).norm()
+    total = torch.stack([g.norm() for g in reference.grads.values()]).norm()
+    assert (diff / total).item() < rtol, f"all gradients: rel err {(diff / total).item():.2e}"
+    for name, ref in reference.grads.items():
+        tol = next((t for suffix, t in (rtol_by_suffix or {}).items() if name.endswith(suffix)), rtol)
+        err = ((result.grads[name] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        assert err < tol, f"{name}: gradient rel err {err:.2e}"
+
+
 def assert_same_training(result, reference, rtol=1e-5, steps=3, rtol_by_suffix=None):
     """Two RunResults with state: both ran `steps` steps and the reference's loss moved (a vacuous comparison
     is caught); every step's loss, every validation loss of the reference and every parameter (norm of the

@@ -34,8 +34,8 @@ def validate_ep(text: TextConfig, ep: int, lora: bool = False) -> None:
         raise ValueError(f"mesh.ep={ep} does not divide num_experts={text.num_experts}; valid mesh.ep: {valid} "
                          f"(that also divide mesh.dp)")
     if lora:
-        raise ValueError(f"mesh.ep={ep} with peft.method=lora is not supported (the frozen experts are not "
-                         f"expert-parallel yet); use mesh.ep=1 with LoRA")
+        raise ValueError(f"mesh.ep={ep} with peft.method=lora is not supported yet; use mesh.ep=1 with LoRA, or "
+                         f"peft=none with mesh.ep={ep}")
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:

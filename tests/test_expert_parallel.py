@@ -1,0 +1,172 @@
+"""Expert parallelism (`mesh.ep`) on the MoE model (tiny_moe: 8 experts, top 2; fp32, CPU, gloo): every ep mesh
+trains the losses, gradients and parameters of one process, a checkpoint saved at ep2 resumes on ep1 and ep4,
+an ep2 run loads an HF checkpoint and exports one that transformers loads, and a bad mesh.ep fails at start with
+one line.
+
+Router ties: the test data are the shipped chat rows through randomly initialised fp32 weights, so router
+probabilities are continuous and no two of a token's top scores are exactly equal; routing is computed from the
+same fp32 activations on every mesh, so a pair that is near a tie falls the same way (a flip would show as a
+loss or gradient far outside 1e-5).
+"""
+
+import pytest
+import torch
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+from distributed import run_distributed
+from helpers import (assert_same_grads, assert_same_training, compose, logged_losses, model_config,
+                     parity_overrides, raised_line, read_metrics, rel_err, tiny_overrides, train, train_with_grads,
+                     train_with_state)
+
+MOE = ("model.name=tiny_moe", "model.kernels.moe=loop", "checkpoint.export_hf=false")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, global batch 4 as 4 microbatches of 1, 3 steps, gradient clipping active (grad norm ~3 > 1)."""
+    run_dir = tmp_path_factory.mktemp("ep") / "ref"
+    (result,) = run_distributed(train_with_grads, 1, parity_overrides(run_dir, *MOE))
+    return result, [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+# GDN's decay parameters (two small vectors a layer) have small gradients summed over every token: the reduction
+# order alone moves them ~2e-5 (measured: 1.8e-5 on plain dp2 without ep, 2.1e-5 on ep2)
+DECAY_RTOL = {"decay.A_log": 5e-5, "decay.dt_bias": 5e-5}
+
+
+def _assert_equals_reference(results, run_dir, reference):
+    ref, ref_norms = reference
+    norms = [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
+    assert ref_norms[0] > 1.0  # clipping scales every gradient by the total norm: an expert counted twice shows
+    for got, want in zip(norms, ref_norms, strict=True):
+        assert abs(got - want) <= 1e-5 * want, (norms, ref_norms)
+    for result in results:
+        assert_same_training(result, ref)
+        assert_same_grads(result, ref, rtol_by_suffix=DECAY_RTOL)
+
+
+@pytest.mark.distributed
+def test_ep2_equals_one_process(tmp_path, reference):
+    """dp2 = ep2: each rank holds 4 experts; with the knob on and activation checkpointing (the recompute runs
+    the all-to-alls again)."""
+    run_dir = tmp_path / "ep2"
+    results = run_distributed(train_with_grads, 2, parity_overrides(
+        run_dir, *MOE, "mesh.ep=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"))
+    _assert_equals_reference(results, run_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", [
+    ["mesh.ep=2"],  # dp4 = 2 x ep2: the experts' FSDP units reduce over the 2 ranks that hold the same experts
+    ["mesh.ep=4"],  # 2 experts a rank
+    ["mesh.ep=2", "mesh.pp=2", "pipeline.schedule=1f1b"],
+    ["mesh.ep=2", "mesh.pp=2", "pipeline.schedule=zbv"],  # V-shaped, split backward (input, then weights)
+], ids=["ep2-dp4", "ep4", "ep2-pp2-1f1b", "ep2-pp2-zbv"])
+def test_ep_world4_equals_one_process(tmp_path, reference, mesh):
+    run_dir = tmp_path / "run"
+    results = run_distributed(train_with_grads, 4, parity_overrides(run_dir, *MOE, *mesh))
+    _assert_equals_reference(results, run_dir, reference)
+
+
+def _resume_overrides(run_dir, max_steps, *extra):
+    # warm-up over all 4 steps with a constant tail, so the 2-step and the 4-step runs share one lr schedule
+    return parity_overrides(run_dir, *MOE, f"train.max_steps={max_steps}", "lr_scheduler.warmup_steps=4",
+                            "lr_scheduler.decay=constant", "checkpoint.every_steps=2", *extra)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, mesh", [(1, []), (4, ["mesh.ep=4"])], ids=["ep1", "ep4"])
+def test_ep2_checkpoint_resumes_on_another_ep(tmp_path, nproc, mesh):
+    """Saved at ep2 after step 2 of 4: steps 3 and 4 on ep1 (one process) and on ep4 train the losses of the
+    ep2 run that never stopped."""
+    run_dir = tmp_path / "ep2"
+    run_distributed(train, 2, _resume_overrides(run_dir, 4, "mesh.ep=2"))
+    uninterrupted = logged_losses(run_dir)
+    step2 = run_dir / "checkpoints" / "step-000002"
+    losses = run_distributed(train, nproc, _resume_overrides(tmp_path / "resumed", 4,
+                                                             f"checkpoint.resume={step2}", *mesh))[0].losses
+    assert len(losses) == 2 and uninterrupted[3] != uninterrupted[4]
+    for got, step in zip(losses, (3, 4)):
+        assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
+    """An ep2 run from a transformers Qwen3_5MoeForCausalLM checkpoint trains the losses of one process from it
+    (each rank read its own experts), and its HF export has every key of transformers' model and the logits of
+    the parameters it trained."""
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+
+    tokenizer = load_tokenizer("tiny")
+    cfg = named_config("tiny_moe")
+    cfg.text.vocab_size = max(cfg.text.vocab_size, len(tokenizer))
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+
+    common = (*MOE, f"model.path={tmp_path / 'src'}", "train.max_steps=2")
+    (one,) = run_distributed(train, 1, parity_overrides(tmp_path / "one", *common))
+    results = run_distributed(train_with_state, 2, parity_overrides(
+        tmp_path / "ep2", *common, "mesh.ep=2", "checkpoint.export_hf=true", "checkpoint.export_dtype=float32"))
+    for got, want in zip(results[0].losses, one.losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (results[0].losses, one.losses)
+
+    exported, info = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "ep2" / "hf", output_loading_info=True,
+                                                           dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    exported.set_experts_implementation("eager")
+    state = results[0].state_dict
+    model_cfg = model_config(compose(tiny_overrides(tmp_path / "x", *common)))
+    model = build_model(model_cfg, kernels="torch", moe_kernel="loop", device="cpu")
+    model.load_state_dict(state)
+    ids = torch.randint(0, model_cfg.text.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids), exported(input_ids=ids).logits) < 1e-5
+
+
+@pytest.mark.distributed
+def test_ep_on_a_dense_model_fails_at_start(tmp_path):
+    with pytest.raises(Exception) as info:
+        run_distributed(train, 2, tiny_overrides(tmp_path / "run", "mesh.ep=2"))
+    assert raised_line(info) == ("ValueError: mesh.ep=2 shares out the experts of an MoE model, but this model is "
+                                 "dense; use mesh.ep=1")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("ep, dp, expected", [
+    (3, 2, "mesh.ep=3 does not divide the data-parallel size mesh.dp=2 (experts are shared out over ep of the dp "
+           "ranks); valid mesh.ep: [1, 2]"),
+    (3, 6, "mesh.ep=3 does not divide num_experts=8; valid mesh.ep: [1, 2, 4, 8] (that also divide mesh.dp)"),
+])
+def test_bad_ep_is_one_line(ep, dp, expected):
+    """Checked before any process group or model exists: the layout against the world, the experts in the spec."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.spec import resolve_spec
+
+    cfg = compose(tiny_overrides("unused", *MOE, f"mesh.ep={ep}", "train.global_batch_size=12"))
+    with pytest.raises(ValueError) as info:
+        layout = resolve_layout(1, 1, -1, dp, ep=ep)
+        resolve_spec(cfg, layout, model_config(cfg), "cpu")
+    assert str(info.value) == expected
+
+
+def test_ep_with_lora_and_ep_below_one_are_refused():
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.spec import resolve_spec
+
+    with pytest.raises(ValueError, match=r"^mesh.ep=0 must be >= 1$"):
+        compose(tiny_overrides("unused", "mesh.ep=0"))
+    cfg = compose(tiny_overrides("unused", *MOE, "mesh.ep=2", "peft=lora"))
+    with pytest.raises(ValueError) as info:
+        resolve_spec(cfg, resolve_layout(1, 1, -1, 2, ep=2), model_config(cfg), "cpu")
+    assert str(info.value) == ("mesh.ep=2 with peft.method=lora is not supported yet; use mesh.ep=1 with LoRA, "
+                               "or peft=none with mesh.ep=2")
