@@ -75,16 +75,22 @@ def _resume_overrides(run_dir, max_steps, *extra):
                             "lr_scheduler.decay=constant", "checkpoint.every_steps=2", *extra)
 
 
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """ep2, 4 steps, checkpoints after steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("ep2") / "run"
+    run_distributed(train, 2, _resume_overrides(run_dir, 4, "mesh.ep=2"))
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc, mesh", [(1, []), (4, ["mesh.ep=4"])], ids=["ep1", "ep4"])
-def test_ep2_checkpoint_resumes_on_another_ep(tmp_path, nproc, mesh):
+def test_ep2_checkpoint_resumes_on_another_ep(tmp_path, ep2_run, nproc, mesh):
     """Saved at ep2 after step 2 of 4: steps 3 and 4 on ep1 (one process) and on ep4 train the losses of the
     ep2 run that never stopped."""
-    run_dir = tmp_path / "ep2"
-    run_distributed(train, 2, _resume_overrides(run_dir, 4, "mesh.ep=2"))
-    uninterrupted = logged_losses(run_dir)
-    step2 = run_dir / "checkpoints" / "step-000002"
+    uninterrupted = logged_losses(ep2_run)
+    step2 = ep2_run / "checkpoints" / "step-000002"
     losses = run_distributed(train, nproc, _resume_overrides(tmp_path / "resumed", 4,
                                                              f"checkpoint.resume={step2}", *mesh))[0].losses
     assert len(losses) == 2 and uninterrupted[3] != uninterrupted[4]

@@ -104,7 +104,7 @@ def peft_meta(cfg: Config) -> dict | None:
 
 
 def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
-    """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> compile -> FSDP2."""
+    """One model or pipeline stage, in the fixed order TP -> EP -> activation checkpointing -> compile -> FSDP2."""
     from qwenft.distributed.parallelize import parallelize
 
     par = spec.parallel

@@ -304,11 +304,12 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
 # ---------------------------------------------------------------- every rank
 
 def resolve_plan_layout(cfg: Config):
-    """The layout planned: mesh.tp x mesh.pp x mesh.dp, with mesh.dp=-1 (take what the world leaves) as 1."""
+    """The layout planned: mesh.tp x mesh.pp x mesh.dp, with mesh.dp=-1 (take what the world leaves) as 1, or as
+    mesh.ep with expert parallelism (the fewest dp ranks that hold every expert once)."""
     from qwenft.conf.layout import resolve_layout
 
-    dp = 1 if cfg.mesh.dp == -1 else cfg.mesh.dp
-    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp)
+    dp = cfg.mesh.ep if cfg.mesh.dp == -1 else cfg.mesh.dp
+    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp, ep=cfg.mesh.ep)
 
 
 def predict(cfg: Config) -> list[RankPlan]:
