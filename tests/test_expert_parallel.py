@@ -139,6 +139,44 @@ def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
         assert rel_err(model(input_ids=ids), exported(input_ids=ids).logits) < 1e-5
 
 
+def _load_ep(rank, world_size, path, ep):
+    """tiny_moe from the HF checkpoint at `path`, parallelized at dp=world_size with `ep`, loaded; its parameters
+    gathered whole, and the shape of this rank's part of layer 0's gate_up_proj."""
+    from qwenft.conf.layout import Layout
+    from qwenft.distributed.mesh import build_mesh
+    from qwenft.distributed.parallelize import parallelize
+    from qwenft.models.loader import build_model, load_hf_weights
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir
+
+    model = build_model(config_from_hf_dir(path), kernels="torch", moe_kernel="loop", device="meta")
+    parallelize(model, build_mesh(Layout(pp=1, dp=world_size, tp=1, ep=ep), device="cpu"), param_dtype=torch.float32)
+    load_hf_weights(model, path, device="cpu")
+    local = tuple(model.layers["0"].mlp.experts.gate_up_proj.to_local().shape)
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}, local
+
+
+@pytest.mark.distributed
+def test_ep2_dp4_ranks_load_their_experts(tmp_path):
+    """At dp4 = 2 x ep2 each rank holds 2 of the 8 experts (its ep group's 4, halved by FSDP); every parameter,
+    gathered, is the checkpoint's."""
+    from qwenft.models.loader import build_model, load_hf_weights
+    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+
+    cfg = named_config("tiny_moe")
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path / "src")
+    ref = load_hf_weights(build_model(cfg, kernels="torch", moe_kernel="loop", device="meta"), tmp_path / "src",
+                          device="cpu")
+    for state, local in run_distributed(_load_ep, 4, tmp_path / "src", 2):
+        assert local[0] == 2, local
+        for name, p in ref.named_parameters():
+            assert torch.equal(state[name], p), name
+
+
 @pytest.mark.distributed
 def test_ep_on_a_dense_model_fails_at_start(tmp_path):
     with pytest.raises(Exception) as info:
