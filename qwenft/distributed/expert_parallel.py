@@ -11,7 +11,8 @@ routes its own tokens; `moe.dispatch_combine` sends each routed row to the rank 
 expert's gradient is then the sum over the rows every ep rank sent it, so its FSDP unit reduces over dp_outer
 only (the ranks that hold the same experts), with the same summed-loss convention as every other gradient.
 The weights stay DTensors over ep, so DCP checkpoints, the HF loader and the export see the whole [E, ...]
-tensors: a checkpoint resumes on any ep.
+tensors: a checkpoint resumes on any ep. With peft=lora the experts (no adapters: they are not linear layers)
+stay frozen and expert-parallel all the same.
 """
 
 from torch import nn
@@ -22,7 +23,7 @@ from qwenft.models.qwen3_5.configs import TextConfig
 from qwenft.models.qwen3_5.moe import MoE
 
 
-def validate_ep(text: TextConfig, ep: int, lora: bool = False) -> None:
+def validate_ep(text: TextConfig, ep: int) -> None:
     """Raise before anything is built when the model cannot be split over `ep` expert-parallel ranks."""
     if ep == 1:
         return
@@ -33,9 +34,6 @@ def validate_ep(text: TextConfig, ep: int, lora: bool = False) -> None:
         valid = [d for d in range(1, text.num_experts + 1) if text.num_experts % d == 0]
         raise ValueError(f"mesh.ep={ep} does not divide num_experts={text.num_experts}; valid mesh.ep: {valid} "
                          f"(that also divide mesh.dp)")
-    if lora:
-        raise ValueError(f"mesh.ep={ep} with peft.method=lora is not supported yet; use mesh.ep=1 with LoRA, or "
-                         f"peft=none with mesh.ep={ep}")
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:

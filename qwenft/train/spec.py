@@ -140,7 +140,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
     from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
 
     validate_tp(model_cfg.text, layout.tp)
-    validate_ep(model_cfg.text, layout.ep, lora=cfg.peft.method != "none")
+    validate_ep(model_cfg.text, layout.ep)
     name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
     num_layers = model_cfg.text.num_hidden_layers
     virtual, layers = 1, [list(range(num_layers))]
