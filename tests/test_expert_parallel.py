@@ -1,5 +1,5 @@
 """Expert parallelism (`mesh.ep`) on the MoE model (tiny_moe: 8 experts, top 2; fp32, CPU, gloo): every ep mesh
-trains the losses, gradients and parameters of one process, a checkpoint saved at ep2 resumes on ep1 and ep4,
+trains the losses, gradients, parameters and validation loss of one process, a checkpoint saved at ep2 resumes on ep1 and ep4,
 an ep2 run loads an HF checkpoint and exports one that transformers loads, and a bad mesh.ep fails at start with
 one line.
 
@@ -19,13 +19,16 @@ from helpers import (assert_same_grads, assert_same_training, compose, logged_lo
                      train_with_state)
 
 MOE = ("model.name=tiny_moe", "model.kernels.moe=loop", "checkpoint.export_hf=false")
+# validation after the last step: its forward runs the all-to-alls too (pipelined under pp)
+PARITY = (*MOE, "eval.every_steps=3", "eval.dataset=tiny")
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, global batch 4 as 4 microbatches of 1, 3 steps, gradient clipping active (grad norm ~3 > 1)."""
     run_dir = tmp_path_factory.mktemp("ep") / "ref"
-    (result,) = run_distributed(train_with_grads, 1, parity_overrides(run_dir, *MOE))
+    (result,) = run_distributed(train_with_grads, 1, parity_overrides(run_dir, *PARITY))
+    assert result.val_losses
     return result, [r["grad_norm"] for r in read_metrics(run_dir) if "loss" in r]
 
 
@@ -51,7 +54,8 @@ def test_ep2_equals_one_process(tmp_path, reference):
     the all-to-alls again)."""
     run_dir = tmp_path / "ep2"
     results = run_distributed(train_with_grads, 2, parity_overrides(
-        run_dir, *MOE, "mesh.ep=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"))
+        run_dir, *PARITY, "mesh.ep=2", "pipeline.reduce_grad_per_microbatch=true",
+        "model.activation_checkpointing=true"))
     _assert_equals_reference(results, run_dir, reference)
 
 
@@ -61,11 +65,12 @@ def test_ep2_equals_one_process(tmp_path, reference):
     ["mesh.ep=2"],  # dp4 = 2 x ep2: the experts' FSDP units reduce over the 2 ranks that hold the same experts
     ["mesh.ep=4"],  # 2 experts a rank
     ["mesh.ep=2", "mesh.pp=2", "pipeline.schedule=1f1b"],
-    ["mesh.ep=2", "mesh.pp=2", "pipeline.schedule=zbv"],  # V-shaped, split backward (input, then weights)
-], ids=["ep2-dp4", "ep4", "ep2-pp2-1f1b", "ep2-pp2-zbv"])
+    # 2 stages a rank, split backward (input, then weights): the all-to-alls' backward runs in the input half
+    ["mesh.ep=2", "mesh.pp=2", "pipeline.schedule=interleaved_zb"],
+], ids=["ep2-dp4", "ep4", "ep2-pp2-1f1b", "ep2-pp2-interleaved_zb"])
 def test_ep_world4_equals_one_process(tmp_path, reference, mesh):
     run_dir = tmp_path / "run"
-    results = run_distributed(train_with_grads, 4, parity_overrides(run_dir, *MOE, *mesh))
+    results = run_distributed(train_with_grads, 4, parity_overrides(run_dir, *PARITY, *mesh))
     _assert_equals_reference(results, run_dir, reference)
 
 
