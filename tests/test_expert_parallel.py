@@ -226,3 +226,22 @@ def test_ep2_lora_equals_one_process(tmp_path):
             assert abs(got - want) <= 1e-5 * abs(want), (result.losses, ref.losses)
         assert all("lora_" in name for name in ref.grads)
         assert_same_grads(result, ref)
+
+
+def test_plan_gathers_only_a_ranks_experts():
+    """`qwenft plan` at dp2: with mesh.ep=2 each rank stores the same share of every parameter (1/dp), and
+    all-gathers its 4 experts instead of all 8: half the routed experts' compute-dtype (bf16) bytes less."""
+    from qwenft.train import plan as plan_lib
+
+    def plan(*mesh):
+        cfg = compose(["recipe=tiny_moe", "mesh.dp=2", *mesh], missing_ok=True)
+        return cfg, plan_lib.predict(cfg)
+
+    cfg, dp2 = plan()
+    _, ep2 = plan("mesh.ep=2")
+    t = model_config(cfg).text
+    experts = t.num_hidden_layers * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size
+    assert len(dp2) == len(ep2) == 2
+    for a, b in zip(dp2, ep2):
+        assert a.params == b.params
+        assert a.unsharded_bytes["knob_off"] - b.unsharded_bytes["knob_off"] == experts // 2 * 2
