@@ -107,8 +107,9 @@ def test_ep2_checkpoint_resumes_on_another_ep(tmp_path, ep2_run, nproc, mesh):
 @pytest.mark.distributed
 def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
     """An ep2 run from a transformers Qwen3_5MoeForCausalLM checkpoint trains the losses of one process from it
-    (each rank read its own experts), and its HF export has every key of transformers' model and the logits of
-    the parameters it trained."""
+    (each rank read its own experts); its HF export has every key of transformers' model and the logits of the
+    parameters it trained, and `qwenft export` of its checkpoint the same experts."""
+    from qwenft.cli import main
     from qwenft.data.tokenizer import load_tokenizer
     from qwenft.models.loader import build_model
     from qwenft.models.qwen3_5.configs import named_config, to_hf_config
@@ -127,7 +128,8 @@ def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
     common = (*MOE, f"model.path={tmp_path / 'src'}", "train.max_steps=2")
     (one,) = run_distributed(train, 1, parity_overrides(tmp_path / "one", *common))
     results = run_distributed(train_with_state, 2, parity_overrides(
-        tmp_path / "ep2", *common, "mesh.ep=2", "checkpoint.export_hf=true", "checkpoint.export_dtype=float32"))
+        tmp_path / "ep2", *common, "mesh.ep=2", "checkpoint.export_hf=true", "checkpoint.export_dtype=float32",
+        "checkpoint.every_steps=2"))
     for got, want in zip(results[0].losses, one.losses, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (results[0].losses, one.losses)
 
@@ -142,6 +144,13 @@ def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
     ids = torch.randint(0, model_cfg.text.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_err(model(input_ids=ids), exported(input_ids=ids).logits) < 1e-5
+
+    # `qwenft export` of the run's ep2 checkpoint, on this one process: the same fused experts
+    assert main(["export", f"run_dir={tmp_path / 'ep2'}", f"out={tmp_path / 'cli'}", "dtype=float32"]) == 0
+    again = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "cli", dtype=torch.float32).state_dict()
+    for i in range(model_cfg.text.num_hidden_layers):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(again[f"model.layers.{i}.mlp.experts.{name}"], state[f"layers.{i}.mlp.experts.{name}"])
 
 
 def _load_ep(rank, world_size, path, ep):
