@@ -153,8 +153,9 @@ def _export(args: list[str]) -> int:
     model_cfg = dcp.model_config_from_meta(meta)
     if lora is not None and not merged:
         state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora)
-        hf_export.write_peft_adapter({k: v for k, v in state.items() if in_adapter_dir(k, lora)}, model_cfg, lora,
-                                     cfg.model.path or cfg.model.name, out)
+        tied = model_cfg.tie_word_embeddings
+        hf_export.write_peft_adapter({k: v for k, v in state.items() if in_adapter_dir(k, lora, tied)}, model_cfg,
+                                     lora, cfg.model.path or cfg.model.name, out)
         print(f"exported the LoRA adapters of {path} ({dtype}, peft format) to {out}")
         return 0
     source, key = next(((v, k) for k, v in (("tokenizer", opts["tokenizer"]), ("data.tokenizer", cfg.data.tokenizer),

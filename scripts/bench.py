@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qwenft.conf import compose  # noqa: E402
+from qwenft.distributed.fake_pg import init_fake_process_group  # noqa: E402
 from qwenft.train.runner import run  # noqa: E402
 
 
@@ -128,9 +129,7 @@ def main():
                              "kernels run at one rank's real sizes (a tensor parallel rank's ceiling on one GPU)")
     args, overrides = parser.parse_known_args()
     if args.fake_world:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+        init_fake_process_group(args.fake_world)
     if args.trace and not args.profile:
         parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win

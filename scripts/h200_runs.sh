@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and lean run on one GPU and need NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/): run side_by_side first, then lean on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side or lean}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora or fake_tp}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
@@ -62,16 +62,33 @@ compile)  # compile against no compile on one commit, compile with AC off, chunk
 wait ;;
 tp2_trace)  # not yet run: tp2's profile (steps 2-3) plus both ranks' timelines (which rank the all-reduces wait for)
 bench tp2_profile 420 2 0,1 "--warmup 1 --profile $out/tp2.txt --trace $out/tp2_trace" train.max_steps=3 mesh.tp=2 ;;
-side_by_side)  # NeMo Automodel 0.7.0 and qwenft at Automodel's numerics, one after the other on this GPU
+side_by_side)  # NeMo Automodel 0.7.0 and qwenft at Automodel's numerics, one after the other on this GPU: qwenft's
+# memory-lean setting first (it pays fla's kernel compile, which Automodel's run then finds cached), then
+# Automodel, then qwenft's fastest setting in what is left of the device tool's 600 s
+start=$(date +%s)
+bench bf16_ac_on_compile 280 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true
 echo "=== automodel $(date +%T)"
-GBS=8 STEPS=8 WARMUP=2 WALL=300 OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
+GBS=8 STEPS=8 WARMUP=2 WALL=240 OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
-bench bf16_ac_off_compile 280 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
-  model.compile=true ;;
-lean)  # after side_by_side, warm: the memory-lean settings, and the model group's defaults
-bench bf16_ac_on_compile 200 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true
+bench bf16_ac_off_compile $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 \
+  model.activation_checkpointing=false model.compile=true ;;
+lora)  # after side_by_side, warm: LoRA rank 16 on every linear against full finetuning, eager, AC off, both
+# profiled (the frozen base's backward has no weight-gradient matmuls: about 2/3 of full finetuning's matmul time)
+bench full_ft_profile 300 1 0 "--warmup 2 --plan --profile $out/full_ft.txt" train.max_steps=5 $bf16 \
+  model.activation_checkpointing=false
+bench lora_r16_profile 200 1 0 "--warmup 2 --plan --profile $out/lora_r16.txt" train.max_steps=5 \
+  model.activation_checkpointing=false peft=lora peft.rank=16 peft.alpha=32 optim.master_dtype=float32 \
+  optim.state_dtype=float32 ;;  # adapters in fp32 (the LoRA recipes' setting), the base in bf16
+fake_tp)  # rank 0 of a fake tp2 and tp4 world against one GPU, eager, AC off: a tensor parallel rank's ceiling
+bench tp1 150 1 0 "--warmup 2" train.max_steps=5 $bf16 model.activation_checkpointing=false
+for tp in 2 4; do
+  bench fake_tp$tp 200 1 0 "--warmup 2 --fake-world $tp" train.max_steps=5 $bf16 model.activation_checkpointing=false \
+    mesh.tp=$tp
+done ;;
+lean)  # after side_by_side, warm: selective checkpointing, and the model group's defaults
 bench bf16_selective_compile 200 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true \
   model.activation_checkpointing=selective
 bench defaults 120 1 0 "--warmup 2 --plan" train.max_steps=5 ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile or tp2_trace" >&2; exit 2 ;;
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora or fake_tp" >&2
+   exit 2 ;;
 esac

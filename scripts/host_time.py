@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -35,10 +34,9 @@ def _stand_in_delta_rule(q, k, v, g, beta, cu_seqlens):
 
 
 def build(cfg):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
     from qwenft.conf.layout import resolve_layout
+    from qwenft.distributed.fake_pg import init_fake_process_group
     from qwenft.distributed.mesh import build_mesh
     from qwenft.distributed.parallelize import apply_compile
     from qwenft.distributed.tensor_parallel import apply_tp, validate_tp
@@ -47,7 +45,7 @@ def build(cfg):
 
     model_cfg = model_config(cfg)
     validate_tp(model_cfg.text, cfg.mesh.tp)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.mesh.tp)
+    init_fake_process_group(cfg.mesh.tp)
     layout = resolve_layout(cfg.mesh.tp, 1, 1, cfg.mesh.tp)
     model = build_model(model_cfg, kernels="torch", attention_kernel="sdpa", device="meta", dtype=torch.float32)
     if cfg.mesh.tp > 1:

@@ -64,41 +64,73 @@ def train_with_state(rank, world_size, overrides):
     return run(compose(overrides), return_state=True)
 
 
-def train_with_grads(rank, world_size, overrides):
-    """As train_with_state, with the last step's gradients (clipped, as the optimizer took them), gathered whole on
-    every rank, in result.grads. The optimizer's zero_grad is wrapped to read them first, in this forked rank."""
+# what qwenft.distributed.mesh.init_process_group sets for a lone process (a free port of its own)
+_RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def train_alone(overrides, return_state=False):
+    """`qwenft train` with these overrides in this process, as a lone rank (no torchrun); its RunResult. The
+    process group the run made is destroyed after it and the rendezvous variables put back, so a later run
+    makes its own group on a fresh port. The GPU tier trains this way: a process forked after its parent
+    initialised CUDA (run_distributed's ranks) cannot use CUDA."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    from qwenft.train import runner
+    from qwenft.distributed.fake_pg import forget_meshes
+    from qwenft.train.runner import run
 
-    build_job, jobs, grads = runner.build_job, [], {}
+    saved = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
+    try:
+        return run(compose(overrides), return_state=return_state)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_meshes()  # no DTensor cache entry may point at the destroyed group
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
-    def build(*args, **kwargs):
-        job = build_job(*args, **kwargs)
-        zero_grad = job.optimizer.zero_grad
 
-        def keep_then_zero(set_to_none=True):
-            grads.clear()
-            for module in job.model_parts:
-                for name, p in module.named_parameters():
-                    if p.grad is not None:
-                        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                        grads[name] = g.detach().float().cpu().clone()
+def train_recording_grads(overrides):
+    """Train in this (rank's) process; (job, losses, [{trained name: full gradient} per step], {trained name: full
+    value after training}). The gradients are read before the optimizer clears them."""
+    from qwenft.launch import signals
+    from qwenft.train.build import build_job
+    from qwenft.train.runner import train
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    with signals.StopOnSignal() as stop:
+        job = build_job(compose(overrides))
+        named = [(n, p) for m in job.model_parts for n, p in m.named_parameters() if p.requires_grad]
+        grads, zero_grad = [], job.optimizer.zero_grad
+
+        def capture(set_to_none=True):
+            grads.append({n: full(p.grad) for n, p in named})
             zero_grad(set_to_none=set_to_none)
 
-        job.optimizer.zero_grad = keep_then_zero
-        jobs.append(job)
-        return job
+        job.optimizer.zero_grad = capture
+        result = train(job, stop)
+        return job, result.losses, grads, {n: full(p) for n, p in named}
 
-    runner.build_job = build
-    result = runner.run(compose(overrides), return_state=True)
-    if jobs[0].spec.layout.pp > 1:
-        parts = [None] * dist.get_world_size(jobs[0].pp_group)
-        dist.all_gather_object(parts, grads, group=jobs[0].pp_group)
-        grads = {k: v for part in parts for k, v in part.items()}
-    result.grads = grads
-    return result
+
+def train_with_grads(rank, world_size, overrides):
+    """train_recording_grads as a run_distributed fn: a RunResult-like record of its losses, the trained parameters
+    (state_dict) and the last step's gradients (grads), of every pipeline stage, on every rank."""
+    import types
+
+    import torch.distributed as dist
+
+    job, losses, grads, values = train_recording_grads(overrides)
+    state, last = {k: v.float().cpu() for k, v in values.items()}, {k: v.float().cpu() for k, v in grads[-1].items()}
+    if job.spec.layout.pp > 1:
+        parts = [None] * dist.get_world_size(job.pp_group)
+        dist.all_gather_object(parts, (state, last), group=job.pp_group)
+        state = {k: v for part, _ in parts for k, v in part.items()}
+        last = {k: v for _, part in parts for k, v in part.items()}
+    return types.SimpleNamespace(losses=losses, state_dict=state, grads=last, val_losses={})
 
 
 def assert_same_grads(result, reference, rtol=1e-5, rtol_by_suffix=None):

@@ -5,34 +5,17 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from helpers import train_recording_grads
 from qwenft.conf import compose
-
-
-def _full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def _train(rank, world_size, overrides):
     """(losses, [{adapter name: gradient} per step], {adapter name: value after training}) of this rank."""
-    from qwenft.launch import signals
     from qwenft.models.lora import is_adapter
-    from qwenft.train.build import build_job
-    from qwenft.train.runner import train
 
-    cfg = compose(overrides)
-    with signals.StopOnSignal() as stop:
-        job = build_job(cfg)
-        named = [(n, p) for m in job.model_parts for n, p in m.named_parameters() if p.requires_grad]
-        assert named and all(is_adapter(n) for n, _ in named)
-        grads, zero_grad = [], job.optimizer.zero_grad
-
-        def capture(set_to_none=True):  # the step's gradients, read before the optimizer clears them
-            grads.append({n: _full(p.grad) for n, p in named})
-            zero_grad(set_to_none=set_to_none)
-
-        job.optimizer.zero_grad = capture
-        result = train(job, stop)
-        return result.losses, grads, {n: _full(p) for n, p in named}
+    _, losses, grads, values = train_recording_grads(overrides)
+    assert values and all(is_adapter(n) for n in values)
+    return losses, grads, values
 
 
 def _overrides(tmp_path, name, *extra):

@@ -107,9 +107,8 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
             opt = original(params, *args, **kwargs)
 
             def before(opt, args, kwargs):
-                local = [(p.to_local(), p.grad.to_local()) for p in params]
-                seen.setdefault("param", {p.dtype for p, _ in local})
-                seen.setdefault("grad", {g.dtype for _, g in local})
+                seen.setdefault("param", {p.dtype for p in params})  # a DTensor's dtype is its shard's
+                seen.setdefault("grad", {p.grad.dtype for p in params})
 
             def after(opt, args, kwargs):
                 seen.setdefault("state", {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"})

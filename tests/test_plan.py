@@ -68,9 +68,10 @@ def test_knob_on_keeps_fewer_gradient_bytes(tp4pp4):
 
 def test_one_microbatch_plans_the_knob_off_as_the_knob_on():
     """pp = 1 with one microbatch a step: the backward reduce-scatters at once and parameters reshard after the
-    forward (build.build_model_parts), so the knob off has neither the accumulator nor the gathered stage."""
+    forward (build.build_model_parts), so the knob off has neither the accumulator nor the gathered stage.
+    fp32 master weights: FSDP casts them to the compute dtype, so it wraps the model at dp = 1 too."""
     shape = ["recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
-             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false"]
+             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "optim.master_dtype=float32"]
     ((one,),), ((two,),) = (_plan(*shape, f"train.global_batch_size={n}")[1:] for n in (1, 2))
     assert one.peaks["knob_off"] == one.peaks["knob_on"] and one.total_bytes == one.peaks["knob_on"]["ac_on"]
     assert two.peaks["knob_off"]["ac_on"] > two.peaks["knob_on"]["ac_on"]
@@ -113,7 +114,7 @@ def _fsdp_accumulators(module) -> list:
 
 def _real_step_bytes(rank, world_size, overrides):
     """Run the real runner for one step and record, on this rank: the gradients held after the first microbatch's
-    backward (knob off: the unsharded accumulator), and after the optimizer step (before zero_grad) the
+    backward (knob off: the unsharded accumulator; a pipeline stage's, or at pp = 1 the model's), and after the optimizer step (before zero_grad) the
     trained parameters, every parameter of the model parts (a frozen base too), sharded gradients and optimizer
     state."""
     from qwenft.distributed.pipeline import stage as pp_stage
@@ -127,6 +128,16 @@ def _real_step_bytes(rank, world_size, overrides):
             seen.setdefault("first_backward_grads", _storage_bytes(
                 [p.grad for p in self.submod.parameters() if p.grad is not None] + _fsdp_accumulators(self.submod)))
             return result
+
+    set_grad_sync = build.set_microbatch_grad_sync
+    microbatches = []
+
+    def recording_grad_sync(model, is_last, reduce_grad_per_microbatch):  # pp = 1: before each microbatch
+        microbatches.append(is_last)
+        if len(microbatches) == 2:  # the first microbatch's backward is done
+            seen.setdefault("first_backward_grads", _storage_bytes(
+                [p.grad for p in model.parameters() if p.grad is not None] + _fsdp_accumulators(model)))
+        set_grad_sync(model, is_last, reduce_grad_per_microbatch)
 
     build_optimizer, build_model_parts = build.build_optimizer, build.build_model_parts
     parts = []
@@ -153,8 +164,20 @@ def _real_step_bytes(rank, world_size, overrides):
     pp_stage.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
     build.build_optimizer = recording_optimizer
     build.build_model_parts = recording_model_parts
+    build.set_microbatch_grad_sync = recording_grad_sync
     runner.run(compose(overrides))
     return seen
+
+
+def _assert_plan_bytes(plans, real, params: str) -> None:
+    """Every rank's planned parameter bytes equal the real step's `params` ("params": the trained ones,
+    "all_params": every parameter, a frozen base too), and its gradient (sharded after the step, knob on; the
+    first microbatch's, knob off) and optimizer bytes equal the real step's, byte for byte."""
+    for p, seen in zip(plans, real):
+        assert p.param_bytes == seen[params], (p.rank, p.param_bytes, seen)
+        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
+        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
+        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
 
 
 @pytest.mark.distributed
@@ -168,9 +191,32 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
                  f"run_dir={tmp_path}"]
     real = run_distributed(_real_step_bytes, 8, overrides)
     _, plans = _plan(*overrides)
+    _assert_plan_bytes(plans, real, params="params")
+
+
+def test_one_rank_in_the_compute_dtype_plans_no_gathered_copy():
+    """dp = tp = 1 with bf16 weights (the 27B model group's default): no FSDP, so nothing is all-gathered, the knob
+    changes nothing, and the peak is the weights, gradients, AdamW state, activations and logits."""
+    (one,) = _plan("recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
+                   "train.micro_batch_size=1", "train.global_batch_size=4")[1]
+    assert one.unsharded_bytes == {"knob_off": 0, "knob_on": 0} and one.peaks["knob_off"] == one.peaks["knob_on"]
+    assert one.grad_bytes["knob_off"] == one.grad_bytes["knob_on"] == one.param_bytes  # each in its weight's dtype
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_without_fsdp_plan_equals_a_real_steps_bytes(tmp_path):
+    """pp2 at dp = tp = 1 with bf16 weights and moments: FSDP is left out (spec.uses_fsdp); each rank's planned
+    parameter, gradient and optimizer bytes equal one real training step's, byte for byte."""
+    overrides = ["recipe=tiny", "mesh.pp=2", "train.max_steps=1", "data.seq_len=64", "model.dtype=bfloat16",
+                 "optim.master_dtype=bfloat16", "optim.state_dtype=bfloat16", "model.kernels.gdn=torch",
+                 "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
+    real = run_distributed(_real_step_bytes, 2, overrides)
+    _, plans = _plan(*overrides)
     for p, seen in zip(plans, real):
+        assert p.unsharded_bytes == {"knob_off": 0, "knob_on": 0}
         assert p.param_bytes == seen["params"], (p.rank, p.param_bytes, seen)
-        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)  # sharded, after the step
+        assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"] == seen["grads"], (p.rank, p.grad_bytes, seen)
         assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
         assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
 
@@ -187,12 +233,36 @@ def test_tiny_3d_lora_plan_equals_a_real_steps_bytes(tmp_path):
                  "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
     real = run_distributed(_real_step_bytes, 8, overrides)
     _, plans = _plan(*overrides)
-    for p, seen in zip(plans, real):
-        assert p.param_bytes == seen["all_params"], (p.rank, p.param_bytes, seen)
-        assert p.grad_bytes["knob_on"] == seen["grads"], (p.rank, p.grad_bytes, seen)
-        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
-        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
-        assert seen["params"] < seen["all_params"]  # the optimizer holds the adapters, not the base
+    _assert_plan_bytes(plans, real, params="all_params")
+    assert all(seen["params"] < seen["all_params"] for seen in real)  # the optimizer holds the adapters only
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tied_lora_train_embeddings_plan_equals_a_real_steps_bytes(tmp_path):
+    """peft=lora with peft.train_embeddings=true on a model with tied embeddings, tp2 x dp2 (vocab parallel), bf16
+    compute with fp32 master weights: the one tied matrix (in the FSDP root) is counted once, in fp32 with its
+    gradient and AdamW state, beside the adapters; every rank's planned bytes equal one real step's."""
+    import dataclasses
+
+    from helpers import save_random_checkpoint
+    from qwenft.data.tokenizer import load_tokenizer
+    from qwenft.models.qwen3_5.configs import named_config
+
+    cfg = dataclasses.replace(named_config("tiny"), tie_word_embeddings=True)
+    cfg.text.vocab_size = max(cfg.text.vocab_size, len(load_tokenizer("tiny")))
+    ckpt = save_random_checkpoint(cfg, tmp_path / "tied", tokenizer="tiny")
+    overrides = ["recipe=tiny", "peft=lora", "peft.train_embeddings=true", f"model.path={ckpt}", "mesh.tp=2",
+                 "mesh.dp=2", "train.max_steps=1", "data.seq_len=64", "train.global_batch_size=4",
+                 "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "model.dtype=bfloat16",
+                 "optim.master_dtype=float32", "optim.state_dtype=float32", "model.kernels.gdn=torch",
+                 "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"]
+    real = run_distributed(_real_step_bytes, 4, overrides)
+    _, plans = _plan(*overrides)
+    _assert_plan_bytes(plans, real, params="all_params")
+    # the optimizer holds the tied matrix: two fp32 moments of its shard over tp x dp, and the adapters
+    shard = cfg.text.vocab_size * cfg.text.hidden_size // 4
+    assert real[0]["optimizer"] > 2 * 4 * shard
 
 
 @pytest.mark.slow

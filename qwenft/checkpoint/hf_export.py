@@ -136,7 +136,8 @@ def export_peft_adapter(modules: list[torch.nn.Module], model_cfg, lora, base_mo
     (collective; global rank 0 writes)."""
     from qwenft.models.lora import in_adapter_dir
 
-    state = _gather_on_rank0(modules, mesh, dtype, keep=lambda name: in_adapter_dir(name, lora))
+    tied = model_cfg.tie_word_embeddings
+    state = _gather_on_rank0(modules, mesh, dtype, keep=lambda name: in_adapter_dir(name, lora, tied))
     if dist.get_rank() == 0:
         write_peft_adapter(state, model_cfg, lora, base_model, out_dir, replace=True)
     dist.barrier()

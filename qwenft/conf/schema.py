@@ -201,7 +201,7 @@ class PeftOptions:
     target_modules: Any = "all-linear"
     vision: bool = False  # also adapt the vision tower's linears (else it stays frozen)
     train_embeddings: bool = False  # train embed_tokens whole (fp32 master copy and AdamW state)
-    train_head: bool = False  # train lm_head whole
+    train_head: bool = False  # train lm_head whole; with tied embeddings either flag trains the one shared matrix
 
 
 @dataclass

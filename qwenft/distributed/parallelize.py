@@ -22,10 +22,14 @@ def apply_compile(model: nn.Module) -> None:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: str | bool = False,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
-                reshard_after_forward: bool = True, compile_layers: bool = False, fsdp_prefetch: int = 0) -> nn.Module:
+                reshard_after_forward: bool = True, compile_layers: bool = False, fsdp: bool = True,
+                fsdp_prefetch: int = 0) -> nn.Module:
     """TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
-    activation checkpointing, then (compile_layers) per-layer torch.compile, then FSDP2 over mesh["dp"] (the
-    experts over mesh["dp_outer"]), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch).
+    activation checkpointing, then (compile_layers) per-layer torch.compile, then (`fsdp`, see
+    `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp"] (the experts over mesh["dp_outer"]), with
+    `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
+    stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters
+    (their hook casts them to the input's dtype).
 
     `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
     afterwards (qwenft.models.loader), which fills only each rank's shards. Call
@@ -44,6 +48,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
         apply_activation_checkpointing(model, mode)
     if compile_layers:
         apply_compile(model)
+    if not fsdp:
+        if mesh["dp"].size() > 1:
+            raise ValueError(f"FSDP2 left out on {mesh['dp'].size()} data-parallel ranks")
+        return model
     apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
                prefetch=fsdp_prefetch, expert_mesh=expert_mesh)
     return model

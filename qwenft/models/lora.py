@@ -56,14 +56,19 @@ def is_adapter(name: str) -> bool:
     return any(f".{a}." in name for a in ADAPTER_NAMES)
 
 
-def modules_to_save(lora: LoRAConfig) -> list[str]:
-    """The modules trained whole, by transformers' leaf name (adapter_config.json's `modules_to_save`)."""
+def modules_to_save(lora: LoRAConfig, tied: bool) -> list[str]:
+    """The modules trained whole, by transformers' leaf name (adapter_config.json's `modules_to_save`). With tied
+    embeddings (`tie_word_embeddings`: embed_tokens and lm_head one matrix) either flag trains that matrix, named
+    `embed_tokens` as peft names it with `ensure_weight_tying` (peft ties lm_head to it on load)."""
+    if tied:
+        return ["embed_tokens"] if lora.train_embeddings or lora.train_head else []
     return [name for flag, name in ((lora.train_embeddings, "embed_tokens"), (lora.train_head, "lm_head")) if flag]
 
 
-def in_adapter_dir(name: str, lora: LoRAConfig) -> bool:
-    """Whether a native parameter goes into peft's adapter dir: an adapter's, or that of a module trained whole."""
-    return is_adapter(name) or name.removesuffix(".weight") in modules_to_save(lora)
+def in_adapter_dir(name: str, lora: LoRAConfig, tied: bool) -> bool:
+    """Whether a native parameter goes into peft's adapter dir: an adapter's, or that of a module trained whole
+    (tied: the shared matrix, `embed_tokens.weight`, the one name torch gives it)."""
+    return is_adapter(name) or name.removesuffix(".weight") in modules_to_save(lora, tied)
 
 
 def hf_module_name(native_module: str, text_cfg) -> str:
@@ -124,7 +129,9 @@ def target_modules(model: nn.Module, text_cfg, lora: LoRAConfig) -> dict[str, li
 def apply_lora(model: nn.Module, lora: LoRAConfig, adapter_dtype: torch.dtype) -> dict[str, list[str]]:
     """Freeze `model` (a `Qwen3_5Model` or a pipeline stage of it, on meta or real) and add adapters in
     `adapter_dtype` to its target linears; embeddings and lm_head are trained whole (cast to `adapter_dtype`)
-    with `train_embeddings` / `train_head`. Call before tensor parallelism. Returns {hf module: native pieces}."""
+    with `train_embeddings` / `train_head`. Tied, they are one parameter (`Qwen3_5Model.tie_weights`): either
+    flag trains it, with one gradient summing both uses and one optimizer state. Call before tensor parallelism.
+    Returns {hf module: native pieces}."""
     text_cfg = model.cfg.text
     targets = target_modules(model, text_cfg, lora)
     for p in model.parameters():
@@ -184,12 +191,17 @@ def hf_source(native_key: str, model_cfg) -> adapter.Source:
 
 
 def to_peft_state_dict(native: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """peft's adapter state dict (transformers' module names) from the full native tensors `in_adapter_dir`."""
+    """peft's adapter state dict (transformers' module names) from the full native tensors `in_adapter_dir`. A
+    trained tied matrix is written twice, under embed_tokens and lm_head, as peft's `ensure_weight_tying` saves it
+    (a copy: safetensors refuses tensors that share memory)."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, t in native.items():
         src = hf_source(name, model_cfg)
         pieces.setdefault(src.hf_key, []).append((src.row_start or 0, t))
-    return {k: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for k, parts in pieces.items()}
+    out = {k: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for k, parts in pieces.items()}
+    if model_cfg.tie_word_embeddings and "embed_tokens.weight" in native:
+        out[hf_source("lm_head.weight", model_cfg).hf_key] = native["embed_tokens.weight"].clone()
+    return out
 
 
 def peft_target_modules(model_cfg, lora: LoRAConfig) -> list[str]:
@@ -210,12 +222,15 @@ def peft_target_modules(model_cfg, lora: LoRAConfig) -> list[str]:
 
 
 def peft_adapter_config(model_cfg, lora: LoRAConfig, base_model: str) -> dict:
-    """adapter_config.json as peft's LoraConfig writes it, for `lora` on transformers' model of `model_cfg`."""
+    """adapter_config.json as peft's LoraConfig writes it, for `lora` on transformers' model of `model_cfg`. A
+    trained tied matrix needs `ensure_weight_tying`: without it peft 0.21 gives embed_tokens the trained copy and
+    leaves lm_head on the base's matrix."""
+    saved = modules_to_save(lora, model_cfg.tie_word_embeddings)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": peft_target_modules(model_cfg, lora), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": modules_to_save(lora) or None}
+            "modules_to_save": saved or None, "ensure_weight_tying": bool(saved) and model_cfg.tie_word_embeddings}
 
 
 def merge_adapters(state: dict[str, torch.Tensor], model_cfg, scaling: float) -> dict[str, torch.Tensor]:

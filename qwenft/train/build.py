@@ -112,7 +112,7 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
                 activation_checkpointing=par.activation_checkpointing,
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
                 reshard_after_forward=par.reshard_after_forward, compile_layers=par.compile,
-                fsdp_prefetch=cfg.mesh.fsdp_prefetch)
+                fsdp=par.fsdp, fsdp_prefetch=cfg.mesh.fsdp_prefetch)
 
 
 def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:
@@ -396,8 +396,11 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     if cfg.model.path:  # every weight file's header and size, before config.yaml is written
         with input_file("model.path", cfg.model.path):
             checkpoint_files(Path(cfg.model.path))
-    spec = RunSpec(layout, batching, resolve_dtypes(cfg, device.type),
-                   resolve_parallel(cfg, layout, model_cfg, batching, device.type))
+    dtypes = resolve_dtypes(cfg, device.type)
+    spec = RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device.type, dtypes))
+    if not spec.parallel.fsdp:
+        log.info("FSDP2: not applied (one data-parallel rank, no tensor parallelism, weights in the compute dtype "
+                 "%s or LoRA adapters: nothing to shard, reduce or cast)", str(dtypes.compute).removeprefix("torch."))
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     if resume_from is not None:

@@ -83,7 +83,14 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
 
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
-    embedding = getattr(module, "embed_tokens", None)
+    if not isinstance(module, FSDPModule):  # one data-parallel rank, no FSDP (spec.uses_fsdp)
+        return [_plain_param(stage, name, p) for name, p in module.named_parameters()]
+    # Tied to lm_head, the head's backward runs first and leaves a vocab-sharded gradient, which the embedding's
+    # adds into: a shard (measured there too).
+    embedding, head = getattr(module, "embed_tokens", None), getattr(module, "lm_head", None)
+    replicated_weight = None
+    if embedding is not None and not (head is not None and head.weight is embedding.weight):
+        replicated_weight = embedding.weight
     out, seen = [], set()
     for name, m in module.named_modules():
         # fully_shard([norm, lm_head]) (fsdp.edge_units) makes both FSDPModules of one state: count it once
@@ -99,12 +106,23 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                 names = p.device_mesh.mesh_dim_names or ()
                 tp_replica = "tp" not in names or isinstance(p.placements[names.index("tp")], Replicate)
                 padded, unsharded = math.prod(fp.padded_sharded_param_size), math.prod(fp._orig_size)
-                replicated_grad = not tp_replica and embedding is not None and p is embedding.weight
+                replicated_grad = not tp_replica and p is replicated_weight
                 out.append(_Param(unit, p.dtype, compute, policy.reduce_dtype or compute, p.to_local().numel(),
                                   padded, unsharded, padded * dp,
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
                                   p.requires_grad, tp_replica))
     return out
+
+
+def _plain_param(stage: int, name: str, p: torch.nn.Parameter) -> _Param:
+    """A parameter without FSDP: stored, computed and its gradient accumulated in its own dtype, never
+    gathered (no second copy: `padded_unsharded` 0), its gradient the size of this rank's (tensor parallel) shard."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    tp_replica = not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)
+    return _Param((stage, _unit_name(name.rsplit(".", 1)[0])), p.dtype, p.dtype, p.dtype, local, local, local, 0,
+                  local, p.requires_grad, tp_replica)
 
 
 def _unit_name(module_name: str) -> str:
@@ -268,6 +286,9 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     if single_pass:
         for per_knob in (grads, unsharded, grads_in_flight, head_grads):
             per_knob["knob_off"] = per_knob["knob_on"]
+    if not par.fsdp:  # no FSDP (spec.uses_fsdp): autograd accumulates into .grad whatever the knob says
+        for per_knob in (grads, unsharded, grads_in_flight, head_grads):
+            per_knob["knob_on"] = per_knob["knob_off"]
     peaks = {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
@@ -317,8 +338,7 @@ def predict(cfg: Config) -> list[RankPlan]:
 
     Builds each rank's share through `build.build_model_parts` on a fake process group ("fake" backend), one
     rank at a time, in this process; needs no GPU and no process group of its own."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    from qwenft.distributed.fake_pg import fake_process_group
     from qwenft.distributed.mesh import build_mesh
     from qwenft.train import build
     from qwenft.train.spec import resolve_spec
@@ -332,25 +352,11 @@ def predict(cfg: Config) -> list[RankPlan]:
     ctx = _Context(cfg, model_cfg, spec)
     plans = []
     for rank in range(layout.world_size):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
-        try:
+        with fake_process_group(layout.world_size, rank):
             mesh = build_mesh(layout, device="cpu")
             coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
             plans.append(_rank_plan(ctx, rank, coords, build.build_model_parts(cfg, model_cfg, spec, mesh)))
-        finally:
-            dist.destroy_process_group()
-            _forget_fake_meshes()
     return plans
-
-
-def _forget_fake_meshes() -> None:
-    """Drop DTensor's sharding-propagation caches (Python and C++). Their keys compare meshes by shape and names
-    only, so an entry made on the fake group would hand a later real mesh of the same shape the fake one's
-    process groups ("Could not resolve the process group registered under the name ..."). torch offers this
-    clearing as a debug helper only (2.13)."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
 
 
 # ---------------------------------------------------------------- output

@@ -59,6 +59,7 @@ class ParallelSpec:
     ce_in_model: bool  # chunked or fused CE: the head returns the CE sum, never the whole logits
     activation_checkpointing: str  # model.activation_checkpointing's mode
     compile: bool  # model.compile: per-layer torch.compile
+    fsdp: bool  # FSDP2 wraps the model: dp > 1, or weights stored in another dtype than they compute in
 
     @property
     def num_stages(self) -> int:
@@ -134,7 +135,42 @@ def resolve_ce_kernel(cfg: Config, layout: Layout, device: str) -> str:
     return "fused" if device == "cuda" and not (layout.tp > 1 and cfg.mesh.vocab_parallel) else "torch"
 
 
-def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str) -> ParallelSpec:
+def check_tied_stages(cfg: Config, layout: Layout) -> None:
+    """Tied embeddings under pipeline parallelism: embed_tokens sits on the first stage, lm_head on the last. A
+    frozen tied matrix (peft=lora without train_embeddings / train_head) is simply held by both, each stage
+    loading it from the checkpoint's one tensor; a trained one would need its two stages' gradients summed and
+    its updates kept equal, which qwenft does not do, so the run fails here."""
+    model = cfg.model.path or cfg.model.name
+    if cfg.peft.method == "none":
+        raise ValueError(f"model {model} ties lm_head to the embeddings, which mesh.pp={layout.pp} puts on "
+                         f"different stages; use mesh.pp=1 (or peft=lora, which keeps the tied matrix frozen)")
+    flag = next((f for f in ("train_embeddings", "train_head") if getattr(cfg.peft, f)), None)
+    if flag is not None:
+        raise ValueError(f"peft.{flag}=true trains the matrix that model {model} ties between embed_tokens and "
+                         f"lm_head, which mesh.pp={layout.pp} puts on different stages; use mesh.pp=1, or "
+                         f"peft.train_embeddings=false and peft.train_head=false")
+
+
+def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
+    """Whether FSDP2 wraps the model. With one data-parallel rank it has nothing to shard or reduce, yet its
+    all-gather still copies every unit's parameters into a buffer of their own (a second copy of the weights
+    while they are gathered) and its hooks run around every unit; it is left out then, unless it is needed to
+    cast weights stored in optim.master_dtype to the compute dtype (without it autograd accumulates gradients
+    in the weights' own dtype, the master dtype, as FSDP would), or tensor parallelism shards the layers: FSDP
+    makes every parameter a DTensor of one kind for the optimizer, and reduces the vocab-parallel embedding's
+    gradient, which DTensor's backward returns replicated, to the rank's shard.
+
+    With peft=lora the frozen base is stored in the compute dtype and the adapters cast themselves
+    (lora._add_adapter), so only trained embeddings or head (`peft` options) need FSDP's cast."""
+    if layout.dp > 1 or layout.tp > 1:
+        return True
+    if peft.method == "lora":
+        return dtypes.master != dtypes.compute and (peft.train_embeddings or peft.train_head)
+    return dtypes.master != dtypes.compute
+
+
+def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str,
+                     dtypes: Dtypes) -> ParallelSpec:
     """The pipeline placement and FSDP's resharding; raises on head counts, expert counts, a schedule, a stage
     split or a model that the layout cannot run."""
     from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
@@ -148,8 +184,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         virtual = cfg.pipeline.virtual_stages or pp_split.default_virtual_stages(name)
         pp_split.check_virtual_stages(name, virtual)
         if model_cfg.tie_word_embeddings:
-            raise ValueError(f"model {cfg.model.path or cfg.model.name} ties lm_head to the embeddings, which "
-                             f"mesh.pp={layout.pp} puts on different stages; use mesh.pp=1")
+            check_tied_stages(cfg, layout)
         layers = pp_split.split_layers(num_layers, layout.pp * virtual, model_cfg.vision is not None,
                                        cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
     single_pass = layout.pp == 1 and batching.num_microbatches == 1
@@ -160,11 +195,12 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_kernel=(ce_kernel := resolve_ce_kernel(cfg, layout, device)),
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        compile=cfg.model.compile)
+        compile=cfg.model.compile, fsdp=uses_fsdp(layout, dtypes, cfg.peft))
 
 
 def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec:
     """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu")."""
     check_mesh_keys(cfg, layout)
     batching = resolve_batching(cfg, layout.dp)
-    return RunSpec(layout, batching, resolve_dtypes(cfg, device), resolve_parallel(cfg, layout, model_cfg, batching, device))
+    dtypes = resolve_dtypes(cfg, device)
+    return RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device, dtypes))

@@ -1,13 +1,26 @@
-"""The tiny model on CUDA against the same weights on the CPU (fp32)."""
+"""The tiny model and its training runs on CUDA: against the same run on the CPU (fp32), compiled against eager, and
+the multi-rank code paths (tensor parallel, the per-microbatch gradient reduce) as rank 0 of a fake world."""
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import (assert_same_training, compose, logged_losses, parity_overrides, rel_err, run_qwenft,
+                     train_alone)
+from qwenft.distributed.fake_pg import fake_process_group
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
 
 pytestmark = pytest.mark.gpu
+
+# fp32 end to end on CUDA, where model.dtype=auto computes in bf16 and the auto kernels (fla's GDN, the fused
+# cross-entropy) run below fp32 precision; lr 2e-4 as tests/test_compile.py (AdamW turns fp32 rounding noise in
+# GDN's ill-conditioned decay gradients into parameter differences that grow with the learning rate).
+FP32 = ("model.dtype=float32", "model.kernels.gdn=torch", "model.kernels.ce=torch", "model.kernels.attention=sdpa",
+        "optim.lr=2e-4")
 
 
 def test_tiny_forward_on_cuda_equals_cpu():
@@ -25,3 +38,60 @@ def test_tiny_forward_on_cuda_equals_cpu():
         out = cuda(input_ids=ids.cuda(), cu_seqlens=cu_seqlens.cuda())
     assert out.device.type == "cuda"
     assert rel_err(out.cpu(), ref) < 1e-4
+
+
+def _exported(run_dir) -> dict:
+    """The parameters of run_dir's HF export (every safetensors file of run_dir/hf), on the CPU."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for path in sorted((Path(run_dir) / "hf").glob("*.safetensors")):
+        state.update(load_file(path))
+    assert state, f"no safetensors in {run_dir}/hf"
+    return state
+
+
+def test_three_steps_on_cuda_equal_cpu(tmp_path):
+    """3 steps of the tiny recipe (4 packed microbatches of 128 tokens each, fp32 weights, activations and AdamW
+    state) through the runner on CUDA in this process, against the same run on the CPU: `python -m qwenft
+    train` with CUDA hidden, the one way to make the runner pick the CPU on a GPU machine. Each step's loss and
+    every parameter of the fp32 HF export within 1e-4."""
+    extra = (*FP32, "checkpoint.export_dtype=float32")
+    cpu_dir, cuda_dir = tmp_path / "cpu", tmp_path / "cuda"
+    cpu = run_qwenft("train", *parity_overrides(cpu_dir, *extra), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert cpu.returncode == 0, cpu.stderr[-4000:]
+    assert "cpu threads:" in (cpu_dir / "train.log").read_text()  # logged by CPU runs only: it ran on the CPU
+    torch.cuda.reset_peak_memory_stats()
+    result = train_alone(parity_overrides(cuda_dir, *extra))
+    assert torch.cuda.max_memory_allocated() > 0  # it ran on CUDA
+    losses = logged_losses(cpu_dir)
+    reference = SimpleNamespace(losses=[losses[step] for step in sorted(losses)], val_losses={},
+                                state_dict=_exported(cpu_dir))
+    on_cuda = SimpleNamespace(losses=result.losses, val_losses={}, state_dict=_exported(cuda_dir))
+    assert_same_training(on_cuda, reference, rtol=1e-4)
+
+
+def test_compiled_layers_train_like_eager_on_cuda(tmp_path):
+    """model.compile=true (inductor's Triton kernels for each layer's norms, MLP and the mixers' projections)
+    against eager, 3 steps of the tiny recipe in fp32 on CUDA: losses and every parameter within 1e-4."""
+    eager = train_alone(parity_overrides(tmp_path / "eager", *FP32, "checkpoint.export_hf=false"),
+                        return_state=True)
+    compiled = train_alone(parity_overrides(tmp_path / "compiled", *FP32, "checkpoint.export_hf=false",
+                                            "model.compile=true"), return_state=True)
+    assert_same_training(compiled, eager, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh", [("mesh.tp=2",), ("mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true")],
+                         ids=["tp2", "dp2_reduce_grad_per_microbatch"])
+def test_multi_rank_path_trains_as_rank_0_of_a_fake_world(tmp_path, mesh):
+    """Rank 0 of 2 on torch's fake process group (qwenft.distributed.fake_pg; collectives return at once), the
+    runner's CUDA defaults (bf16, fla's GDN when installed, varlen flash attention, fused AdamW): tp2 (head-sharded
+    projections, vocab-parallel embedding and loss) and dp2 with FSDP reduce-scattering every microbatch's
+    gradients (2 microbatches per step) each train 3 steps to finite losses. Their numbers are the CPU tier's
+    (tests/test_tensor_parallel.py, tests/test_fsdp.py); the fake collectives make these meaningless."""
+    from qwenft.train.runner import run
+
+    overrides = parity_overrides(tmp_path / "run", "model.kernels.gdn=auto", "checkpoint.export_hf=false", *mesh)
+    with fake_process_group(world_size=2):
+        result = run(compose(overrides))
+    assert len(result.losses) == 3 and all(math.isfinite(loss) for loss in result.losses), result.losses
