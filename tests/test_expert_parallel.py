@@ -112,6 +112,22 @@ def test_ep2_checkpoint_resumes_on_another_ep(tmp_path, ep2_run, nproc, mesh):
         assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
 
 
+def _save_hf_moe(path, vocab_size: int = 0):
+    """A transformers Qwen3_5MoeForCausalLM of tiny_moe's config (vocabulary grown to vocab_size) with every weight
+    perturbed (its init leaves norms at 0 / 1), saved at path; returns the config."""
+    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+
+    cfg = named_config("tiny_moe")
+    cfg.text.vocab_size = max(cfg.text.vocab_size, vocab_size)
+    torch.manual_seed(0)
+    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path)
+    return cfg
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
@@ -121,17 +137,9 @@ def test_ep2_loads_hf_checkpoint_and_exports_to_transformers(tmp_path):
     from qwenft.cli import main
     from qwenft.data.tokenizer import load_tokenizer
     from qwenft.models.loader import build_model
-    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
 
     tokenizer = load_tokenizer("tiny")
-    cfg = named_config("tiny_moe")
-    cfg.text.vocab_size = max(cfg.text.vocab_size, len(tokenizer))
-    torch.manual_seed(0)
-    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(tmp_path / "src")
+    _save_hf_moe(tmp_path / "src", len(tokenizer))
     tokenizer.save_pretrained(tmp_path / "src")
 
     common = (*MOE, f"model.path={tmp_path / 'src'}", "train.max_steps=2")
@@ -183,15 +191,8 @@ def test_ep2_dp4_ranks_load_their_experts(tmp_path):
     """At dp4 = 2 x ep2 each rank holds 2 of the 8 experts (its ep group's 4, halved by FSDP); every parameter,
     gathered, is the checkpoint's."""
     from qwenft.models.loader import build_model, load_hf_weights
-    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
 
-    cfg = named_config("tiny_moe")
-    torch.manual_seed(0)
-    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(tmp_path / "src")
+    cfg = _save_hf_moe(tmp_path / "src")
     ref = load_hf_weights(build_model(cfg, kernels="torch", moe_kernel="loop", device="meta"), tmp_path / "src",
                           device="cpu")
     for state, local in run_distributed(_load_ep, 4, tmp_path / "src", 2):
