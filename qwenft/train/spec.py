@@ -175,7 +175,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
     split or a model that the layout cannot run."""
     from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
 
-    validate_tp(model_cfg.text, layout.tp)
+    validate_tp(model_cfg.text, layout.tp, cfg.mesh.sequence_parallel)
     validate_ep(model_cfg.text, layout.ep)
     name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
     num_layers = model_cfg.text.num_hidden_layers
