@@ -159,8 +159,9 @@ def test_prefetch_lists_follow_the_forward_order():
     """mesh.fsdp_prefetch=2 on the tiny model (4 layers), through the runner: each unit prefetches the next two
     in the forward and the two before it in the backward, nearest first; the root and GDN's Decay units are
     left to FSDP2's implicit prefetching (empty lists). Tied embeddings: the root holds both, the chain is the
-    layers."""
-    (lists,) = run_distributed(_prefetch_lists, 1, ["recipe=tiny", "mesh.fsdp_prefetch=2", "model.kernels.gdn=torch"])
+    layers. bf16 compute on the fp32 weights: FSDP wraps one rank only to cast them (spec.uses_fsdp)."""
+    (lists,) = run_distributed(_prefetch_lists, 1, ["recipe=tiny", "mesh.fsdp_prefetch=2", "model.kernels.gdn=torch",
+                                                    "model.dtype=bfloat16"])
     layers = ["layers.0", "layers.1", "layers.2", "layers.3"]
     chain = ["embed_tokens", *layers, "norm"]
     expected = _expected_lists(chain, 2)
@@ -176,7 +177,7 @@ def test_prefetch_lists_follow_the_forward_order():
 def test_prefetch_chain_is_per_pipeline_stage():
     """pp2: each stage chains only its own units (stage 0: embedding, layers 0-1; stage 1: layers 2-3, head)."""
     stages = run_distributed(_prefetch_lists, 2, [
-        "recipe=tiny", "mesh.pp=2", "mesh.fsdp_prefetch=1", "model.kernels.gdn=torch",
+        "recipe=tiny", "mesh.pp=2", "mesh.fsdp_prefetch=1", "model.kernels.gdn=torch", "model.dtype=bfloat16",
         "train.global_batch_size=2", "train.micro_batch_size=1"])
     for lists, chain in zip(stages, (["embed_tokens", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm"])):
         assert {name: lists[name] for name in chain} == _expected_lists(chain, 1)
