@@ -116,6 +116,37 @@ def train_recording_grads(overrides):
         return job, result.losses, grads, {n: full(p) for n, p in named}
 
 
+def train_with_grads(rank, world_size, overrides):
+    """train_recording_grads as a run_distributed fn: a RunResult-like record of its losses, the trained parameters
+    (state_dict) and the last step's gradients (grads), of every pipeline stage, on every rank."""
+    import types
+
+    import torch.distributed as dist
+
+    job, losses, grads, values = train_recording_grads(overrides)
+    state, last = {k: v.float().cpu() for k, v in values.items()}, {k: v.float().cpu() for k, v in grads[-1].items()}
+    if job.spec.layout.pp > 1:
+        parts = [None] * dist.get_world_size(job.pp_group)
+        dist.all_gather_object(parts, (state, last), group=job.pp_group)
+        state = {k: v for part, _ in parts for k, v in part.items()}
+        last = {k: v for _, part in parts for k, v in part.items()}
+    return types.SimpleNamespace(losses=losses, state_dict=state, grads=last, val_losses={})
+
+
+def assert_same_grads(result, reference, rtol=1e-5, rtol_by_suffix=None):
+    """The last step's gradients of two train_with_grads results: the same parameters, all of them together and
+    each one within rtol (norm of the difference over the reference's norm); rtol_by_suffix as in
+    assert_same_training."""
+    assert result.grads.keys() == reference.grads.keys() and reference.grads
+    diff = torch.stack([(result.grads[n] - g).norm() for n, g in reference.grads.items()]).norm()
+    total = torch.stack([g.norm() for g in reference.grads.values()]).norm()
+    assert (diff / total).item() < rtol, f"all gradients: rel err {(diff / total).item():.2e}"
+    for name, ref in reference.grads.items():
+        tol = next((t for suffix, t in (rtol_by_suffix or {}).items() if name.endswith(suffix)), rtol)
+        err = ((result.grads[name] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+        assert err < tol, f"{name}: gradient rel err {err:.2e}"
+
+
 def assert_same_training(result, reference, rtol=1e-5, steps=3, rtol_by_suffix=None):
     """Two RunResults with state: both ran `steps` steps and the reference's loss moved (a vacuous comparison
     is caught); every step's loss, every validation loss of the reference and every parameter (norm of the

@@ -1,5 +1,5 @@
-"""The (pp, dp, tp) layout a config's mesh asks for, checked against a world size: the one divisibility check
-that training, `qwenft plan` and `qwenft slurm` share."""
+"""The (pp, dp, tp) layout a config's mesh asks for, with the expert-parallel ep carved from dp, checked against a
+world size: the one divisibility check that training, `qwenft plan` and `qwenft slurm` share."""
 
 from dataclasses import dataclass
 
@@ -9,13 +9,14 @@ class Layout:
     pp: int
     dp: int
     tp: int
+    ep: int = 1  # expert parallel: groups of ep dp ranks share out the routed experts (dp = dp / ep x ep)
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
 
-def resolve_layout(tp: int, pp: int, dp: int, world_size: int, ranks: str | None = None) -> Layout:
+def resolve_layout(tp: int, pp: int, dp: int, world_size: int, ranks: str | None = None, ep: int = 1) -> Layout:
     """Check the requested degrees against the world size before anything is built; dp=-1 takes what the
     world size leaves. `ranks` says where the world size comes from (e.g. the launcher keys), for the error."""
     if world_size % (tp * pp) != 0:
@@ -28,4 +29,8 @@ def resolve_layout(tp: int, pp: int, dp: int, world_size: int, ranks: str | None
         product = f"mesh.tp={tp} x mesh.pp={pp} x mesh.dp={dp} = {tp * pp * dp}"
         raise ValueError(f"{ranks}, but {product}; set mesh.dp=-1 to infer it" if ranks else
                          f"{product} but the world size is {world_size}; set mesh.dp=-1 to infer it")
-    return Layout(pp=pp, dp=dp, tp=tp)
+    if dp % ep:
+        valid = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ValueError(f"mesh.ep={ep} does not divide the data-parallel size mesh.dp={dp} (experts are shared out "
+                         f"over ep of the dp ranks); valid mesh.ep: {valid}")
+    return Layout(pp=pp, dp=dp, tp=tp, ep=ep)

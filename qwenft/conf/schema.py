@@ -16,6 +16,9 @@ class MeshOptions:
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline parallel degree
     dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp)
+    # expert parallel degree (MoE models): each group of ep data-parallel ranks shares out the routed experts,
+    # tokens travel to their experts by all-to-all; must divide mesh.dp and the number of experts
+    ep: int = 1
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
     sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence
@@ -261,7 +264,7 @@ def validate(cfg: Config) -> None:
         if str(value) not in valid:
             raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
     positive = {
-        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "data.seq_len": cfg.data.seq_len,
+        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "mesh.ep": cfg.mesh.ep, "data.seq_len": cfg.data.seq_len,
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.micro_batch_size": cfg.train.micro_batch_size, "train.log_every": cfg.train.log_every,
         "launcher.nproc_per_node": cfg.launcher.nproc_per_node, "launcher.nodes": cfg.launcher.nodes,

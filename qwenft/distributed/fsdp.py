@@ -36,9 +36,13 @@ def edge_units(model: nn.Module) -> list:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
                reshard_after_forward: bool = True, reduce_dtype: torch.dtype = torch.float32,
-               prefetch: int = 0) -> None:
+               prefetch: int = 0, expert_mesh: DeviceMesh | None = None) -> None:
     """Shard every decoder layer, the embedding, the head (`edge_units`) and the root; gradients are reduced in
     `reduce_dtype` and summed, not averaged.
+
+    `expert_mesh` (expert parallelism, qwenft.distributed.expert_parallel): each MoE layer's `experts`, already
+    sharded over ep, become a unit of their own over these ranks (those holding the same experts), inside
+    their layer's unit.
 
     Every unit follows `reshard_after_forward`: the head too, although its backward comes right after its
     forward, since without `model.ce_chunk_tokens` the loss is computed on the logits after it (a kept head
@@ -56,6 +60,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     `prefetch` > 0 replaces that implicit prefetching with explicit lists (`set_prefetch`).
     """
     from qwenft.models.qwen3_5.gdn import Decay
+    from qwenft.models.qwen3_5.moe import Experts
 
     quiet_known_warnings()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -63,6 +68,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     for module in model.modules():  # GDN's decay parameters stay fp32 in a bf16 model (gdn.Decay)
         if isinstance(module, Decay):
             fully_shard(module, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+        if isinstance(module, Experts) and expert_mesh is not None:
+            fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for unit in list(model.layers.values()) + edge_units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

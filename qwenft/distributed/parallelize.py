@@ -1,10 +1,11 @@
-"""Per-stage parallelization in its fixed order: TP -> activation checkpointing -> compile -> FSDP2."""
+"""Per-stage parallelization in its fixed order: TP -> EP -> activation checkpointing -> compile -> FSDP2."""
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
+from qwenft.distributed.expert_parallel import apply_ep
 from qwenft.distributed.fsdp import apply_fsdp
 from qwenft.distributed.tensor_parallel import apply_tp
 
@@ -23,11 +24,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
                 reshard_after_forward: bool = True, compile_layers: bool = False, fsdp: bool = True,
                 fsdp_prefetch: int = 0) -> nn.Module:
-    """TP over mesh["tp"] (when its size > 1), then activation checkpointing, then (compile_layers) per-layer
-    torch.compile, then (`fsdp`, see `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp"], with `fsdp_prefetch`
-    units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be stored in
-    `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters (their
-    hook casts them to the input's dtype).
+    """TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
+    activation checkpointing, then (compile_layers) per-layer torch.compile, then (`fsdp`, see
+    `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp"] (the experts over mesh["dp_outer"]), with
+    `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
+    stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters
+    (their hook casts them to the input's dtype).
 
     `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
     afterwards (qwenft.models.loader), which fills only each rank's shards. Call
@@ -36,6 +38,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+    expert_mesh = None
+    if "ep" in (mesh.mesh_dim_names or ()):
+        apply_ep(model, mesh["ep"])
+        expert_mesh = mesh["dp_outer"]
     # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
     mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)
     if mode != "false":
@@ -47,5 +53,5 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
             raise ValueError(f"FSDP2 left out on {mesh['dp'].size()} data-parallel ranks")
         return model
     apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
-               prefetch=fsdp_prefetch)
+               prefetch=fsdp_prefetch, expert_mesh=expert_mesh)
     return model

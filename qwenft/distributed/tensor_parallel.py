@@ -11,6 +11,7 @@
 | LoRA lora_A / lora_B (peft=lora) | column-parallel projection: A replicated (grad summed over tp), B Shard(0); row-parallel: A Shard(1), B replicated (grad summed over tp) |
 | GDN out_proj, MLP down_proj    | row-parallel                                                           |
 | MLP gate/up_proj               | column-parallel                                                        |
+| MoE block (router, experts, shared expert) | plain, replicated: each tp rank routes and computes the whole block on the replicated residual stream (experts may be sharded over ep instead) |
 | embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits stay a DTensor sharded on vocab, `qwenft.models.loss.token_ce_sum` takes it); else plain, replicated |
 | layer norms, final norm, vision tower | plain, replicated (identical compute and grads on every tp rank); with sequence_parallel the layer norms' weights are replicated DTensors run on T/tp tokens |
 
@@ -41,15 +42,18 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from qwenft.models.qwen3_5.attention import local
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
+from qwenft.models.qwen3_5.moe import MoE
 
 
-def validate_tp(text: TextConfig, tp: int) -> None:
-    """Raise before anything is built when a head count of `text` cannot be split evenly over `tp` ranks."""
+def validate_tp(text: TextConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """Raise before anything is built when a head count of `text` cannot be split evenly over `tp` ranks, or
+    when an MoE model asks for sequence parallelism (its replicated block would see T/tp tokens a rank, and its
+    parameters' gradients would differ between tp ranks)."""
     if tp < 1:
         raise ValueError(f"mesh.tp={tp}; it must be >= 1")
-    if tp > 1 and text.is_moe:
-        raise ValueError(f"mesh.tp={tp}: tensor parallelism does not shard the MoE block yet (num_experts="
-                         f"{text.num_experts}); train an MoE model with mesh.tp=1 (dp and pp work)")
+    if tp > 1 and text.is_moe and sequence_parallel:
+        raise ValueError(f"mesh.sequence_parallel=true with mesh.tp={tp} is not supported for an MoE model "
+                         f"(num_experts={text.num_experts}); set mesh.sequence_parallel=false")
     counts = [("num_attention_heads", text.num_attention_heads, "full attention query heads"),
               ("num_key_value_heads", text.num_key_value_heads, "full attention key/value heads"),
               ("linear_num_key_heads", text.linear_num_key_heads, "GatedDeltaNet key heads"),
@@ -96,7 +100,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
             for name in ("A_log", "dt_bias"):
                 _shard_param(mixer.decay, name, tp_mesh, Shard(0))
             _shard_param(mixer.norm, "weight", tp_mesh, Replicate())
-        for block, col_names, row_name in ((mixer, cols, row), (layer.mlp, ("gate_proj", "up_proj"), "down_proj")):
+        blocks = [(mixer, cols, row)]
+        if not isinstance(layer.mlp, MoE):  # the MoE block stays replicated (table above)
+            blocks.append((layer.mlp, ("gate_proj", "up_proj"), "down_proj"))
+        for block, col_names, row_name in blocks:
             block.register_forward_pre_hook(block_in)
             for name in col_names:
                 _local_linear(getattr(block, name), tp_mesh, Shard(0))

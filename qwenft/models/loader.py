@@ -10,6 +10,7 @@ HF checkpoint is qwenft.checkpoint.hf_export's.
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -47,14 +48,29 @@ def _is_dtensor(t) -> bool:
 
 
 def _local_box(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(local shape, global offset) of a DTensor's local chunk when it is one contiguous box, else None."""
+    """(local shape, global offset) of a DTensor's local chunk when it is one contiguous box, else None.
+
+    Shard and Replicate placements give a box. So does FSDP over a tensor- or expert-parallel Shard(d): FSDP's
+    `_StridedShard(d, split_factor=n)` on the dp dim, where n is the product of the later mesh dims that shard d
+    (FSDP chunks the rank's tp / ep shard, so its part is one slice of it); any other _StridedShard may be
+    strided, and gets None."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     # No public equivalent yet (torch 2.13); used by DCP's planner too.
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if not all(type(p) in (Shard, Replicate) for p in param.placements):  # e.g. FSDP over TP: _StridedShard
+    mesh, placements = param.device_mesh, param.placements
+    for i, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            later = [mesh.size(j) for j, q in enumerate(placements[i + 1:], i + 1)
+                     if type(q) is Shard and q.dim == p.dim]
+            if p.split_factor != math.prod(later):
+                return None
+        elif type(p) not in (Shard, Replicate):
+            return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    if tuple(shape) != tuple(param.to_local().shape):
         return None
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(shape), tuple(offset)
 
 

@@ -104,7 +104,7 @@ def peft_meta(cfg: Config) -> dict | None:
 
 
 def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
-    """One model or pipeline stage, in the fixed order TP -> activation checkpointing -> compile -> FSDP2."""
+    """One model or pipeline stage, in the fixed order TP -> EP -> activation checkpointing -> compile -> FSDP2."""
     from qwenft.distributed.parallelize import parallelize
 
     par = spec.parallel
@@ -362,7 +362,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     run dir (qwenft.launch.run_lock) until `cleanup` closes, or else until the process exits."""
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world)
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world, ep=cfg.mesh.ep)
     batching = resolve_batching(cfg, layout.dp)
     check_mesh_keys(cfg, layout)
     mesh = build_mesh(layout)

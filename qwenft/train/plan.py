@@ -131,9 +131,9 @@ def _plain_param(stage: int, name: str, p: torch.nn.Parameter, expert: bool) -> 
 
 def expert_shards(layout) -> int:
     """The ranks that split each MoE layer's routed experts (dim 0 of `experts.gate_up_proj` and `down_proj`)
-    before FSDP shards what one of them holds: expert parallelism's degree; 1 while qwenft has none, so FSDP
-    alone shards the experts over dp like any weight."""
-    return 1
+    before FSDP shards what one of them holds over the other data-parallel ranks: expert parallelism's degree
+    (`mesh.ep`; 1 = FSDP alone shards the experts over dp like any weight)."""
+    return layout.ep
 
 
 def _unit_name(module_name: str) -> str:
@@ -342,11 +342,12 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
 # ---------------------------------------------------------------- every rank
 
 def resolve_plan_layout(cfg: Config):
-    """The layout planned: mesh.tp x mesh.pp x mesh.dp, with mesh.dp=-1 (take what the world leaves) as 1."""
+    """The layout planned: mesh.tp x mesh.pp x mesh.dp, with mesh.dp=-1 (take what the world leaves) as 1, or as
+    mesh.ep with expert parallelism (the fewest dp ranks that hold every expert once)."""
     from qwenft.conf.layout import resolve_layout
 
-    dp = 1 if cfg.mesh.dp == -1 else cfg.mesh.dp
-    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp)
+    dp = cfg.mesh.ep if cfg.mesh.dp == -1 else cfg.mesh.dp
+    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp, ep=cfg.mesh.ep)
 
 
 def predict(cfg: Config) -> list[RankPlan]:

@@ -13,6 +13,7 @@ import torch
 
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import Layout
+from qwenft.distributed.expert_parallel import validate_ep
 from qwenft.distributed.tensor_parallel import validate_tp
 
 
@@ -170,11 +171,12 @@ def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
 
 def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str,
                      dtypes: Dtypes) -> ParallelSpec:
-    """The pipeline placement and FSDP's resharding; raises on head counts, a schedule, a stage split or a model
-    that the layout cannot run."""
+    """The pipeline placement and FSDP's resharding; raises on head counts, expert counts, a schedule, a stage
+    split or a model that the layout cannot run."""
     from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
 
-    validate_tp(model_cfg.text, layout.tp)
+    validate_tp(model_cfg.text, layout.tp, cfg.mesh.sequence_parallel)
+    validate_ep(model_cfg.text, layout.ep)
     name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
     num_layers = model_cfg.text.num_hidden_layers
     virtual, layers = 1, [list(range(num_layers))]

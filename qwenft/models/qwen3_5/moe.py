@@ -11,15 +11,23 @@ The routed experts run on tokens permuted (sorted) by expert, so each expert's t
 slice: `kernel="loop"` is the reference (one matmul pair per expert, any device and dtype), `"grouped_mm"`
 is `torch._grouped_mm` over the same slices (one kernel for all experts; `"auto"` picks it for bf16 on CUDA).
 
+Expert parallelism (`MoE.ep_group`, set by qwenft.distributed.expert_parallel): each of the group's ranks holds
+E/ep experts (the fused weights are DTensors sharded on dim 0 over the group, so checkpoints and exports see the
+whole [E, ...] tensors). Routing stays local; the routed pairs go to the rank of their expert by one all-to-all
+and come back by another (`dispatch_combine`), whose backward is the reverse all-to-all.
+
 Shape suffixes: n tokens (B*T), h hidden, e experts, k experts per token, m = n*k routed (token, expert)
-pairs, i expert intermediate width.
+pairs, i expert intermediate width; under expert parallelism p pairs a rank received for its experts, r ep ranks,
+l experts on one rank.
 """
 
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .configs import TextConfig
 
@@ -99,10 +107,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x_mh: torch.Tensor, load_e: torch.Tensor, kernel: str) -> torch.Tensor:
-        """Expert outputs for tokens sorted by expert (`load_e[e]` consecutive rows each), in the same order."""
+        """Expert outputs for tokens sorted by expert (`load_e[e]` consecutive rows each), in the same order.
+        Under expert parallelism the weights are DTensors and `load_e` counts this rank's experts only."""
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+        if x_mh.shape[0] == 0:
+            # No rows (an expert-parallel rank nobody routed to): the output still depends on the input and the
+            # weights, so the backward runs this rank's side of the all-to-all that brought the rows (every ep
+            # rank must) and the weights get a (zero) gradient (FSDP reduces the parameters that have one, and
+            # every rank must reduce the same ones)
+            return x_mh * 0 + 0 * (gate_up.sum() + down.sum())
         if kernel == "grouped_mm":
-            return grouped_experts(x_mh, load_e, self.gate_up_proj, self.down_proj)
-        return looped_experts(x_mh, load_e, self.gate_up_proj, self.down_proj)
+            return grouped_experts(x_mh, load_e, gate_up, down)
+        return looped_experts(x_mh, load_e, gate_up, down)
 
 
 def looped_experts(x_mh, load_e, gate_up_eih, down_ehi) -> torch.Tensor:
@@ -114,7 +130,7 @@ def looped_experts(x_mh, load_e, gate_up_eih, down_ehi) -> torch.Tensor:
         gate_mi, up_mi = F.linear(x_mh[start:start + count], gate_up_eih[e]).chunk(2, dim=-1)
         out.append(F.linear(F.silu(gate_mi) * up_mi, down_ehi[e]))
         start += count
-    return torch.cat(out) if out else x_mh.new_zeros(x_mh.shape)
+    return torch.cat(out)
 
 
 def grouped_experts(x_mh, load_e, gate_up_eih, down_ehi) -> torch.Tensor:
@@ -145,6 +161,7 @@ class MoE(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.stats: RouterStats | None = None
+        self.ep_group = None  # expert parallelism's process group (its ranks share out the experts), or None
 
     def forward(self, x_bth: torch.Tensor, router_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`router_mask` [B, T] bool: the tokens `stats` counts (None = all); every token is routed either way."""
@@ -159,7 +176,11 @@ class MoE(nn.Module):
         expert_m = top_e_nk.flatten()
         order_m = expert_m.argsort(stable=True)
         load_e = torch.bincount(expert_m, minlength=self.gate.out_features)
-        y_mh = self.experts(x_nh[order_m // self.top_k], load_e, resolve_kernel(self.kernel, x_nh))
+        x_mh, kernel = x_nh[order_m // self.top_k], resolve_kernel(self.kernel, x_nh)
+        if self.ep_group is None:
+            y_mh = self.experts(x_mh, load_e, kernel)
+        else:
+            y_mh = dispatch_combine(self.experts, x_mh, load_e, kernel, self.ep_group)
         # unpermute, then each token's weighted sum over its k experts
         y_nkh = y_mh.new_empty(y_mh.shape).index_copy(0, order_m, y_mh).view(n, self.top_k, -1)
         routed_nh = (y_nkh * top_w_nk.unsqueeze(-1)).sum(dim=1)
@@ -174,3 +195,41 @@ class MoE(nn.Module):
         mask_n = router_mask.flatten().to(probs_ne.device)
         counted_e = torch.bincount(top_e_nk[mask_n].flatten(), minlength=probs_ne.shape[1])
         return RouterStats(counted_e, probs_ne[mask_n].sum(dim=0), mask_n.sum().to(probs_ne.dtype))
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows: `in_splits[r]` rows go to rank r, `out_splits[r]` come from it. The backward
+    sends the gradients back the same way (the reverse all-to-all)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def dispatch_combine(experts: Experts, x_mh: torch.Tensor, load_e: torch.Tensor, kernel: str, group) -> torch.Tensor:
+    """Expert outputs of this rank's (token, expert) pairs sorted by expert (`load_e[e]` rows each, all E experts)
+    when `group`'s ep ranks each hold E/ep consecutive experts: the rows of rank r's experts go to r, which runs
+    its experts on what every rank sent, and the outputs come back in the rows' order. Two host syncs (the
+    split sizes) per call."""
+    ep = dist.get_world_size(group)
+    send_rl = load_e.view(ep, -1)  # rows for each destination rank's local experts
+    recv_rl = torch.empty_like(send_rl)  # rows from each source rank for this rank's experts
+    dist.all_to_all_single(recv_rl, send_rl, group=group)
+    send_splits, recv_splits = send_rl.sum(1).tolist(), recv_rl.sum(1).tolist()
+    x_ph = _AllToAll.apply(x_mh, recv_splits, send_splits, group)
+    # received rows come by source rank, each source's rows by expert: sort them by expert (stable: sources in order)
+    local_experts = torch.arange(recv_rl.shape[1], device=recv_rl.device).repeat(ep)
+    order_p = torch.repeat_interleave(local_experts, recv_rl.flatten()).argsort(stable=True)
+    y_ph = experts(x_ph[order_p], recv_rl.sum(0), kernel)
+    y_ph = y_ph.new_empty(y_ph.shape).index_copy(0, order_p, y_ph)
+    return _AllToAll.apply(y_ph, send_splits, recv_splits, group)
