@@ -465,3 +465,28 @@ def test_export_of_a_checkpoint_adapters_and_merged(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert f"model.path={base}" in err and "does not exist" in err and "\n" not in err, err
     assert not (tmp_path / "again").exists()
+
+
+def test_all_linear_on_moe_adapts_everything_but_the_router_and_every_adapter_learns():
+    """peft=lora on the MoE model: the router (`mlp.gate`) computes from its weight, not through its module, so
+    an adapter there would never see a gradient (and peft, whose transformers router is no nn.Linear, has none);
+    every adapter all-linear does add gets a gradient in one backward once B is nonzero."""
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.lora import LoRAConfig, apply_lora
+    from qwenft.models.qwen3_5.configs import named_config
+
+    cfg = named_config("tiny_moe")
+    model = build_model(cfg, kernels="torch", moe_kernel="loop")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8), adapter_dtype=torch.float32)
+    model = init_random_weights(model, seed=0, device="cpu", dtype=torch.float32)
+    adapted = {n.rsplit(".lora_", 1)[0] for n, _ in model.named_parameters() if ".lora_" in n}
+    assert not any(n.endswith(".mlp.gate") for n in adapted)
+    assert any(n.endswith(".mlp.shared_expert_gate") for n in adapted)  # an nn.Linear called as a module
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B" in n:
+                p.normal_(std=0.02)
+    ids = torch.randint(0, cfg.text.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids).float().square().mean().backward()
+    silent = [n for n, p in model.named_parameters() if ".lora_" in n and (p.grad is None or not p.grad.any())]
+    assert not silent, silent

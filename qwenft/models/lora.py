@@ -82,10 +82,14 @@ def hf_module_name(native_module: str, text_cfg) -> str:
 def _candidates(model: nn.Module, text_cfg, vision: bool) -> dict[str, list[tuple[int, str, nn.Linear]]]:
     """{hf module name: [(first row in it, native name, linear), ...] in row order} of the linears LoRA may
     adapt: the decoder layers' (the lm_head and embeddings are trained whole or not at all), and the vision
-    tower's when `vision`."""
+    tower's when `vision`. Not an MoE router (`mlp.gate`): it computes from its weight directly (a hook on its
+    output would never get a gradient), and transformers' router is no `nn.Linear`, so peft leaves it out too."""
+    from .qwen3_5.moe import MoE
+
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
     found = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or id(module) in routers:
             continue
         if not (name.startswith("layers.") or (vision and name.startswith("visual."))):
             continue
