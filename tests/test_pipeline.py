@@ -278,6 +278,23 @@ def test_virtual_stages_must_fit_schedule(tmp_path):
                                               "pipeline.virtual_stages=1"))
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_validation_under_a_v_shaped_schedule_is_refused_at_start(schedule):
+    """torch's V-shaped schedules hold backward actions that a forward-only pass has none for (eval() fails
+    deep in torch): one line before anything is built."""
+    from qwenft.conf.layout import Layout
+    from qwenft.train.spec import check_mesh_keys
+
+    cfg = compose(["recipe=tiny", "mesh.pp=2", f"pipeline.schedule={schedule}", "eval.every_steps=5",
+                   "eval.dataset=tiny"])
+    with pytest.raises(ValueError) as e:
+        check_mesh_keys(cfg, Layout(pp=2, dp=1, tp=1))
+    assert str(e.value) == (f"eval.every_steps=5 with pipeline.schedule={schedule}: torch's V-shaped schedules "
+                            f"(zbv, dualpipev) cannot run a forward-only pass; use another pipeline.schedule "
+                            f"(e.g. interleaved_zb) or eval.every_steps=0")
+    check_mesh_keys(compose(["recipe=tiny", "mesh.pp=2", f"pipeline.schedule={schedule}"]), Layout(pp=2, dp=1, tp=1))
+
+
 # ------------------------------------------------------------------ the CLI, as a user runs it
 
 @pytest.mark.distributed

@@ -121,7 +121,10 @@ def test_tp2_equals_one_process(tmp_path, reference):
     for result in results:
         for got, want in zip(result.losses, reference.losses, strict=True):
             assert abs(got - want) <= 1e-5 * want, (result.losses, reference.losses)
-        assert_same_training(result, reference, rtol=1e-4)
+        # the replicated norm weights' step-1 gradients agree within 1e-6, but their elements are small (down to
+        # 1e-6) and change sign across steps, so AdamW's m / sqrt(v) amplifies the last digits: 1.55e-4 on
+        # layers.1.post_attention_layernorm.weight after 3 steps (with the aux loss over non-padding tokens)
+        assert_same_training(result, reference, rtol=1e-4, rtol_by_suffix={"layernorm.weight": 3e-4})
 
 
 @pytest.mark.distributed
