@@ -42,7 +42,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
 
     `expert_mesh` (expert parallelism, qwenft.distributed.expert_parallel): each MoE layer's `experts`, already
     sharded over ep, become a unit of their own over these ranks (those holding the same experts), inside
-    their layer's unit.
+    their layer's unit. Where that is one rank (ep = dp) and the experts are stored in the compute dtype, FSDP
+    leaves them out (`ignored_params`): there is nothing to shard, reduce or cast, and its all-gather would
+    only copy them into a second buffer; each rank's expert gradients are whole already (the all-to-all's
+    backward brings every token's), and autograd accumulates them in place.
 
     Every unit follows `reshard_after_forward`: the head too, although its backward comes right after its
     forward, since without `model.ce_chunk_tokens` the loss is computed on the logits after it (a kept head
@@ -65,14 +68,21 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     quiet_known_warnings()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    experts = [m for m in model.modules() if isinstance(m, Experts)] if expert_mesh is not None else []
+    ignored = set()
+    if expert_mesh is not None and expert_mesh.size() == 1:
+        ignored = {p for m in experts for p in m.parameters() if p.dtype == param_dtype}
     for module in model.modules():  # GDN's decay parameters stay fp32 in a bf16 model (gdn.Decay)
         if isinstance(module, Decay):
             fully_shard(module, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-        if isinstance(module, Experts) and expert_mesh is not None:
+    for module in experts:
+        if not ignored.issuperset(module.parameters()):
             fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for unit in list(model.layers.values()) + edge_units(model):
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                ignored_params=ignored or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

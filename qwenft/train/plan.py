@@ -95,7 +95,7 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     replicated_weight = None
     if embedding is not None and not (head is not None and head.weight is embedding.weight):
         replicated_weight = embedding.weight
-    out, seen = [], set()
+    out, seen, managed = [], set(), set()
     for name, m in module.named_modules():
         # fully_shard([norm, lm_head]) (fsdp.edge_units) makes both FSDPModules of one state: count it once
         if not isinstance(m, FSDPModule) or id(state := fully_shard.state(m)) in seen:
@@ -115,7 +115,10 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                                   padded, unsharded, padded * dp,
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
                                   p.requires_grad, tp_replica, id(p) in experts))
-    return out
+                managed.add(id(p))
+    # what FSDP leaves out (fsdp.apply_fsdp: the experts of a one-rank expert group) is held as without FSDP
+    return out + [_plain_param(stage, name, p, id(p) in experts) for name, p in module.named_parameters()
+                  if id(p) not in managed]
 
 
 def _plain_param(stage: int, name: str, p: torch.nn.Parameter, expert: bool) -> _Param:
