@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import compose, parity_overrides, train_with_state
+from helpers import compose, parity_overrides, run_qwenft, train_with_state
 
 
 def _dtypes_seen_in_forward(rank, world_size):
@@ -241,3 +241,15 @@ def test_layers_all_gather_once_per_step_without_reduce_grad_per_microbatch(knob
     forward as with the knob on, not held all through it."""
     for counts in run_distributed(_all_gathers_per_step, 2, knob, microbatches):
         assert set(counts.values()) == {gathers}, counts
+
+
+def test_one_rank_without_fsdp_says_which_keys_change_nothing(tmp_path):
+    """dp = tp = 1 with the weights in the compute dtype: FSDP2 is left out, and the log names the set FSDP keys
+    that then have no effect."""
+    run = run_qwenft("train", "recipe=tiny", "train.max_steps=1", "mesh.fsdp_prefetch=2",
+                     "pipeline.reduce_grad_per_microbatch=true", "train.progress_bar=false",
+                     "checkpoint.export_hf=false", f"run_dir={tmp_path}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ("FSDP2: not applied (one data-parallel rank, no tensor parallelism, weights in the compute dtype float32 "
+            "or LoRA adapters: nothing to shard, reduce or cast); mesh.fsdp_prefetch=2 and "
+            "pipeline.reduce_grad_per_microbatch=true change nothing") in (tmp_path / "train.log").read_text()

@@ -53,7 +53,8 @@ def _local_box(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     Shard and Replicate placements give a box. So does FSDP over a tensor- or expert-parallel Shard(d): FSDP's
     `_StridedShard(d, split_factor=n)` on the dp dim, where n is the product of the later mesh dims that shard d
     (FSDP chunks the rank's tp / ep shard, so its part is one slice of it); any other _StridedShard may be
-    strided, and gets None."""
+    strided, and gets None. So does a _StridedShard over an uneven split of the tp / ep shard: there torch's
+    offset can be off while the shape is right."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     # No public equivalent yet (torch 2.13); used by DCP's planner too.
@@ -64,7 +65,7 @@ def _local_box(param) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         if isinstance(p, _StridedShard):
             later = [mesh.size(j) for j, q in enumerate(placements[i + 1:], i + 1)
                      if type(q) is Shard and q.dim == p.dim]
-            if p.split_factor != math.prod(later):
+            if p.split_factor != math.prod(later) or param.shape[p.dim] % (mesh.size(i) * p.split_factor):
                 return None
         elif type(p) not in (Shard, Replicate):
             return None

@@ -402,8 +402,12 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     dtypes = resolve_dtypes(cfg, device.type)
     spec = RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device.type, dtypes))
     if not spec.parallel.fsdp:
+        moot = [f"{key}={str(value).lower()}" for key, value in (
+            ("mesh.fsdp_prefetch", cfg.mesh.fsdp_prefetch),
+            ("pipeline.reduce_grad_per_microbatch", cfg.pipeline.reduce_grad_per_microbatch)) if value]
         log.info("FSDP2: not applied (one data-parallel rank, no tensor parallelism, weights in the compute dtype "
-                 "%s or LoRA adapters: nothing to shard, reduce or cast)", str(dtypes.compute).removeprefix("torch."))
+                 "%s or LoRA adapters: nothing to shard, reduce or cast)%s", str(dtypes.compute).removeprefix("torch."),
+                 f"; {' and '.join(moot)} {'change' if len(moot) > 1 else 'changes'} nothing" if moot else "")
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     if resume_from is not None:

@@ -175,7 +175,7 @@ class MoE(nn.Module):
         # permute: (token, expert) pairs sorted by expert, stable so each expert keeps token order
         expert_m = top_e_nk.flatten()
         order_m = expert_m.argsort(stable=True)
-        load_e = torch.bincount(expert_m, minlength=self.gate.out_features)
+        load_e = counts(expert_m, self.gate.out_features)
         x_mh, kernel = x_nh[order_m // self.top_k], resolve_kernel(self.kernel, x_nh)
         if self.ep_group is None:
             y_mh = self.experts(x_mh, load_e, kernel)
@@ -192,9 +192,12 @@ class MoE(nn.Module):
     def _stats(self, probs_ne, top_e_nk, load_e, router_mask) -> RouterStats:
         if router_mask is None:
             return RouterStats(load_e.detach(), probs_ne.sum(dim=0), probs_ne.new_tensor(float(probs_ne.shape[0])))
+        # weights instead of boolean indexing: a masked selection's size is data, which CUDA reads back to the
+        # host (a sync per MoE layer, and again in a checkpointed layer's recompute)
         mask_n = router_mask.flatten().to(probs_ne.device)
-        counted_e = torch.bincount(top_e_nk[mask_n].flatten(), minlength=probs_ne.shape[1])
-        return RouterStats(counted_e, probs_ne[mask_n].sum(dim=0), mask_n.sum().to(probs_ne.dtype))
+        w_n = mask_n.to(probs_ne.dtype)
+        counted_e = counts(top_e_nk.flatten(), probs_ne.shape[1], mask_n.repeat_interleave(top_e_nk.shape[1]))
+        return RouterStats(counted_e, (probs_ne * w_n[:, None]).sum(dim=0), w_n.sum())
 
 
 class _AllToAll(torch.autograd.Function):
@@ -216,20 +219,28 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
+def counts(ids: torch.Tensor, n: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [n]: how often each of 0..n-1 occurs in `ids` (where `keep`, if given). torch.bincount does this but
+    reads the largest id back to the host first (a sync on CUDA); a scatter-add needs no sync."""
+    ones = torch.ones_like(ids) if keep is None else keep.to(ids.dtype)
+    return torch.zeros(n, dtype=ids.dtype, device=ids.device).scatter_add_(0, ids, ones)
+
+
 def dispatch_combine(experts: Experts, x_mh: torch.Tensor, load_e: torch.Tensor, kernel: str, group) -> torch.Tensor:
     """Expert outputs of this rank's (token, expert) pairs sorted by expert (`load_e[e]` rows each, all E experts)
     when `group`'s ep ranks each hold E/ep consecutive experts: the rows of rank r's experts go to r, which runs
-    its experts on what every rank sent, and the outputs come back in the rows' order. Two host syncs (the
-    split sizes) per call."""
+    its experts on what every rank sent, and the outputs come back in the rows' order. One host sync (the
+    split sizes, which all_to_all_single takes as lists) per call."""
     ep = dist.get_world_size(group)
     send_rl = load_e.view(ep, -1)  # rows for each destination rank's local experts
     recv_rl = torch.empty_like(send_rl)  # rows from each source rank for this rank's experts
     dist.all_to_all_single(recv_rl, send_rl, group=group)
-    send_splits, recv_splits = send_rl.sum(1).tolist(), recv_rl.sum(1).tolist()
+    send_splits, recv_splits = torch.stack([send_rl.sum(1), recv_rl.sum(1)]).tolist()
     x_ph = _AllToAll.apply(x_mh, recv_splits, send_splits, group)
     # received rows come by source rank, each source's rows by expert: sort them by expert (stable: sources in order)
     local_experts = torch.arange(recv_rl.shape[1], device=recv_rl.device).repeat(ep)
-    order_p = torch.repeat_interleave(local_experts, recv_rl.flatten()).argsort(stable=True)
+    order_p = torch.repeat_interleave(local_experts, recv_rl.flatten(), output_size=sum(recv_splits))
+    order_p = order_p.argsort(stable=True)
     y_ph = experts(x_ph[order_p], recv_rl.sum(0), kernel)
     y_ph = y_ph.new_empty(y_ph.shape).index_copy(0, order_p, y_ph)
     return _AllToAll.apply(y_ph, send_splits, recv_splits, group)
