@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -68,7 +67,6 @@ def main():
     coef = t.router_aux_loss_coef
 
     native = init_random_weights(build_model(cfg, ce_kernel="fused"), seed=0, device="cuda", dtype=torch.bfloat16)
-    native_sd = {k: v.detach().cpu() for k, v in native.state_dict().items()}
     cu_seqlens = torch.tensor([0, args.seq], dtype=torch.int32, device="cuda")
 
     def native_step():
@@ -80,7 +78,17 @@ def main():
 
     results = {"model": args.model, "layers": args.layers, "seq": args.seq, "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "params_b": sum(p.numel() for p in native.parameters()) / 1e9}
-    runs = {"qwenft": native_step}
+    flops = flops_per_token(t, args.seq) * args.seq
+
+    def measure(name, step):
+        times, first_loss, peak = timed(step, args.steps, args.warmup)
+        step_s = statistics.median(times)
+        results[name] = {"step_time_s": step_s, "tokens_per_sec": args.seq / step_s,
+                         "tflops_active": flops / step_s / 1e12, "peak_memory_gib": round(peak, 2),
+                         "first_loss": first_loss}
+        print(name, json.dumps(results[name]), flush=True)
+
+    measure("qwenft", native_step)
     try:
         import transformers
         from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -88,6 +96,16 @@ def main():
         results["transformers"] = f"not run: {e}"
     else:
         results["transformers_version"] = transformers.__version__
+        native_sd = {k: v.detach().cpu() for k, v in native.state_dict().items()}
+        native = None  # one model on the GPU at a time: each peak is its own
+        torch.cuda.empty_cache()
+        with torch.device("cuda"):
+            hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).to(torch.bfloat16).train()
+        missing, unexpected = hf.load_state_dict(
+            adapter.to_hf_state_dict(native_sd, t, adapter.CAUSAL_LM_PREFIX, tied=cfg.tie_word_embeddings),
+            strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise RuntimeError(f"transformers' model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
         def hf_step():
             out = hf(input_ids=ids, labels=ids, output_router_logits=True)  # transformers shifts the labels itself
@@ -95,28 +113,7 @@ def main():
             hf.zero_grad(set_to_none=True)
             return out.loss.item()
 
-        def build_hf():
-            with torch.device("cuda"):
-                model = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).to(torch.bfloat16)
-            hf_sd = adapter.to_hf_state_dict(native_sd, t, adapter.CAUSAL_LM_PREFIX, tied=cfg.tie_word_embeddings)
-            missing, unexpected = model.load_state_dict(hf_sd, strict=False)
-            if unexpected or [k for k in missing if "rotary" not in k]:
-                raise RuntimeError(f"transformers' model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-            return model.train()
-
-        runs["transformers"] = hf_step
-    flops = flops_per_token(t, args.seq) * args.seq
-    for name, step in runs.items():
-        if name == "transformers":
-            del native
-            torch.cuda.empty_cache()
-            hf = build_hf()  # noqa: F841 (used by hf_step)
-        times, first_loss, peak = timed(step, args.steps, args.warmup)
-        step_s = statistics.median(times)
-        results[name] = {"step_time_s": step_s, "tokens_per_sec": args.seq / step_s,
-                         "tflops_active": flops / step_s / 1e12, "peak_memory_gib": round(peak, 2),
-                         "first_loss": first_loss}
-        print(name, json.dumps(results[name]), flush=True)
+        measure("transformers", hf_step)
     if "qwenft" in results and isinstance(results.get("transformers"), dict):
         results["speedup"] = results["transformers"]["step_time_s"] / results["qwenft"]["step_time_s"]
     print(json.dumps(results, indent=2))

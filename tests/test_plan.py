@@ -169,6 +169,12 @@ def _real_step_bytes(rank, world_size, overrides):
     return seen
 
 
+def _planned_and_real(world_size: int, overrides: list) -> tuple[list, list]:
+    """Every rank's plan of `overrides`, and what one real step of it allocates on `world_size` gloo ranks."""
+    real = run_distributed(_real_step_bytes, world_size, overrides)
+    return _plan(*overrides)[1], real
+
+
 def _assert_plan_bytes(plans, real, params: str) -> None:
     """Every rank's planned parameter bytes equal the real step's `params` ("params": the trained ones,
     "all_params": every parameter, a frozen base too), and its gradient (sharded after the step, knob on; the
@@ -189,8 +195,7 @@ def test_tiny_3d_plan_equals_a_real_steps_bytes(tmp_path):
                  "model.dtype=float32",
                  "model.kernels.gdn=torch", "train.progress_bar=false", "checkpoint.export_hf=false",
                  f"run_dir={tmp_path}"]
-    real = run_distributed(_real_step_bytes, 8, overrides)
-    _, plans = _plan(*overrides)
+    plans, real = _planned_and_real(8, overrides)
     _assert_plan_bytes(plans, real, params="params")
 
 
@@ -211,14 +216,11 @@ def test_pp2_without_fsdp_plan_equals_a_real_steps_bytes(tmp_path):
     overrides = ["recipe=tiny", "mesh.pp=2", "train.max_steps=1", "data.seq_len=64", "model.dtype=bfloat16",
                  "optim.master_dtype=bfloat16", "optim.state_dtype=bfloat16", "model.kernels.gdn=torch",
                  "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
-    real = run_distributed(_real_step_bytes, 2, overrides)
-    _, plans = _plan(*overrides)
-    for p, seen in zip(plans, real):
+    plans, real = _planned_and_real(2, overrides)
+    _assert_plan_bytes(plans, real, params="params")
+    for p in plans:
         assert p.unsharded_bytes == {"knob_off": 0, "knob_on": 0}
-        assert p.param_bytes == seen["params"], (p.rank, p.param_bytes, seen)
-        assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"] == seen["grads"], (p.rank, p.grad_bytes, seen)
-        assert p.grad_bytes["knob_off"] == seen["first_backward_grads"], (p.rank, p.grad_bytes, seen)
-        assert p.optimizer_bytes == seen["optimizer"], (p.rank, p.optimizer_bytes, seen)
+        assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"], (p.rank, p.grad_bytes)
 
 
 @pytest.mark.distributed
@@ -231,8 +233,7 @@ def test_tiny_3d_lora_plan_equals_a_real_steps_bytes(tmp_path):
                  "pipeline.reduce_grad_per_microbatch=false", "model.dtype=bfloat16", "optim.master_dtype=float32",
                  "optim.state_dtype=float32", "model.kernels.gdn=torch", "train.progress_bar=false",
                  "checkpoint.export_hf=false", f"run_dir={tmp_path}"]
-    real = run_distributed(_real_step_bytes, 8, overrides)
-    _, plans = _plan(*overrides)
+    plans, real = _planned_and_real(8, overrides)
     _assert_plan_bytes(plans, real, params="all_params")
     assert all(seen["params"] < seen["all_params"] for seen in real)  # the optimizer holds the adapters only
 
@@ -257,8 +258,7 @@ def test_tied_lora_train_embeddings_plan_equals_a_real_steps_bytes(tmp_path):
                  "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "model.dtype=bfloat16",
                  "optim.master_dtype=float32", "optim.state_dtype=float32", "model.kernels.gdn=torch",
                  "train.progress_bar=false", "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"]
-    real = run_distributed(_real_step_bytes, 4, overrides)
-    _, plans = _plan(*overrides)
+    plans, real = _planned_and_real(4, overrides)
     _assert_plan_bytes(plans, real, params="all_params")
     # the optimizer holds the tied matrix: two fp32 moments of its shard over tp x dp, and the adapters
     shard = cfg.text.vocab_size * cfg.text.hidden_size // 4
@@ -288,8 +288,7 @@ def test_tiny_moe_plan_equals_a_real_steps_bytes(tmp_path):
                  "pipeline.reduce_grad_per_microbatch=false", "model.dtype=float32", "model.kernels.moe=loop",
                  "model.kernels.gdn=torch", "train.progress_bar=false", "checkpoint.export_hf=false",
                  f"run_dir={tmp_path}"]
-    real = run_distributed(_real_step_bytes, 4, overrides)
-    _, plans = _plan(*overrides)
+    plans, real = _planned_and_real(4, overrides)
     _assert_plan_bytes(plans, real, params="params")
 
 

@@ -87,8 +87,6 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
     # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
     experts = {id(p) for m in module.modules() if isinstance(m, Experts) for p in m.parameters()}
-    if not isinstance(module, FSDPModule):  # one data-parallel rank, no FSDP (spec.uses_fsdp)
-        return [_plain_param(stage, name, p, id(p) in experts) for name, p in module.named_parameters()]
     # Tied to lm_head, the head's backward runs first and leaves a vocab-sharded gradient, which the embedding's
     # adds into: a shard (measured there too).
     embedding, head = getattr(module, "embed_tokens", None), getattr(module, "lm_head", None)
@@ -116,7 +114,8 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                                   unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
                                   p.requires_grad, tp_replica, id(p) in experts))
                 managed.add(id(p))
-    # what FSDP leaves out (fsdp.apply_fsdp: the experts of a one-rank expert group) is held as without FSDP
+    # what FSDP leaves out (all of it on one rank, spec.uses_fsdp; the experts of a one-rank expert group,
+    # fsdp.apply_fsdp) is held as without FSDP
     return out + [_plain_param(stage, name, p, id(p) in experts) for name, p in module.named_parameters()
                   if id(p) not in managed]
 

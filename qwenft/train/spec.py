@@ -14,6 +14,7 @@ import torch
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import Layout
 from qwenft.distributed.expert_parallel import validate_ep
+from qwenft.distributed.pipeline.split import V_SHAPED
 from qwenft.distributed.tensor_parallel import validate_tp
 
 
@@ -88,10 +89,10 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
     """Mesh and pipeline keys that contradict the layout; raised before anything is built."""
     if cfg.mesh.sequence_parallel and layout.tp == 1:
         raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
-    if layout.pp > 1 and cfg.eval.every_steps and cfg.pipeline.schedule in ("zbv", "dualpipev"):
+    if layout.pp > 1 and cfg.eval.every_steps and cfg.pipeline.schedule in V_SHAPED:
         raise ValueError(f"eval.every_steps={cfg.eval.every_steps} with pipeline.schedule={cfg.pipeline.schedule}: "
-                         f"torch's V-shaped schedules (zbv, dualpipev) cannot run a forward-only pass; use another "
-                         f"pipeline.schedule (e.g. interleaved_zb) or eval.every_steps=0")
+                         f"torch's V-shaped schedules ({', '.join(V_SHAPED)}) cannot run a forward-only pass; use "
+                         f"another pipeline.schedule (e.g. interleaved_zb) or eval.every_steps=0")
     if layout.pp == 1:
         if cfg.pipeline.schedule != "1f1b":
             raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
