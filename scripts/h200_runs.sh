@@ -4,8 +4,8 @@
 #
 #   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
-# side_by_side and lean run on one GPU and need NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
-# .amodel/): run side_by_side first, then lean on the same (warm) machine, whose caches hold the compiled kernels.
+# side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
+# .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
 #
 # Each run is scripts/bench.py on the 27B shape cut to 8 layers (seq 4096, global batch 8, micro batch 1), with
 # --plan: the report holds `qwenft plan`'s peak next to the measured one. The first step of a layout the host

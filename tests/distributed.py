@@ -28,8 +28,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        # rank 0 holds the TCPStore: leaving before the others are done with it (a rank still creating its
-        # mesh's groups) broke their store connection, ~1 run in 5 of test_prefetch_chain_is_per_pipeline_stage
+        # rank 0 holds the TCPStore: wait until every rank is done with it (one may still be creating its mesh's
+        # groups), or their store connection breaks
         if dist.is_initialized():
             dist.barrier()
         # Plain pickle: the queue's pickler would share tensor memory through file descriptors, which

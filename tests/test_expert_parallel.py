@@ -14,16 +14,16 @@ import torch
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 from distributed import run_distributed
-from helpers import (assert_same_grads, assert_same_training, compose, logged_losses, model_config,
-                     parity_overrides, raised_line, read_metrics, rel_err, tiny_overrides, train, train_with_grads,
+from helpers import (assert_same_grads, assert_same_training, compose, logged_losses, make_hf_moe_model,
+                     model_config, parity_overrides, raised_line, read_metrics, rel_err, tiny_overrides, train, train_with_grads,
                      train_with_state)
 
 MOE = ("model.name=tiny_moe", "model.kernels.moe=loop", "checkpoint.export_hf=false")
 # validation after the last step: its forward runs the all-to-alls too (pipelined under pp)
 # AdamW's eps at 1e-6: with the default 1e-8 an update is ~lr x sign(m) even where the gradient is at the
-# level of rounding (some norm-weight elements of the tiny MoE model are ~1e-6 and change sign across steps),
-# so 3 steps turned 1e-6 gradient differences into 1.6e-4 parameter differences on tp2 x ep2; 1e-6 keeps those
-# updates proportional to their gradients and the comparison about the parallelism.
+# level of rounding (some norm-weight elements of the tiny MoE model are ~1e-6 and change sign across steps), so
+# rounding differences between meshes would become lr-sized parameter differences; 1e-6 keeps those updates
+# proportional to their gradients and the comparison about the parallelism.
 PARITY = (*MOE, "eval.every_steps=3", "eval.dataset=tiny", "optim.eps=1e-6")
 
 
@@ -134,16 +134,11 @@ def test_ep2_checkpoint_resumes_on_another_ep(tmp_path, ep2_run, nproc, mesh):
 def _save_hf_moe(path, vocab_size: int = 0):
     """A transformers Qwen3_5MoeForCausalLM of tiny_moe's config (vocabulary grown to vocab_size) with every weight
     perturbed (its init leaves norms at 0 / 1), saved at path; returns the config."""
-    from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+    from qwenft.models.qwen3_5.configs import named_config
 
     cfg = named_config("tiny_moe")
     cfg.text.vocab_size = max(cfg.text.vocab_size, vocab_size)
-    torch.manual_seed(0)
-    hf = Qwen3_5MoeForCausalLM(to_hf_config(cfg)).float()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(path)
+    make_hf_moe_model(cfg).save_pretrained(path)
     return cfg
 
 

@@ -26,8 +26,8 @@ def one_line_error(out, *needles) -> str:
 
     Known exception: under load, a process that joined a gloo group could abort in the C++ teardown at
     interpreter exit ("terminate called without an active exception", SIGABRT) after it printed its line and
-    destroyed its group. `qwenft.cli.entry` now leaves such a process with os._exit(2); this still accepts that
-    exit, with that exact message alone, in case another path reaches it."""
+    destroyed its group. `qwenft.cli.entry` leaves such a process with os._exit(2); this accepts that exit,
+    with that exact message alone, for any other path that reaches it."""
     aborted_at_exit = out.returncode == -6 and out.stderr.rstrip().endswith("terminate called without an active "
                                                                              "exception")
     assert out.returncode == 2 or aborted_at_exit, (out.returncode, out.stderr[-3000:])
@@ -289,7 +289,7 @@ def test_checkpoint_with_transformers_default_rope_loads_and_matches(tmp_path):
 
 @pytest.mark.parametrize("cores, ranks, load, threads", [
     (2, 1, 0.1, 2),   # an idle machine: every core
-    (2, 1, 1.0, 1),   # one busy neighbour on 2 cores: 1 thread (about 2 s a step there, not 20-80 s)
+    (2, 1, 1.0, 1),   # one busy neighbour on 2 cores: 1 thread (oversubscribed threads thrash)
     (2, 1, 5.0, 1),   # never fewer than one
     (16, 2, 0.0, 8),  # ranks on one node share the cores
     (16, 2, 8.0, 4),
@@ -340,8 +340,8 @@ def _embedding_view_warnings(rank, world_size, overrides, keep_filter):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tensor_parallel_runs_print_no_harmless_fsdp_warning(tmp_path):
-    """tp runs (the vocab-parallel embedding returns a view) no longer print FSDP2's in-place-view warning; the
-    same run without qwenft's filter does, so the check can see it."""
+    """tp runs (the vocab-parallel embedding returns a view) print no FSDP2 in-place-view warning; the same run
+    without qwenft's filter does, so the check can see it."""
     from distributed import run_distributed
     from helpers import tiny_overrides
 
