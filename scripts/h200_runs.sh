@@ -80,9 +80,9 @@ bench lora_r16_profile 200 1 0 "--warmup 2 --plan --profile $out/lora_r16.txt" t
   model.activation_checkpointing=false peft=lora peft.rank=16 peft.alpha=32 optim.master_dtype=float32 \
   optim.state_dtype=float32 ;;  # adapters in fp32 (the LoRA recipes' setting), the base in bf16
 fake_tp)  # rank 0 of a fake tp2 and tp4 world against one GPU, eager, AC off: a tensor parallel rank's ceiling
-bench tp1 150 1 0 "--warmup 2" train.max_steps=5 $bf16 model.activation_checkpointing=false
+bench tp1 220 1 0 "--warmup 2" train.max_steps=5 $bf16 model.activation_checkpointing=false
 for tp in 2 4; do
-  bench fake_tp$tp 200 1 0 "--warmup 2 --fake-world $tp" train.max_steps=5 $bf16 model.activation_checkpointing=false \
+  bench fake_tp$tp 180 1 0 "--warmup 2 --fake-world $tp" train.max_steps=5 $bf16 model.activation_checkpointing=false \
     mesh.tp=$tp
 done ;;
 lean)  # after side_by_side, warm: selective checkpointing, and the model group's defaults

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import (assert_same_training, compose, logged_losses, parity_overrides, rel_err, run_qwenft,
-                     train_alone)
+                     save_random_checkpoint, train_alone)
 from qwenft.distributed.fake_pg import fake_process_group
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
@@ -58,8 +58,10 @@ def test_three_steps_on_cuda_equal_cpu(tmp_path):
     """3 steps of the tiny recipe (4 packed microbatches of 128 tokens each, fp32 weights, activations and AdamW
     state) through the runner on CUDA in this process, against the same run on the CPU: `python -m qwenft
     train` with CUDA hidden, the one way to make the runner pick the CPU on a GPU machine. Each step's loss and
-    every parameter of the fp32 HF export within 1e-4."""
-    extra = (*FP32, "checkpoint.export_dtype=float32")
+    every parameter of the fp32 HF export within 1e-4. Both start from one checkpoint on disk: the seed's random
+    init draws from the device's generator, so a CPU run and a CUDA run of the same seed start apart."""
+    checkpoint = save_random_checkpoint(named_config("tiny"), tmp_path / "start", seed=7, tokenizer="tiny")
+    extra = (*FP32, "checkpoint.export_dtype=float32", f"model.path={checkpoint}")
     cpu_dir, cuda_dir = tmp_path / "cpu", tmp_path / "cuda"
     cpu = run_qwenft("train", *parity_overrides(cpu_dir, *extra), env={"CUDA_VISIBLE_DEVICES": ""})
     assert cpu.returncode == 0, cpu.stderr[-4000:]
