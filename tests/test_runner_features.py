@@ -104,6 +104,21 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
 
 
+def test_wandb_missing_fails_at_start_naming_the_key(tmp_path, monkeypatch):
+    """wandb is an optional extra: logger.wandb=true without it installed stops before config.yaml is written."""
+    import importlib.util
+
+    from helpers import compose
+    from qwenft.train.runner import run
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"^logger.wandb=true but wandb is not installed; pip install 'qwenft\[wandb\]'"):
+        run(compose(["logger=wandb", "train.max_steps=1", f"run_dir={run_dir}"]))
+    assert not (run_dir / "config.yaml").exists()
+
+
 def test_repo_root_directory_runs_as_script():
     """`torchrun qwenft train ...` from the repository root executes the qwenft/ directory as a script."""
     out = subprocess.run([sys.executable, "qwenft", "show", "train.max_steps=5"], cwd=REPO, capture_output=True,

@@ -10,6 +10,7 @@
 """
 
 import dataclasses
+import importlib.util
 import logging
 import math
 from collections.abc import Callable
@@ -391,6 +392,9 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
 
     torch.manual_seed(cfg.seed)
     check_kernel(cfg.model.kernels.gdn)
+    if cfg.logger.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("logger.wandb=true but wandb is not installed; pip install 'qwenft[wandb]' or set "
+                         "logger.wandb=false")
     model_cfg = model_config(cfg)
     if (lora := lora_config(cfg)) is not None:
         from qwenft.models.lora import check_targets
