@@ -93,3 +93,29 @@ def test_fused_adamw_stochastic_rounding_is_unbiased():
         LowPrecisionAdamW([p], lr=1e-4, betas=(0.9, 0.999), eps=1e-8, state_dtype=torch.float32,
                           stochastic_rounding=rounding, fused=True).step()
         assert abs((1 - p.float().mean().item()) - expected) < 5e-6
+
+
+def test_moe_block_backward_is_bit_reproducible():
+    """The MoE block in bf16 with torch._grouped_mm, forward and backward twice on the same inputs: outputs and
+    every gradient bit-equal. Tensor parallel runs this block replicated on every tp rank with no gradient
+    reduction, so its replicas stay equal only if its backward adds in a fixed order."""
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.models.qwen3_5.moe import MoE
+
+    text = named_config("35b_a3b").text
+    torch.manual_seed(0)
+    block = MoE(text, kernel="grouped_mm").cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    x = torch.randn(1, 4096, text.hidden_size, device="cuda", dtype=torch.bfloat16)
+    probe = torch.randn_like(x)
+    runs = []
+    for _ in range(2):
+        xg = x.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        y = block(xg)
+        (y.float() * probe.float()).sum().backward()
+        runs.append([y, xg.grad, *(p.grad.clone() for p in block.parameters())])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

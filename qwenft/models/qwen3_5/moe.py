@@ -176,7 +176,7 @@ class MoE(nn.Module):
         expert_m = top_e_nk.flatten()
         order_m = expert_m.argsort(stable=True)
         load_e = counts(expert_m, self.gate.out_features)
-        x_mh, kernel = x_nh[order_m // self.top_k], resolve_kernel(self.kernel, x_nh)
+        x_mh, kernel = _RowsByExpert.apply(x_nh, order_m, self.top_k), resolve_kernel(self.kernel, x_nh)
         if self.ep_group is None:
             y_mh = self.experts(x_mh, load_e, kernel)
         else:
@@ -198,6 +198,26 @@ class MoE(nn.Module):
         w_n = mask_n.to(probs_ne.dtype)
         counted_e = counts(top_e_nk.flatten(), probs_ne.shape[1], mask_n.repeat_interleave(top_e_nk.shape[1]))
         return RouterStats(counted_e, (probs_ne * w_n[:, None]).sum(dim=0), w_n.sum())
+
+
+class _RowsByExpert(torch.autograd.Function):
+    """`x_nh[order_m // k]`: each token's row once per expert it was routed to, in the pairs' expert order. The
+    backward puts the pairs' gradients back in token order (each row written once) and sums each token's k of
+    them in a fixed order, where indexing's backward accumulates them with CUDA atomics, in an order that can
+    change from run to run: the tensor-parallel ranks that each run this replicated block must get bit-equal
+    gradients, or their copies of the replicated parameters drift apart."""
+
+    @staticmethod
+    def forward(ctx, x_nh, order_m, k: int):
+        ctx.save_for_backward(order_m)
+        ctx.k = k
+        return x_nh[order_m // k]
+
+    @staticmethod
+    def backward(ctx, grad_mh):
+        (order_m,) = ctx.saved_tensors
+        grad_nkh = grad_mh.new_empty(grad_mh.shape).index_copy_(0, order_m, grad_mh)
+        return grad_nkh.view(-1, ctx.k, grad_mh.shape[-1]).sum(dim=1), None, None
 
 
 class _AllToAll(torch.autograd.Function):
