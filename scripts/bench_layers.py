@@ -101,7 +101,7 @@ def timings(cfg, seq: int) -> dict:
         for packing, cu_seqlens in (("unpacked", None), ("packed_3_docs", cu)):
             ms = time_ms(lambda: fwd_bwd(model, x, cu_seqlens))
             report[f"{name}/{packing}"] = {"fwd_bwd_ms": ms, "tflops": flops / ms / 1e9}
-        del model
+        model = None  # freed before the next layer is built
         torch.cuda.empty_cache()
     return report
 

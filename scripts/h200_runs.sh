@@ -60,7 +60,7 @@ compile)  # compile against no compile on one commit, compile with AC off, chunk
  bench ac_off_compile 300 1 1 "--warmup 2 --plan" train.max_steps=6 model.activation_checkpointing=false \
    model.compile=true) &
 wait ;;
-tp2_trace)  # not yet run: tp2's profile (steps 2-3) plus both ranks' timelines (which rank the all-reduces wait for)
+tp2_trace)  # tp2's profile (steps 2-3) plus both ranks' timelines (which rank the all-reduces wait for)
 bench tp2_profile 420 2 0,1 "--warmup 1 --profile $out/tp2.txt --trace $out/tp2_trace" train.max_steps=3 mesh.tp=2 ;;
 side_by_side)  # NeMo Automodel 0.7.0 and qwenft at Automodel's numerics, one after the other on this GPU: qwenft's
 # memory-lean setting first (it pays fla's kernel compile, which Automodel's run then finds cached), then

@@ -26,8 +26,8 @@ def _event(key, ms, device=DeviceType.CUDA, annotation=False):
 
 def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
     """The profiler also reports record_function ranges as CUDA events spanning kernels already counted
-    (FSDP's post_backward_accumulate, Optimizer.step#AdamW.step): counting them inflated 'other' and
-    'optimizer' on the H200 profile of 2026-11-29."""
+    (FSDP's post_backward_accumulate, Optimizer.step#AdamW.step): counting them would inflate 'other' and
+    'optimizer'."""
     events = [_event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 100.0),
               _event("void multi_tensor_apply_kernel<FusedAdamMathFunctor<float>>", 20.0),
               _event("Optimizer.step#AdamW.step", 60.0, annotation=True),
@@ -79,7 +79,7 @@ def test_profile_records_the_steps_after_the_warmup(tmp_path):
 @pytest.mark.slow
 def test_bench_reports_a_cpu_run(tmp_path):
     """Twice into one run_dir: the second report times its own steps only, not the rows the first run left in
-    metrics.jsonl (a reused run_dir on the H200 once reported 5 timed steps of a 3-step run)."""
+    metrics.jsonl (a reused run_dir would otherwise report more timed steps than the run made)."""
     for run in range(2):
         out = tmp_path / f"bench{run}.json"
         subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--json", str(out),

@@ -14,7 +14,7 @@ from PIL import Image
 
 from qwenft.constants import IGNORE_INDEX
 from qwenft.data.loader import load_rows
-from qwenft.data.vlm import (VLMProcessor, build_vlm_data, document_positions, load_processor, parse_row,
+from qwenft.data.vlm import (VLMProcessor, build_vlm_data, load_processor, parse_row,
                              split_microbatches, tokenize_vlm_row, tokenize_vlm_rows)
 from qwenft.models.freeze import checkpoint_vision, freeze
 from qwenft.models.loader import build_model, init_random_weights

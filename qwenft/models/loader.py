@@ -142,8 +142,6 @@ def _init_adapters(model: nn.Module, seed: int, device) -> None:
 
 def checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
     """{hf_key: safetensors file} from the index, or from the single model.safetensors."""
-    from safetensors import safe_open
-
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist")
     index = ckpt_dir / SAFETENSORS_INDEX
