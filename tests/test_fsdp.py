@@ -250,6 +250,6 @@ def test_one_rank_without_fsdp_says_which_keys_change_nothing(tmp_path):
                      "pipeline.reduce_grad_per_microbatch=true", "train.progress_bar=false",
                      "checkpoint.export_hf=false", f"run_dir={tmp_path}")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert ("FSDP2: not applied (one data-parallel rank, no tensor parallelism, weights in the compute dtype float32 "
-            "or LoRA adapters: nothing to shard, reduce or cast); mesh.fsdp_prefetch=2 and "
+    assert ("FSDP2: not applied (one data-parallel rank, weights in the compute dtype float32 or LoRA adapters: "
+            "nothing to shard, reduce or cast); mesh.fsdp_prefetch=2 and "
             "pipeline.reduce_grad_per_microbatch=true change nothing") in (tmp_path / "train.log").read_text()

@@ -57,13 +57,14 @@ def test_knob_on_keeps_fewer_gradient_bytes(tp4pp4):
     for p in plans:  # dp4: sharded gradients are a quarter of the accumulator
         assert p.grad_bytes["knob_on"] * 4 == p.grad_bytes["knob_off"]
         assert p.peaks["knob_on"]["ac_on"] < p.peaks["knob_off"]["ac_on"]
-    for p in tp4pp4[1]:  # dp1: fewer all-gathered parameters, and gradient bytes alike but for the embedding's
+    # dp1 with fp32 master weights: FSDP2 wraps the ranks to cast them; the knob off keeps each stage gathered,
+    # and the gradients (every one its parameter's tp shard, the vocab-parallel embedding's too) are alike
+    for p in _plan("recipe=qwen3_5_27b_tp4pp4", "optim.master_dtype=float32")[1]:
         assert p.unsharded_bytes["knob_on"] < p.unsharded_bytes["knob_off"]
-        if p.pp_rank:
-            assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"]
-        else:  # knob off accumulates the vocab-parallel embedding's gradient whole: 3/4 of 248,320 x 5,120 more,
-            # in the master dtype (bf16, the 27B model group's default)
-            assert p.grad_bytes["knob_off"] - p.grad_bytes["knob_on"] == 3 * 62080 * 5120 * 2
+        assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"]
+    for p in tp4pp4[1]:  # dp1 with bf16 weights (the 27B model group's): no FSDP2, so the knob changes nothing
+        assert p.unsharded_bytes["knob_on"] == p.unsharded_bytes["knob_off"] == 0
+        assert p.grad_bytes["knob_on"] == p.grad_bytes["knob_off"]
 
 
 def test_one_microbatch_plans_the_knob_off_as_the_knob_on():

@@ -104,18 +104,22 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
 
 
-def test_wandb_missing_fails_at_start_naming_the_key(tmp_path, monkeypatch):
-    """wandb is an optional extra: logger.wandb=true without it installed stops before config.yaml is written."""
+def _train_without_wandb(rank, world_size, overrides):
+    """helpers.train in a forked rank where wandb does not import."""
     import importlib.util
 
-    from helpers import compose
-    from qwenft.train.runner import run
-
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    importlib.util.find_spec = lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    return train(rank, world_size, overrides)
+
+
+@pytest.mark.distributed
+def test_wandb_missing_fails_at_start_naming_the_key(tmp_path):
+    """wandb is an optional extra: logger.wandb=true without it stops before config.yaml is written."""
     run_dir = tmp_path / "run"
-    with pytest.raises(ValueError, match=r"^logger.wandb=true but wandb is not installed; pip install 'qwenft\[wandb\]'"):
-        run(compose(["logger=wandb", "train.max_steps=1", f"run_dir={run_dir}"]))
+    with pytest.raises(RuntimeError, match=r"ValueError: logger.wandb=true but wandb is not installed; "
+                                           r"pip install 'qwenft\[wandb\]' or set logger.wandb=false"):
+        run_distributed(_train_without_wandb, 1, ["logger=wandb", "train.max_steps=1", f"run_dir={run_dir}"])
     assert not (run_dir / "config.yaml").exists()
 
 

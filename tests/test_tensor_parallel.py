@@ -17,6 +17,7 @@ from qwenft.models.loader import build_model, load_hf_weights
 from qwenft.models.qwen3_5.configs import config_from_hf_dir, named_config
 from qwenft.models.qwen3_5.gdn import positions_in_document
 from qwenft.models.loss import count_label_tokens, token_ce_sum
+from qwenft.train.optim import build_optimizer
 
 TOL = 1e-5
 
@@ -98,7 +99,9 @@ def _train(model, batches, clip, max_norm, lr, label_tokens, dp_group=None):
     # eps 1e-6, not 1e-8: Adam turns a gradient element at rounding-noise level into a +-lr step, so with
     # 1e-8 one element of embed_tokens whose step-3 grad is 8e-9 (one process) vs -2.6e-8 (tp2; its row's
     # grads are ~1e-2) moved 3e-4 apart. Larger eps keeps that noise from deciding the update's sign.
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6) if lr else None
+    # qwenft's optimizer (torch's AdamW, fp32): without FSDP2 it keeps DTensor and plain parameters apart
+    opt = build_optimizer(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-6,
+                          fused="false") if lr else None
     out = dict(logits=[], loss=[], grad_norm=[])
     for batch, n_labels in zip(batches, label_tokens):
         logits = model(**_forward_kwargs(batch))
@@ -115,6 +118,10 @@ def _train(model, batches, clip, max_norm, lr, label_tokens, dp_group=None):
         # every rank's own .grad must be the full gradient of what it holds, not a partial sum
         out.setdefault("partial_grads", [n for n, p in model.named_parameters()
                                          if hasattr(p.grad, "placements") and any(pl.is_partial() for pl in p.grad.placements)])
+        # ... and have its parameter's placement: without FSDP2 the optimizer steps the local shards of both
+        out.setdefault("misplaced_grads", [n for n, p in model.named_parameters() if hasattr(p, "placements")
+                                           and (p.grad.placements != p.placements
+                                                or p.grad.to_local().shape != p.to_local().shape)])
         if opt:
             opt.step()
             opt.zero_grad()
@@ -171,6 +178,7 @@ def assert_same(out, ref, logits=True):
             assert rel(a, b) < TOL, f"step {step}: logits rel err {rel(a, b):.1e}"
     assert out["grads"].keys() == ref["grads"].keys()
     assert out["partial_grads"] == []
+    assert out["misplaced_grads"] == []
     for name, g in ref["grads"].items():
         assert g.norm() > 0, name
         # GDN's A_log / dt_bias grads sum over every token with heavy cancellation (tests/test_model_vlm.py):
@@ -206,12 +214,16 @@ def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
 
 
 @pytest.mark.distributed
-def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt):
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt, fsdp):
+    """Without FSDP2 the tied matrix's gradient is what the vocab-parallel head and embedding leave on it: both
+    this rank's rows (assert_same checks its placement and shape)."""
     batches = text_batch()
     batches[0]["labels"][0, 3] = 510  # the last id lives in the second, shorter shard
+    batches[0]["input_ids"][0, 5] = 510  # and is looked up there too
     ref = reference(tied_odd_vocab_ckpt, batches)
     assert "lm_head.weight" not in ref["grads"]  # tied: one parameter, named embed_tokens.weight
-    out = run_distributed(_tp_rank, 2, tied_odd_vocab_ckpt, batches, 1, True, True)[0]
+    out = run_distributed(_tp_rank, 2, tied_odd_vocab_ckpt, batches, 1, True, fsdp)[0]
     assert_same(out, ref)
 
 
@@ -225,12 +237,14 @@ def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
+@pytest.mark.parametrize("fsdp, sequence_parallel", [(True, False), (True, True), (False, False)])
+def test_tp2_three_adamw_steps_with_clipping(text_ckpt, fsdp, sequence_parallel):
+    """Without FSDP2: DTensor and plain parameters in the optimizer's two groups, the plain ones' norms counted
+    once in the clip."""
     batches = text_batch(steps=3)
     ref = reference(text_ckpt, batches, max_norm=0.5, lr=5e-4)
     assert min(ref["grad_norm"]) > 0.5  # the clip is active, so a wrong norm would change the update
-    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, True, 0.5, 5e-4, sequence_parallel)[0]
+    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, fsdp, 0.5, 5e-4, sequence_parallel)[0]
     assert_same(out, ref)
     initial = reference(text_ckpt, [])["params"]
     for name, p in ref["params"].items():
@@ -239,8 +253,8 @@ def test_tp2_three_adamw_steps_with_clipping(text_ckpt, sequence_parallel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_vlm_tp2_with_image(vlm_ckpt, sequence_parallel):
+@pytest.mark.parametrize("fsdp, sequence_parallel", [(True, False), (True, True), (False, False)])
+def test_vlm_tp2_with_image(vlm_ckpt, fsdp, sequence_parallel):
     grid = torch.tensor([[1, 4, 4]])
     input_ids = torch.tensor([vlm_row([3, (1, 4, 4), 5], 16)])
     gen = torch.Generator().manual_seed(1)
@@ -248,7 +262,7 @@ def test_vlm_tp2_with_image(vlm_ckpt, sequence_parallel):
                  image_grid_thw=grid, labels=torch.randint(0, 400, input_ids.shape, generator=gen))
     ref = reference(vlm_ckpt, [batch])
     assert any(n.startswith("visual.") for n in ref["grads"])
-    out = run_distributed(_tp_rank, 2, vlm_ckpt, [batch], 1, True, True, math.inf, 0.0, sequence_parallel)[0]
+    out = run_distributed(_tp_rank, 2, vlm_ckpt, [batch], 1, True, fsdp, math.inf, 0.0, sequence_parallel)[0]
     assert_same(out, ref)
 
 

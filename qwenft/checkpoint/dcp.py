@@ -329,12 +329,24 @@ class Checkpointer:
         set_model_state_dict(self.model, state["model"], options=self.options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
         extra = torch.load(path / EXTRA, weights_only=True)
-        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scheduler.load_state_dict(_per_group(extra["scheduler"], len(self.optimizer.param_groups)))
         self.data.load_state_dict(extra["data"])
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
         return extra["step"]
+
+
+def _per_group(scheduler_state: dict, groups: int) -> dict:
+    """The lr scheduler's (a LambdaLR's) state with its per-group lists sized for `groups` parameter groups. How
+    many groups an optimizer has depends on the layout (DTensor and plain parameters apart without FSDP2:
+    optim.build_optimizer), and all of them share one learning rate, so a checkpoint's first entry stands for
+    every group."""
+    return {key: value[:1] * groups if key in _PER_GROUP_KEYS and len(value) != groups else value
+            for key, value in scheduler_state.items()}
+
+
+_PER_GROUP_KEYS = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
 def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None) -> dict[str, torch.Tensor]:

@@ -1,21 +1,9 @@
 """FSDP2 over the data-parallel mesh: one `fully_shard` per decoder layer, the embedding and the head, then the root."""
 
-import warnings
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-
-def quiet_known_warnings() -> None:
-    """Silence FSDP2's warning that the embedding's unit returned a view. Under tensor parallelism the
-    vocab-parallel embedding (torch's RowwiseParallel) returns a view of its all-reduced output, and FSDP2 warns
-    that an in-place op on it would skip its pre-backward hook. Nothing downstream modifies the embeddings in
-    place (the model adds residuals and scatters image features out of place, and the tp x pp x dp parity tests
-    compare every gradient with one process), so the warning, printed once per rank, only alarms. Called when
-    the units are built, so it holds wherever the filters were reset since import."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
 
 
 def edge_units(model: nn.Module) -> list:
@@ -65,7 +53,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     from qwenft.models.qwen3_5.gdn import Decay
     from qwenft.models.qwen3_5.moe import Experts
 
-    quiet_known_warnings()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     experts = [m for m in model.modules() if isinstance(m, Experts)] if expert_mesh is not None else []

@@ -24,8 +24,12 @@ tensors. Each attention / GatedDeltaNet block and each MLP communicates once eac
 all-reduce, or reduce-scatter, the input gradients its column-parallel projections left on each rank) and
 `_FromBlock` on its row-parallel output (the reverse). torch's ColwiseParallel / RowwiseParallel, which ran
 every projection's ops and the hooks' redistributions through DTensor's dispatch, had made a tp2 layer's host
-work 3.5-4.6x tp1's (docs/performance.md, host time). The vocab-parallel embedding and head keep
-torch's ColwiseParallel / RowwiseParallel: two modules per model, not per layer.
+work 3.5-4.6x tp1's (docs/performance.md, host time). The vocab-parallel embedding runs on its local rows
+too (`VocabParallelEmbedding`); the vocab-parallel head keeps torch's ColwiseParallel, whose logits stay a
+DTensor for the vocab-parallel cross-entropy.
+
+Every gradient has its parameter's placement, so with one data-parallel rank the model trains without FSDP2
+(qwenft.train.spec.uses_fsdp): DTensor parameters next to plain ones, stepped on their local shards.
 """
 
 import functools
@@ -35,10 +39,11 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from qwenft.models.qwen3_5.attention import local
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
@@ -117,13 +122,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
         layers[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
         layers[-1].register_forward_hook(functools.partial(_gather_tokens, mesh=tp_mesh))
     if vocab_parallel:
-        plan = {}
         if model.embed_tokens is not None:
-            plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            _shard_param(model.embed_tokens, "weight", tp_mesh, Shard(0))
+            model.embed_tokens.__class__ = VocabParallelEmbedding
         if model.lm_head is not None:
             # logits stay a DTensor sharded on vocab: token_ce_sum runs a vocab-parallel cross-entropy on it
-            plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-        parallelize_module(model, tp_mesh, plan)
+            parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
+                                                                           use_local_output=False)})
         if hasattr(model, "tie_weights"):  # both now Shard(0) over vocab: share the one DTensor again
             model.tie_weights()
 
@@ -173,6 +178,26 @@ class ShardedLinear(nn.Linear):
         # a row-parallel bias is replicated: `_block_output` adds it once, after the ranks' outputs are summed
         sharded_bias = self.bias is not None and self.bias.placements[-1].is_shard()
         return torch.nn.functional.linear(x, self.weight.to_local(), self.bias.to_local() if sharded_bias else None)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An nn.Embedding whose weight is a DTensor sharded over the vocabulary (Shard(0)) on the tp mesh. Each rank
+    looks the ids up in its own rows (ids outside them give zeros) and one all-reduce sums the ranks' rows; the
+    backward gives each rank the gradient of its own rows only, a Shard(0) gradient like the weight (torch's
+    RowwiseParallel returned it replicated, whole-vocabulary on every rank, which only FSDP2 cut back to the
+    shard). Plain tensors throughout, as `ShardedLinear`. An id outside the whole vocabulary gives zeros here,
+    where nn.Embedding raises: the tokenizer's ids fit the model's vocabulary (checked when a run is built,
+    `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = self.weight.device_mesh
+        (rows, _), (start, _) = compute_local_shape_and_global_offset(self.weight.shape, mesh,
+                                                                       self.weight.placements)
+        outside = (ids < start) | (ids >= start + rows)
+        out = F.embedding((ids - start).masked_fill(outside, 0), self.weight.to_local())
+        return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)
 
 
 # renamed *_single in torch 2.13 (the old names warn there); torch 2.11 has only the old ones

@@ -409,8 +409,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         moot = [f"{key}={str(value).lower()}" for key, value in (
             ("mesh.fsdp_prefetch", cfg.mesh.fsdp_prefetch),
             ("pipeline.reduce_grad_per_microbatch", cfg.pipeline.reduce_grad_per_microbatch)) if value]
-        log.info("FSDP2: not applied (one data-parallel rank, no tensor parallelism, weights in the compute dtype "
-                 "%s or LoRA adapters: nothing to shard, reduce or cast)%s", str(dtypes.compute).removeprefix("torch."),
+        log.info("FSDP2: not applied (one data-parallel rank, weights in the compute dtype %s or LoRA adapters: "
+                 "nothing to shard, reduce or cast)%s", str(dtypes.compute).removeprefix("torch."),
                  f"; {' and '.join(moot)} {'change' if len(moot) > 1 else 'changes'} nothing" if moot else "")
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))

@@ -8,21 +8,29 @@ import torch
 def build_optimizer(params, lr: float, weight_decay: float, betas, eps: float, fused: str,
                     state_dtype: str = "float32", seed: int = 0) -> torch.optim.Optimizer:
     """torch's AdamW (fused on CUDA) for fp32 state and fp32 parameters; `LowPrecisionAdamW` when the moments
-    are bf16 (`optim.state_dtype`) or a parameter is (`optim.master_dtype`)."""
+    are bf16 (`optim.state_dtype`) or a parameter is (`optim.master_dtype`).
+
+    DTensor and plain parameters (tensor parallelism without FSDP2) go in two parameter groups with the same
+    options: torch's foreach and fused steps run per group and refuse to mix the two kinds in one call.
+    Checkpoints name optimizer state per parameter, not per group, so they resume across layouts."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in params if p.requires_grad]
     on_cuda = any(p.device.type == "cuda" for p in params)
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    groups = [{"params": kind} for kind in kinds if kind]
     if state_dtype != "float32" or any(p.dtype == torch.bfloat16 for p in params):
         kernel = fused_kernel_available() and on_cuda
         if fused == "true" and not kernel:
             raise ValueError(f"optim.fused=true with bf16 state or weights (optim.state_dtype={state_dtype}) needs "
                              f"CUDA parameters and Triton for qwenft's fused AdamW kernel; set optim.fused=auto")
-        return LowPrecisionAdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        return LowPrecisionAdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                  state_dtype=getattr(torch, state_dtype), seed=seed,
                                  fused=kernel and fused != "false")
     use_fused = on_cuda if fused == "auto" else fused == "true"
     if use_fused and not on_cuda:
         raise ValueError("optim.fused=true needs CUDA parameters; use optim.fused=auto or false on CPU")
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                              fused=use_fused or None, foreach=None if use_fused else True)
 
 
@@ -85,7 +93,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     most `chunk_numel` elements at a time, so the fp32 temporaries stay under 6 x 4 x `chunk_numel` bytes (0.8 GB
     at 2^25) even for a 248,320 x 5120 embedding. The random bits of each chunk come from a generator seeded by
     (seed, step, parameter index, chunk), not the global RNG: identical replicas (tensor parallel ranks
-    holding a replicated norm weight) round identically, and a resumed run rounds as the original did.
+    holding a replicated norm weight) round identically, and a run resumed on the same layout rounds as the
+    original did (the index follows the parameter order, which the layout sets).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,

@@ -71,7 +71,7 @@ class _Param:
     padded: int  # the shard with FSDP's dim-0 padding: what is allocated
     unsharded: int  # after the all-gather (tensor-parallel local); padded_unsharded with FSDP's padding
     padded_unsharded: int
-    unsharded_grad: int  # the gradient autograd gives the unsharded parameter (see _fsdp_params)
+    unsharded_grad: int  # the gradient autograd gives the unsharded parameter
     trainable: bool
     tp_replica: bool  # the same values on every tp rank
     expert: bool  # a routed-expert weight of an MoE layer ([experts, ...])
@@ -84,15 +84,7 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
     from qwenft.distributed.fsdp import param_groups
     from qwenft.models.qwen3_5.moe import Experts
 
-    # DTensor's embedding backward returns the vocab-parallel embedding's gradient replicated: the whole
-    # [vocab, hidden] on every tp rank until FSDP's reduce (measured in tests/test_plan.py), tp x the shard.
     experts = {id(p) for m in module.modules() if isinstance(m, Experts) for p in m.parameters()}
-    # Tied to lm_head, the head's backward runs first and leaves a vocab-sharded gradient, which the embedding's
-    # adds into: a shard (measured there too).
-    embedding, head = getattr(module, "embed_tokens", None), getattr(module, "lm_head", None)
-    replicated_weight = None
-    if embedding is not None and not (head is not None and head.weight is embedding.weight):
-        replicated_weight = embedding.weight
     out, seen, managed = [], set(), set()
     for name, m in module.named_modules():
         # fully_shard([norm, lm_head]) (fsdp.edge_units) makes both FSDPModules of one state: count it once
@@ -108,11 +100,9 @@ def _fsdp_params(stage: int, module: torch.nn.Module) -> list[_Param]:
                 names = p.device_mesh.mesh_dim_names or ()
                 tp_replica = "tp" not in names or isinstance(p.placements[names.index("tp")], Replicate)
                 padded, unsharded = math.prod(fp.padded_sharded_param_size), math.prod(fp._orig_size)
-                replicated_grad = not tp_replica and p is replicated_weight
                 out.append(_Param(unit, p.dtype, compute, policy.reduce_dtype or compute, p.to_local().numel(),
-                                  padded, unsharded, padded * dp,
-                                  unsharded * p.device_mesh["tp"].size() if replicated_grad else unsharded,
-                                  p.requires_grad, tp_replica, id(p) in experts))
+                                  padded, unsharded, padded * dp, unsharded, p.requires_grad, tp_replica,
+                                  id(p) in experts))
                 managed.add(id(p))
     # what FSDP leaves out (all of it on one rank, spec.uses_fsdp; the experts of a one-rank expert group,
     # fsdp.apply_fsdp) is held as without FSDP

@@ -159,15 +159,15 @@ def check_tied_stages(cfg: Config, layout: Layout) -> None:
 def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
     """Whether FSDP2 wraps the model. With one data-parallel rank it has nothing to shard or reduce, yet its
     all-gather still copies every unit's parameters into a buffer of their own (a second copy of the weights
-    while they are gathered) and its hooks run around every unit; it is left out then, unless it is needed to
-    cast weights stored in optim.master_dtype to the compute dtype (without it autograd accumulates gradients
-    in the weights' own dtype, the master dtype, as FSDP would), or tensor parallelism shards the layers: FSDP
-    makes every parameter a DTensor of one kind for the optimizer, and reduces the vocab-parallel embedding's
-    gradient, which DTensor's backward returns replicated, to the rank's shard.
+    while they are gathered) and its hooks run around every unit; it is left out then, with or without tensor
+    and pipeline parallelism, unless it is needed to cast weights stored in optim.master_dtype to the compute
+    dtype (without it autograd accumulates gradients in the weights' own dtype, the master dtype, as FSDP
+    would). Tensor parallelism then leaves DTensor parameters next to plain ones (optim.build_optimizer keeps
+    them in two groups), each gradient with its parameter's placement.
 
     With peft=lora the frozen base is stored in the compute dtype and the adapters cast themselves
     (lora._add_adapter), so only trained embeddings or head (`peft` options) need FSDP's cast."""
-    if layout.dp > 1 or layout.tp > 1:
+    if layout.dp > 1:
         return True
     if peft.method == "lora":
         return dtypes.master != dtypes.compute and (peft.train_embeddings or peft.train_head)
