@@ -35,17 +35,23 @@ from qwenft.models.qwen3_5.configs import named_config  # noqa: E402
 from qwenft.models.qwen3_5.gdn import Decay, GatedRMSNorm  # noqa: E402
 
 
+def fwd_bwd(fn, inputs, grads) -> tuple:
+    """fn(*inputs) and its backward, `grads` the outputs' gradients; the outputs."""
+    for t in inputs:
+        t.grad = None
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, grads)
+    return outs
+
+
 def fwd_bwd_ms(fn, inputs, grads, repeat=20, warmup=5) -> float:
-    """Median ms of fn(*inputs) and its backward with `grads` as the outputs' gradients."""
+    """Median ms of `fwd_bwd`."""
     times = []
     for i in range(warmup + repeat):
-        for t in inputs:
-            t.grad = None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        outs = fn(*inputs)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward(outs, grads)
+        fwd_bwd(fn, inputs, grads)
         end.record()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -55,12 +61,7 @@ def fwd_bwd_ms(fn, inputs, grads, repeat=20, warmup=5) -> float:
 
 def run_once(fn, inputs, grads):
     """Outputs and the inputs' gradients of one forward + backward, detached."""
-    for t in inputs:
-        t.grad = None
-    outs = fn(*inputs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    torch.autograd.backward(outs, grads)
-    return [o.detach() for o in outs] + [t.grad.detach() for t in inputs]
+    return [o.detach() for o in fwd_bwd(fn, inputs, grads)] + [t.grad.detach() for t in inputs]
 
 
 def rel(a, b) -> float:

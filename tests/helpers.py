@@ -192,36 +192,34 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def make_hf_model(cfg, seed=0):
-    """A transformers Qwen3_5ForCausalLM with every weight perturbed (its init leaves norms at 0/1, which hides
-    bugs)."""
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
-
+def _perturbed(cls, cfg, seed):
+    """transformers' `cls` for `cfg` in fp32 with every weight perturbed (its init leaves norms at 0/1, which
+    hides bugs)."""
     from qwenft.models.qwen3_5.configs import to_hf_config
 
     torch.manual_seed(seed)
-    hf = Qwen3_5ForCausalLM(to_hf_config(cfg)).float()
+    hf = cls(to_hf_config(cfg)).float()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return hf
 
 
+def make_hf_model(cfg, seed=0):
+    """A transformers Qwen3_5ForCausalLM with every weight perturbed."""
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    return _perturbed(Qwen3_5ForCausalLM, cfg, seed)
+
+
 def make_hf_moe_model(cfg, seed=0):
-    """A transformers Qwen3.5-MoE model with every weight perturbed (as make_hf_model): `Qwen3_5MoeForCausalLM`, or
+    """A transformers Qwen3.5-MoE model with every weight perturbed: `Qwen3_5MoeForCausalLM`, or
     `Qwen3_5MoeForConditionalGeneration` when `cfg.vision` is set. Its experts run transformers' eager loop (its
     default is its own torch._grouped_mm path), the plain reference."""
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
-    from qwenft.models.qwen3_5.configs import to_hf_config
-
-    torch.manual_seed(seed)
-    cls = Qwen3_5MoeForCausalLM if cfg.vision is None else Qwen3_5MoeForConditionalGeneration
-    hf = cls(to_hf_config(cfg)).float()
+    hf = _perturbed(Qwen3_5MoeForCausalLM if cfg.vision is None else Qwen3_5MoeForConditionalGeneration, cfg, seed)
     hf.set_experts_implementation("eager")
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
     return hf
 
 

@@ -338,8 +338,8 @@ def _embedding_view_warnings(rank, world_size, overrides):
 @pytest.mark.distributed
 def test_tensor_parallel_under_fsdp_raises_no_view_warning(tmp_path):
     """tp2 x dp2, FSDP2 wrapping the vocab-parallel embedding: its output is the all-reduced sum, not a view,
-    so FSDP2 has no in-place-view warning to print (torch's RowwiseParallel returned a view, and every rank
-    warned), and none is filtered."""
+    so FSDP2 has no in-place-view warning to print (it prints one on every rank for torch's RowwiseParallel,
+    which returns a view), and none is filtered."""
     from distributed import run_distributed
     from helpers import tiny_overrides
 

@@ -17,8 +17,9 @@ stay frozen and expert-parallel all the same.
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
+from qwenft.distributed.tensor_parallel import shard_param
 from qwenft.models.qwen3_5.configs import TextConfig
 from qwenft.models.qwen3_5.moe import MoE
 
@@ -43,10 +44,6 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        experts = module.experts
         for name in ("gate_up_proj", "down_proj"):
-            p = getattr(experts, name)
-            # src_data_rank=None: every rank already holds the same (meta) tensor; no communication
-            dt = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+            shard_param(module.experts, name, ep_mesh, Shard(0))
         module.ep_group = ep_mesh.get_group()

@@ -71,7 +71,8 @@ def validate_tp(text: TextConfig, tp: int, sequence_parallel: bool = False) -> N
             raise ValueError(f"mesh.tp={tp} does not divide {key}={n} ({what}); valid mesh.tp: {valid}")
 
 
-def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+def shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    """Replace `module.<name>` by a DTensor parameter of `placement` over `mesh`, cut from the full tensor."""
     p = getattr(module, name)
     # src_data_rank=None: every rank already holds the same (meta or loaded) tensor; no communication
     dt = distribute_tensor(p.data, mesh, [placement], src_data_rank=None)
@@ -97,14 +98,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
         if layer.layer_type == FULL_ATTENTION:
             mixer, cols, row = layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"
             for norm in (mixer.q_norm, mixer.k_norm):
-                _shard_param(norm, "weight", tp_mesh, Replicate())
+                shard_param(norm, "weight", tp_mesh, Replicate())
         else:
             mixer, cols, row = layer.linear_attn, tuple(f"{p}_proj" for p in "qkvzab"), "out_proj"
             for name in ("conv_q", "conv_k", "conv_v"):
-                _shard_param(mixer, name, tp_mesh, Shard(0))
+                shard_param(mixer, name, tp_mesh, Shard(0))
             for name in ("A_log", "dt_bias"):
-                _shard_param(mixer.decay, name, tp_mesh, Shard(0))
-            _shard_param(mixer.norm, "weight", tp_mesh, Replicate())
+                shard_param(mixer.decay, name, tp_mesh, Shard(0))
+            shard_param(mixer.norm, "weight", tp_mesh, Replicate())
         blocks = [(mixer, cols, row)]
         if not isinstance(layer.mlp, MoE):  # the MoE block stays replicated (table above)
             blocks.append((layer.mlp, ("gate_proj", "up_proj"), "down_proj"))
@@ -116,14 +117,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
             getattr(block, row_name).register_forward_hook(block_out)
         if sequence_parallel:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # see T/tp tokens each
-                _shard_param(norm, "weight", tp_mesh, Replicate())
+                shard_param(norm, "weight", tp_mesh, Replicate())
     if sequence_parallel and len(model.layers):
         layers = list(model.layers.values())
         layers[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
         layers[-1].register_forward_hook(functools.partial(_gather_tokens, mesh=tp_mesh))
     if vocab_parallel:
         if model.embed_tokens is not None:
-            _shard_param(model.embed_tokens, "weight", tp_mesh, Shard(0))
+            shard_param(model.embed_tokens, "weight", tp_mesh, Shard(0))
             model.embed_tokens.__class__ = VocabParallelEmbedding
         if model.lm_head is not None:
             # logits stay a DTensor sharded on vocab: token_ce_sum runs a vocab-parallel cross-entropy on it
@@ -157,17 +158,17 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     placements); the forward multiplies plain tensors: `to_local()` hands the gradient back with the same
     placement, so the shards' gradients need no communication. Only `_block_input` / `_block_output`
     communicate, once per block, and the projections' ops skip DTensor's dispatch."""
-    _shard_param(linear, "weight", mesh, placement)
+    shard_param(linear, "weight", mesh, placement)
     if linear.bias is not None:  # row-parallel: replicated, added by `_block_output` after the sum
-        _shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
+        shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
     column = placement == Shard(0)
     # LoRA adapters (qwenft.models.lora) follow the weight: column-parallel, A replicated and B split like the
     # output rows; row-parallel, A split like the input columns and B replicated. Each rank's adapter output is
     # then a shard of the rows, or a partial sum, exactly as the base's, and the block's one collective covers it.
     if hasattr(linear, "lora_A"):
-        _shard_param(linear.lora_A, "weight", mesh, Replicate() if column else Shard(1))
+        shard_param(linear.lora_A, "weight", mesh, Replicate() if column else Shard(1))
     if hasattr(linear, "lora_B"):
-        _shard_param(linear.lora_B, "weight", mesh, Shard(0) if column else Replicate())
+        shard_param(linear.lora_B, "weight", mesh, Shard(0) if column else Replicate())
     linear.__class__ = ShardedLinear  # one class for all: compiled graphs guard on the type, not per instance
 
 
@@ -184,8 +185,8 @@ class VocabParallelEmbedding(nn.Embedding):
     """An nn.Embedding whose weight is a DTensor sharded over the vocabulary (Shard(0)) on the tp mesh. Each rank
     looks the ids up in its own rows (ids outside them give zeros) and one all-reduce sums the ranks' rows; the
     backward gives each rank the gradient of its own rows only, a Shard(0) gradient like the weight (torch's
-    RowwiseParallel returned it replicated, whole-vocabulary on every rank, which only FSDP2 cut back to the
-    shard). Plain tensors throughout, as `ShardedLinear`. An id outside the whole vocabulary gives zeros here,
+    RowwiseParallel returns it replicated, the whole vocabulary on every rank, which only FSDP2 cuts back to
+    the shard). Plain tensors throughout, as `ShardedLinear`. An id outside the whole vocabulary gives zeros here,
     where nn.Embedding raises: the tokenizer's ids fit the model's vocabulary (checked when a run is built,
     `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync."""
 

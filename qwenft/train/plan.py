@@ -121,13 +121,6 @@ def _plain_param(stage: int, name: str, p: torch.nn.Parameter, expert: bool) -> 
                   local, p.requires_grad, tp_replica, expert)
 
 
-def expert_shards(layout) -> int:
-    """The ranks that split each MoE layer's routed experts (dim 0 of `experts.gate_up_proj` and `down_proj`)
-    before FSDP shards what one of them holds over the other data-parallel ranks: expert parallelism's degree
-    (`mesh.ep`; 1 = FSDP alone shards the experts over dp like any weight)."""
-    return layout.ep
-
-
 def _unit_name(module_name: str) -> str:
     """The FSDP unit of an FSDP module, by its name: a decoder layer (GDN's fp32 decay units inside a layer
     count as the layer's), the embedding, the head (final norm + lm_head, `fsdp.edge_units`) or the root."""
@@ -239,8 +232,8 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     params = [p for stage, module in modules for p in _fsdp_params(stage, module)]
     t = ctx.model_cfg.text
     moe_layers = sum(len(m.layers) for _, m in modules) if t.is_moe else 0
-    # after FSDP's all-gather a rank holds its experts' share of every MoE layer it runs, whole
-    assert sum(p.unsharded for p in params if p.expert) * expert_shards(ctx.layout) == (
+    # after FSDP's all-gather a rank holds its ep rank's share (1/mesh.ep) of every MoE layer's experts it runs
+    assert sum(p.unsharded for p in params if p.expert) * ctx.layout.ep == (
         moe_layers * t.num_experts * 3 * t.moe_intermediate_size * t.hidden_size), "expert weights not all planned"
     trained = [p for p in params if p.trainable]
     units = defaultdict(lambda: {"params": 0, "grads": 0, "cast_grads": 0})

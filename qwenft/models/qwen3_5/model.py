@@ -76,7 +76,7 @@ def compile_layer(layer: DecoderLayer) -> None:
     submodules inside the pieces and are traced into them. Layers of one kind share their graphs (one code
     object, parameters are graph inputs).
     """
-    # MoE: the tokens per expert are data (bincount, then the loop's host sync or grouped_mm's offsets), so a graph
+    # MoE: the tokens per expert are data (the loop's host sync, grouped_mm's offsets), so a graph
     # around the routed experts would break there or specialise on each batch's counts; the shared expert is a
     # dense SwiGLU on every token, the one fixed-shape piece worth a graph (the router is one small matmul).
     mlp = layer.mlp.shared_expert if isinstance(layer.mlp, MoE) else layer.mlp
