@@ -1,6 +1,6 @@
 """Training throughput and memory of a recipe on GPU(s), through the real runner.
 
-    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt [--trace DIR]] [--plan] recipe=NAME [overrides ...]
+    python scripts/bench.py [--warmup 2] [--json out.json] [--profile out.txt [--trace DIR]] [--host-profile out.txt] [--plan] recipe=NAME [overrides ...]
     torchrun --nproc-per-node 2 scripts/bench.py recipe=NAME mesh.dp=2 ...
 
 Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
@@ -9,6 +9,8 @@ reports, over the steps after the warm-up: median step time, tokens/s per GPU, T
 peak memory of every rank. `--profile` runs torch.profiler over the steps after the warm-up, writes the top CUDA kernels and adds
 the GPU time per step by kernel kind (matmul, attention, GDN, optimizer, communication, other) to the report;
 `--trace DIR` also writes every rank's timeline of those steps (DIR/rank<R>.json.gz).
+`--host-profile` runs Python's cProfile over the same steps instead: where the host's time goes, by function
+(what a host-bound step, GPU idle between kernels, is made of).
 `--plan` adds `qwenft plan`'s predicted peak of every rank (qwenft.train.plan), to compare with the measured one.
 """
 
@@ -115,6 +117,30 @@ def profiled_run(cfg, warmup: int, trace: str | None = None):
     return result, prof.key_averages(), profiled  # slow: > 45 s for 3 steps of the 27B shape on an H200
 
 
+def host_profiled_run(cfg, warmup: int, out: str):
+    """`run(cfg)` with cProfile on for the steps after the first `warmup`; writes the functions by own time and
+    by cumulative time to `out`. cProfile's overhead per Python call inflates Python-heavy code most."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+
+    def on_step(step):
+        if step == warmup:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.enable()
+
+    result = run(cfg, on_step=on_step)
+    prof.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(60)
+    Path(out).write_text(text.getvalue())
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
@@ -123,6 +149,8 @@ def main():
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="with --profile: every rank writes its timeline to DIR/rank<R>.json.gz (where the GPU idles, "
                              "which rank a collective waits for)")
+    parser.add_argument("--host-profile", default=None, metavar="FILE",
+                        help="cProfile the steps after the warm-up (host time by Python function) into FILE")
     parser.add_argument("--plan", action="store_true", help="also report qwenft plan's predicted peak per rank")
     parser.add_argument("--fake-world", type=int, default=None, metavar="N",
                         help="run rank 0 of N ranks on torch's fake process group: collectives return at once, "
@@ -146,6 +174,9 @@ def main():
             Path(args.profile).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
                                           + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
         breakdown = kernel_breakdown(averages, profiled)
+    elif args.host_profile:
+        result = host_profiled_run(cfg, args.warmup, args.host_profile)
+        breakdown = None
     else:
         result = run(cfg)
         breakdown = None

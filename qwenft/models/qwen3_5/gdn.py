@@ -245,10 +245,12 @@ class GatedDeltaNet(nn.Module):
         q = conv(q, local(self.conv_q)).view(b, t, -1, self.head_k_dim)
         k = conv(k, local(self.conv_k)).view(b, t, -1, self.head_k_dim)
         v = conv(v, local(self.conv_v)).view(b, t, -1, self.head_v_dim)
-        rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        delta_rule = _fla_delta_rule if kernel == "fla" else _torch_delta_rule
-        out = delta_rule(q, k, v, g, beta, cu_seqlens)
+        if kernel == "fla":  # grouped value heads in the kernel: value head j reads key head j // (Hv / Hk)
+            out = _fla_delta_rule(q, k, v, g, beta, cu_seqlens)
+        else:
+            rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+            out = _torch_delta_rule(q, k, v, g, beta, cu_seqlens)
         return self.norm_output(out, z, B, T)
 
     # project and norm_output see only fixed-shape tensors, never cu_seqlens: model.compile compiles them
