@@ -155,9 +155,10 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     it on the local shard. A bias is sharded with a column-parallel weight, replicated with a row-parallel one.
 
     The parameters stay DTensors (FSDP2 shards them further over dp, the loader and checkpoints read their
-    placements); the forward multiplies plain tensors: `to_local()` hands the gradient back with the same
-    placement, so the shards' gradients need no communication. Only `_block_input` / `_block_output`
-    communicate, once per block, and the projections' ops skip DTensor's dispatch."""
+    placements); the forward multiplies plain tensors: `attention.local` adds each local gradient to the
+    parameter's `.grad`, with the same placement, so the shards' gradients need no communication. Only
+    `_block_input` / `_block_output` communicate, once per block, and the projections' ops skip DTensor's
+    dispatch."""
     shard_param(linear, "weight", mesh, placement)
     if linear.bias is not None:  # row-parallel: replicated, added by `_block_output` after the sum
         shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
@@ -178,7 +179,7 @@ class ShardedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a row-parallel bias is replicated: `_block_output` adds it once, after the ranks' outputs are summed
         sharded_bias = self.bias is not None and self.bias.placements[-1].is_shard()
-        return torch.nn.functional.linear(x, self.weight.to_local(), self.bias.to_local() if sharded_bias else None)
+        return torch.nn.functional.linear(x, local(self.weight), local(self.bias) if sharded_bias else None)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -197,7 +198,7 @@ class VocabParallelEmbedding(nn.Embedding):
         (rows, _), (start, _) = compute_local_shape_and_global_offset(self.weight.shape, mesh,
                                                                        self.weight.placements)
         outside = (ids < start) | (ids >= start + rows)
-        out = F.embedding((ids - start).masked_fill(outside, 0), self.weight.to_local())
+        out = F.embedding((ids - start).masked_fill(outside, 0), local(self.weight))
         return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)
 
 
@@ -210,16 +211,40 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+# Eager, the blocks' collectives are c10d's ops: the functional collectives' dispatch (a custom op, its
+# autograd shim and an AsyncCollectiveTensor per call) cost several times their host time, once per block input
+# and output. Traced by model.compile, the functional ones, which the graph absorbs.
 def _all_reduce(x, mesh):
-    return _wait(funcol.all_reduce(x.contiguous(), "sum", mesh))
+    if torch.compiler.is_compiling():
+        return _wait(funcol.all_reduce(x.contiguous(), "sum", mesh))
+    # into a copy, as the functional all-reduce does: `x` may be held elsewhere (selective activation
+    # checkpointing keeps the row-parallel matmul's output and hands it to the recompute)
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=mesh.get_group())
+    return x
 
 
 def _all_gather_tokens(x, mesh):
-    return _wait(_funcol_all_gather(x.contiguous(), 1, mesh))
+    """[B, t, ...] on each rank -> [B, tp * t, ...], the ranks' tokens in rank order."""
+    if torch.compiler.is_compiling():
+        return _wait(_funcol_all_gather(x.contiguous(), 1, mesh))
+    n = mesh.size()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' [B, t, ...] one after the other
+    dist.all_gather_into_tensor(out, x.contiguous(), group=mesh.get_group())
+    return out.view(n, *x.shape).movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])  # a view when B = 1
 
 
 def _reduce_scatter_tokens(x, mesh):
-    return _wait(_funcol_reduce_scatter(x.contiguous(), "sum", 1, mesh))
+    """[B, T, ...] partial sums on each rank -> this rank's [B, T / tp, ...] of their sum."""
+    if torch.compiler.is_compiling():
+        return _wait(_funcol_reduce_scatter(x.contiguous(), "sum", 1, mesh))
+    n = mesh.size()
+    b, t = x.shape[0], x.shape[1] // n
+    # rank-major [tp * B, t, ...]: no copy when B = 1
+    chunks = x.reshape(b, n, t, *x.shape[2:]).movedim(1, 0).reshape(n * b, t, *x.shape[2:])
+    out = x.new_empty((b, t, *x.shape[2:]))
+    dist.reduce_scatter_tensor(out, chunks, group=mesh.get_group())
+    return out
 
 
 class _ToBlock(torch.autograd.Function):

@@ -22,18 +22,55 @@ ATTENTION_KERNELS = ("auto", "sdpa", "flash_varlen")
 def local(p: torch.Tensor) -> torch.Tensor:
     """A parameter as a plain tensor for use on TP-local activations (a no-op without tensor parallelism).
 
-    qwenft.distributed.tensor_parallel makes per-head parameters (GDN conv weights, A_log, dt_bias) Shard(0)
-    DTensors and per-head-shared norm weights Replicate DTensors. A replicated weight applied to head-sharded
-    activations gets only this rank's heads' share of its gradient: the local grad is declared Partial, and
-    the (forward no-op) redistribute to Replicate sums it over tp ranks in the backward, so every rank's
-    `.grad` is the full gradient.
+    qwenft.distributed.tensor_parallel makes projection weights, per-head parameters (GDN conv weights, A_log,
+    dt_bias) Shard DTensors and per-head-shared norm weights Replicate DTensors. A replicated weight applied to
+    head-sharded activations gets only this rank's heads' share of its gradient: the local gradient is summed
+    over the tp ranks in the backward, so every rank's `.grad` is the full gradient. Every gradient has its
+    parameter's placement.
     """
     if not isinstance(p, DTensor):
         return p
-    if not any(isinstance(pl, Replicate) for pl in p.placements):
-        return p.to_local()
-    p = p.redistribute(p.device_mesh, p.placements)
-    return p.to_local(grad_placements=[Partial() if isinstance(pl, Replicate) else pl for pl in p.placements])
+    if torch.compiler.is_compiling():  # traced: DTensor's own autograd functions, which the graph absorbs
+        if not any(isinstance(pl, Replicate) for pl in p.placements):
+            return p.to_local()
+        p = p.redistribute(p.device_mesh, p.placements)
+        return p.to_local(grad_placements=[Partial() if isinstance(pl, Replicate) else pl for pl in p.placements])
+    return _LocalParam.apply(p)
+
+
+class _LocalParam(torch.autograd.Function):
+    """A DTensor parameter's local tensor, its gradient accumulated straight into the parameter's `.grad`.
+
+    Eager, `DTensor.to_local()`'s backward wraps each gradient in a new DTensor and autograd then adds it to
+    `.grad` through DTensor's dispatch: about 75 us of host time per weight and microbatch, which is most of a
+    tensor-parallel layer's host work once its kernels shrink with tp. Here the backward sums a replicated
+    parameter's local gradient over the ranks it is replicated on, adds it to the local tensor of `.grad` (or
+    makes `.grad` once, with the parameter's placements) and hands autograd no gradient to accumulate.
+    """
+
+    @staticmethod
+    def forward(ctx, p):
+        ctx.param = p
+        local_tensor = p._local_tensor
+        return local_tensor.view_as(local_tensor)  # a new tensor object: autograd writes its metadata on it
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.param
+        ctx.param = None
+        mesh = p.device_mesh
+        replicated = [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate) and mesh.size(d) > 1]
+        if p.grad is None or replicated:
+            # a copy of our own to keep as `.grad` and to sum in place: autograd may hand the same buffer to other
+            # inputs too (an add passes one gradient to both)
+            grad = grad.contiguous().clone()
+        for dim in replicated:
+            torch.distributed.all_reduce(grad, group=mesh.get_group(dim))
+        if p.grad is None:
+            p.grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        else:
+            p.grad._local_tensor.add_(grad)
+        return None
 
 
 class RMSNorm(nn.Module):
