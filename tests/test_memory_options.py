@@ -133,11 +133,13 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["mesh.dp=2"], ["mesh.pp=2"], ["mesh.tp=2", "mesh.vocab_parallel=false"]])
+@pytest.mark.parametrize("mesh", [["mesh.dp=2"], ["mesh.pp=2"], ["mesh.tp=2", "mesh.vocab_parallel=false"],
+                                  ["mesh.tp=2", "model.kernels.ce=fused"]])
 def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
     """All three options with FSDP over 2 ranks (DTensor shards in the optimizer), 2 pipeline stages, or 2
-    tensor-parallel ranks. Stochastic rounding draws per local chunk, so the numbers are not bitwise those of
-    one process: measured within 0.05% over 5 steps (allowed: 1%). Under tp, replicated weights (norms) must
+    tensor-parallel ranks (the head whole, or vocab-parallel with the fused CE chunked). Stochastic rounding
+    draws per local chunk, so the numbers are not bitwise those of one process: measured within 0.05% over 5
+    steps (allowed: 1%). Under tp, replicated weights (norms) must
     stay identical on both ranks: each rank rounds its own copy, with the same bits (a rank-dependent seed
     was checked to make them differ)."""
     opts = ["train.max_steps=5", "optim.lr=3e-3", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
@@ -170,7 +172,6 @@ def test_bf16_options_resume_exactly(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.ce_chunk_tokens=-1"], "model.ce_chunk_tokens=-1 must be >= 0"),
-    (["model.ce_chunk_tokens=1024", "mesh.tp=2"], "set mesh.vocab_parallel=false or model.ce_chunk_tokens=0"),
     (["optim.state_dtype=float16"], "optim.state_dtype='float16' is not valid; choose one of float32, bfloat16"),
     (["optim.master_dtype=bfloat16", "model.dtype=float32"], "set model.dtype=auto or bfloat16"),
     (["optim.state_dtype=bfloat16", "optim.fused='true'"], "set optim.fused=auto"),
@@ -179,3 +180,32 @@ def test_bad_values_are_one_line_errors(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         compose(["recipe=tiny", *overrides])
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, device, expected", [
+    ([], "cuda", "fused"),  # auto: the fused CE on the vocab-parallel head
+    ([], "cpu", "torch"),
+    (["model.ce_chunk_tokens=1024"], "cuda", "fused"),
+    (["model.ce_chunk_tokens=1024", "model.kernels.ce=fused"], "cpu", "fused"),
+    (["model.ce_chunk_tokens=1024", "mesh.vocab_parallel=false"], "cpu", "torch"),
+    (["model.ce_chunk_tokens=1024"], "cpu", "model.ce_chunk_tokens=1024 with model.kernels.ce=torch (model.kernels.ce="
+     "auto off CUDA) needs the whole lm_head on each rank, but mesh.vocab_parallel=true shards it over mesh.tp=2; "
+     "set model.kernels.ce=fused, mesh.vocab_parallel=false or model.ce_chunk_tokens=0"),
+    (["model.ce_chunk_tokens=1024", "model.kernels.ce=torch"], "cuda", "set model.kernels.ce=fused, "
+     "mesh.vocab_parallel=false or model.ce_chunk_tokens=0"),
+])
+def test_ce_kernel_on_a_tp2_vocab_parallel_head(overrides, device, expected):
+    """model.kernels.ce=auto is fused on CUDA at tp2 with mesh.vocab_parallel=true too; model.ce_chunk_tokens
+    chunks the fused CE there, but the torch kernel's chunked recompute needs the whole head: one line, the keys."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.build import model_config
+    from qwenft.train.spec import resolve_spec
+
+    cfg = compose(["recipe=tiny", "mesh.tp=2", *overrides])
+    layout = resolve_layout(2, 1, 1, 2)
+    if expected in ("fused", "torch"):
+        assert resolve_spec(cfg, layout, model_config(cfg), device).parallel.ce_kernel == expected
+        return
+    with pytest.raises(ValueError) as info:
+        resolve_spec(cfg, layout, model_config(cfg), device)
+    assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -87,6 +87,20 @@ def test_tp4_quarters_a_ranks_parameter_bytes(tp4pp4):
         assert 0.25 < p4.param_bytes / p1.param_bytes < 0.2502, (p4.param_bytes, p1.param_bytes)
 
 
+def test_vocab_parallel_fused_head_plans_its_share_of_the_vocabulary():
+    """27B's head (vocabulary 248,320, hidden 5120) at tp1 and tp2 with mesh.vocab_parallel=true: model.kernels.ce=auto
+    is the fused CE on CUDA at both, chunked by 1024 tokens; each rank holds a [1024, vocab/tp] bf16 chunk of logits
+    and keeps, from the forward to the backward, its [vocab/tp, hidden] weight gradient and the [tokens, hidden]
+    hidden gradient (bf16), plus fp32 per-token CE values."""
+    shape = ["recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=4096", "train.micro_batch_size=1",
+             "train.global_batch_size=1", "model.ce_chunk_tokens=1024"]
+    vocab, hidden, tokens = 248_320, 5120, 4096
+    for tp in (1, 2):
+        _, plans = _plan(*shape, f"mesh.tp={tp}")
+        share = vocab // tp
+        assert [p.logits_bytes for p in plans] == [2 * share * 1024 + 2 * hidden * (share + tokens) + 4 * tokens] * tp
+
+
 # ------------------------------------------------------------------ against a real training step
 
 def _storage_bytes(tensors) -> int:

@@ -3,7 +3,8 @@
 tp2 (vocab-parallel on and off, with and without FSDP on top), tp2 x dp2 with FSDP2, three AdamW steps with
 clipping, and the VLM with an image: logits, loss, grad norm and every parameter's gradient (gathered with
 `full_tensor()`) match the unsharded model, which runs in the pytest process with torch's own
-`clip_grad_norm_`.
+`clip_grad_norm_` and the whole logits' CE. With model.kernels.ce=fused (its torch ops on the CPU) the tp ranks'
+head returns the CE sum itself, as the runner asks for it, and its logits in a forward of their own.
 """
 
 import math
@@ -95,7 +96,9 @@ def _full(t):
 def _train(model, batches, clip, max_norm, lr, label_tokens, dp_group=None):
     """Forward + backward (+ clip + AdamW step when lr) per batch; returns per-step logits, loss, grad norm,
     grads (of the first step: later steps' grads also carry the last-bit differences of the updated
-    parameters) and the final parameters, all unsharded."""
+    parameters) and the final parameters, all unsharded. A fused-CE head computes the loss from the labels (the
+    runner's `ce_in_model`); its logits come from a forward without grad."""
+    ce_in_model = model.lm_head.ce_kernel == "fused"
     # eps 1e-6, not 1e-8: Adam turns a gradient element at rounding-noise level into a +-lr step, so with
     # 1e-8 one element of embed_tokens whose step-3 grad is 8e-9 (one process) vs -2.6e-8 (tp2; its row's
     # grads are ~1e-2) moved 3e-4 apart. Larger eps keeps that noise from deciding the update's sign.
@@ -104,8 +107,13 @@ def _train(model, batches, clip, max_norm, lr, label_tokens, dp_group=None):
                           fused="false") if lr else None
     out = dict(logits=[], loss=[], grad_norm=[])
     for batch, n_labels in zip(batches, label_tokens):
-        logits = model(**_forward_kwargs(batch))
-        loss = token_ce_sum(logits, batch["labels"]) / n_labels
+        if ce_in_model:
+            with torch.no_grad():
+                logits = model(**_forward_kwargs(batch))
+            loss = model(**_forward_kwargs(batch), labels=batch["labels"]) / n_labels
+        else:
+            logits = model(**_forward_kwargs(batch))
+            loss = token_ce_sum(logits, batch["labels"]) / n_labels
         loss.backward()
         total = loss.detach().clone()
         if dp_group is not None:
@@ -135,7 +143,7 @@ def reference(path, batches, max_norm=math.inf, lr=0.0):
 
 
 def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0,
-             sequence_parallel=False, activation_checkpointing=False):
+             sequence_parallel=False, activation_checkpointing=False, ce_kernel="torch"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwenft.distributed.parallelize import parallelize
@@ -144,7 +152,7 @@ def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm
     mesh = init_device_mesh("cpu", (1, dp, world_size // dp), mesh_dim_names=("pp", "dp", "tp"))
     cfg = config_from_hf_dir(path)
     validate_tp(cfg.text, mesh["tp"].size())
-    model = build_model(cfg, kernels="torch")
+    model = build_model(cfg, kernels="torch", ce_kernel=ce_kernel)
     if fsdp:
         parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel,
                     sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing)
@@ -188,14 +196,16 @@ def assert_same(out, ref, logits=True):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel", [
-    (True, False, False), (False, True, False), (True, True, True), (False, False, True)])
-def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel):
+@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel, ce_kernel", [
+    (True, False, False, "torch"), (False, True, False, "torch"), (True, True, True, "torch"),
+    (False, False, True, "torch"), (True, False, False, "fused"), (True, True, True, "fused"),
+    (False, False, False, "fused")])
+def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel, ce_kernel):
     batches = text_batch()
     ref = reference(text_ckpt, batches)
     # the FSDP cases also recompute each layer (activation checkpointing), as parallelize orders it
     for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp, math.inf, 0.0,
-                               sequence_parallel, fsdp):
+                               sequence_parallel, fsdp, ce_kernel):
         assert_same(out, ref)
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
@@ -214,37 +224,43 @@ def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fsdp", [True, False])
-def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt, fsdp):
+@pytest.mark.parametrize("fsdp, ce_kernel", [(True, "torch"), (False, "torch"), (True, "fused"), (False, "fused")])
+def test_tp2_vocab_parallel_tied_uneven_vocab(tied_odd_vocab_ckpt, fsdp, ce_kernel):
     """Without FSDP2 the tied matrix's gradient is what the vocab-parallel head and embedding leave on it: both
-    this rank's rows (assert_same checks its placement and shape)."""
+    this rank's rows (assert_same checks its placement and shape), from ColwiseParallel's DTensor logits or the
+    fused CE's local rows."""
     batches = text_batch()
     batches[0]["labels"][0, 3] = 510  # the last id lives in the second, shorter shard
     batches[0]["input_ids"][0, 5] = 510  # and is looked up there too
     ref = reference(tied_odd_vocab_ckpt, batches)
     assert "lm_head.weight" not in ref["grads"]  # tied: one parameter, named embed_tokens.weight
-    out = run_distributed(_tp_rank, 2, tied_odd_vocab_ckpt, batches, 1, True, fsdp)[0]
+    out = run_distributed(_tp_rank, 2, tied_odd_vocab_ckpt, batches, 1, True, fsdp, math.inf, 0.0, False, False,
+                          ce_kernel)[0]
     assert_same(out, ref)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, ce_kernel", [(False, "torch"), (True, "torch"), (False, "fused")])
+def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel, ce_kernel):
     batches = text_batch()
     ref = reference(text_ckpt, batches)
-    out = run_distributed(_tp_rank, 4, text_ckpt, batches, 2, True, True, math.inf, 0.0, sequence_parallel)[0]
+    out = run_distributed(_tp_rank, 4, text_ckpt, batches, 2, True, True, math.inf, 0.0, sequence_parallel, False,
+                          ce_kernel)[0]
     assert_same(out, ref, logits=False)  # each dp rank sees half the rows
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fsdp, sequence_parallel", [(True, False), (True, True), (False, False)])
-def test_tp2_three_adamw_steps_with_clipping(text_ckpt, fsdp, sequence_parallel):
+@pytest.mark.parametrize("fsdp, sequence_parallel, ce_kernel", [
+    (True, False, "torch"), (True, True, "torch"), (False, False, "torch"), (False, False, "fused"),
+    (True, True, "fused")])
+def test_tp2_three_adamw_steps_with_clipping(text_ckpt, fsdp, sequence_parallel, ce_kernel):
     """Without FSDP2: DTensor and plain parameters in the optimizer's two groups, the plain ones' norms counted
     once in the clip."""
     batches = text_batch(steps=3)
     ref = reference(text_ckpt, batches, max_norm=0.5, lr=5e-4)
     assert min(ref["grad_norm"]) > 0.5  # the clip is active, so a wrong norm would change the update
-    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, fsdp, 0.5, 5e-4, sequence_parallel)[0]
+    out = run_distributed(_tp_rank, 2, text_ckpt, batches, 1, True, fsdp, 0.5, 5e-4, sequence_parallel, False,
+                          ce_kernel)[0]
     assert_same(out, ref)
     initial = reference(text_ckpt, [])["params"]
     for name, p in ref["params"].items():

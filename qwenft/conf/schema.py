@@ -32,8 +32,8 @@ class KernelsOptions:
     gdn: str = "auto"  # auto = fla on CUDA when importable, else torch
     # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
     attention: str = "auto"
-    # the lm_head's cross-entropy: fused = gradients formed in the forward, no fp32 logits
-    # (qwenft.models.linear_ce); auto = fused on CUDA unless the head is vocab-parallel, else torch
+    # the lm_head's cross-entropy: fused = gradients formed in the forward, no fp32 logits, a vocab-parallel head
+    # too (qwenft.models.linear_ce); auto = fused on CUDA, else torch
     ce: str = "auto"
     # an MoE model's routed experts: grouped_mm (torch._grouped_mm, one kernel for all experts), loop (one
     # matmul pair per expert); auto = grouped_mm for bf16 on CUDA, else loop
@@ -54,8 +54,9 @@ class ModelOptions:
     freeze_projector: Optional[bool] = None  # VLM: the tower's merger; null = follow freeze_vision
     freeze_language: bool = False  # VLM: no gradient for the text decoder (adapter-style runs)
     vision_activation_checkpointing: bool = False
-    # CE of the lm_head over this many tokens at a time (logits recomputed in the backward), so the
-    # [tokens, vocab] logits never exist whole; 0 = off (docs/performance.md, "Memory options")
+    # CE of the lm_head over this many tokens at a time, so the [tokens, vocab] logits never exist whole (with
+    # kernels.ce=torch, recomputed in the backward: not on a vocab-parallel head); 0 = off (docs/performance.md,
+    # "Memory options")
     ce_chunk_tokens: int = 0
     # torch.compile each decoder layer's norms, MLP and the mixers' fixed-shape pieces around their kernels
     # (docs/performance.md, "torch.compile per block")
@@ -360,13 +361,6 @@ def _validate_peft(cfg: Config) -> None:
 def _validate_memory_options(cfg: Config) -> None:
     if cfg.model.ce_chunk_tokens < 0:
         raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} must be >= 0 (0 = off)")
-    if cfg.model.kernels.ce == "fused" and cfg.mesh.tp > 1 and cfg.mesh.vocab_parallel:
-        raise ValueError(f"model.kernels.ce=fused needs the whole lm_head on each rank, but mesh.vocab_parallel=true "
-                         f"shards it over mesh.tp={cfg.mesh.tp}; set mesh.vocab_parallel=false or model.kernels.ce=torch")
-    if cfg.model.ce_chunk_tokens and cfg.mesh.tp > 1 and cfg.mesh.vocab_parallel:
-        raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} needs the whole lm_head on each rank, "
-                         f"but mesh.vocab_parallel=true shards it over mesh.tp={cfg.mesh.tp}; set "
-                         f"mesh.vocab_parallel=false or model.ce_chunk_tokens=0")
     if cfg.optim.master_dtype == "bfloat16" and cfg.model.dtype == "float32":
         raise ValueError("model.dtype='float32' would compute with fp32 copies of the bf16 weights that "
                          "optim.master_dtype=bfloat16 keeps; set model.dtype=auto or bfloat16")

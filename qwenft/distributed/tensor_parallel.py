@@ -12,7 +12,7 @@
 | GDN out_proj, MLP down_proj    | row-parallel                                                           |
 | MLP gate/up_proj               | column-parallel                                                        |
 | MoE block (router, experts, shared expert) | plain, replicated: each tp rank routes and computes the whole block on the replicated residual stream (experts may be sharded over ep instead) |
-| embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits stay a DTensor sharded on vocab, `qwenft.models.loss.token_ce_sum` takes it); else plain, replicated |
+| embed_tokens / lm_head         | vocab_parallel: Shard(0) over vocab (masked lookup + all-reduce; logits a DTensor sharded on vocab, `qwenft.models.loss.token_ce_sum` takes it; model.kernels.ce=fused: the head's CE on its local rows, all-reducing three fp32 numbers per token and the hidden gradient); else plain, replicated |
 | layer norms, final norm, vision tower | plain, replicated (identical compute and grads on every tp rank); with sequence_parallel the layer norms' weights are replicated DTensors run on T/tp tokens |
 
 Without sequence_parallel the residual stream between blocks is replicated on every tp rank.
@@ -25,8 +25,9 @@ all-reduce, or reduce-scatter, the input gradients its column-parallel projectio
 `_FromBlock` on its row-parallel output (the reverse). torch's ColwiseParallel / RowwiseParallel, which ran
 every projection's ops and the hooks' redistributions through DTensor's dispatch, had made a tp2 layer's host
 work 3.5-4.6x tp1's (docs/performance.md, host time). The vocab-parallel embedding runs on its local rows
-too (`VocabParallelEmbedding`); the vocab-parallel head keeps torch's ColwiseParallel, whose logits stay a
-DTensor for the vocab-parallel cross-entropy.
+too (`VocabParallelEmbedding`), and so does the vocab-parallel head with the fused cross-entropy
+(`qwenft.models.linear_ce.fused_linear_ce_sum`); with model.kernels.ce=torch the head keeps torch's
+ColwiseParallel, whose logits stay a DTensor for the vocab-parallel cross-entropy.
 
 Every gradient has its parameter's placement, so with one data-parallel rank the model trains without FSDP2
 (qwenft.train.spec.uses_fsdp): DTensor parameters next to plain ones, stepped on their local shards.
@@ -126,7 +127,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
         if model.embed_tokens is not None:
             shard_param(model.embed_tokens, "weight", tp_mesh, Shard(0))
             model.embed_tokens.__class__ = VocabParallelEmbedding
-        if model.lm_head is not None:
+        if model.lm_head is not None and model.lm_head.ce_kernel == "fused":
+            # the fused CE multiplies the local rows itself (linear_ce.fused_linear_ce_sum): plain tensors, no hooks
+            shard_param(model.lm_head, "weight", tp_mesh, Shard(0))
+        elif model.lm_head is not None:
             # logits stay a DTensor sharded on vocab: token_ce_sum runs a vocab-parallel cross-entropy on it
             parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
                                                                            use_local_output=False)})

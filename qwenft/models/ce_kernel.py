@@ -1,9 +1,14 @@
-"""Cross-entropy of a chunk of bf16 logits and its gradient, in one Triton kernel over the logits in place.
+"""Cross-entropy of a chunk of bf16 logits and its gradient, in Triton kernels over the logits in place.
 
 One program per token row: a first pass over the row finds the log-sum-exp (running max and sum per lane,
 in fp32), a second overwrites the logits with d CE / d logits = softmax - one_hot(label), rounded to the
 logits' dtype, which is what the matmuls of the head's backward consume. Two reads and one write of the bf16
 logits, where torch's path writes fp32 logits, their log-softmax and an fp32 gradient (about 7x the traffic).
+
+Whole vocabulary: `ce_grad_`, both passes in one kernel. Vocabulary sharded over tensor-parallel ranks (each
+holds the columns [vocab_start, vocab_start + V) of every row): `shard_stats` is the first pass (row max, sum
+of exp(x - max) and the label's logit where this rank holds it), the caller all-reduces those into the
+log-sum-exp, and `shard_ce_grad_` is the second pass.
 """
 
 import torch
@@ -14,9 +19,8 @@ BLOCK = 4096
 
 
 @triton.jit
-def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, V, IGNORE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    ptr = logits_ptr + row * stride
+def _row_max_sum(ptr, V, BLOCK: tl.constexpr):
+    """One row's max and sum of exp(x - max), in fp32, in one online pass."""
     cols = tl.arange(0, BLOCK)
     max_l = tl.full([BLOCK], -3.0e38, tl.float32)
     sum_l = tl.zeros([BLOCK], tl.float32)
@@ -27,18 +31,32 @@ def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, V, IGNORE: tl.cons
         sum_l = sum_l * tl.exp(max_l - new_max) + tl.where(mask, tl.exp(x - new_max), 0.0)
         max_l = new_max
     row_max = tl.max(max_l, 0)
-    lse = row_max + tl.log(tl.sum(sum_l * tl.exp(max_l - row_max), 0))
+    return row_max, tl.sum(sum_l * tl.exp(max_l - row_max), 0)
+
+
+@triton.jit
+def _write_grad(ptr, V, lse, target_col, scale, BLOCK: tl.constexpr):
+    """Overwrite one row with (exp(x - lse) - one_hot(target_col)) * scale; target_col -1 = no one_hot."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        mask = start + cols < V
+        x = tl.load(ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) - tl.where(start + cols == target_col, 1.0, 0.0)
+        tl.store(ptr + start + cols, (grad * scale).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, V, IGNORE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = logits_ptr + row * stride
+    row_max, row_sum = _row_max_sum(ptr, V, BLOCK)
+    lse = row_max + tl.log(row_sum)
     target = tl.load(target_ptr + row)
     valid = target != IGNORE
     safe_target = tl.where(valid, target, 0)
     x_target = tl.load(ptr + safe_target).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
-    scale = tl.where(valid, 1.0, 0.0)
-    for start in range(0, V, BLOCK):
-        mask = start + cols < V
-        x = tl.load(ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.exp(x - lse) - tl.where(start + cols == safe_target, 1.0, 0.0)
-        tl.store(ptr + start + cols, (grad * scale).to(ptr.dtype.element_ty), mask=mask)
+    _write_grad(ptr, V, lse, safe_target, tl.where(valid, 1.0, 0.0), BLOCK)
 
 
 def ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -50,6 +68,57 @@ def ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int)
         _ce_grad_kernel[(n,)](logits_nv, logits_nv.stride(0), labels_n, loss_n, v, IGNORE=ignore_index,
                               BLOCK=BLOCK, num_warps=8)
     return loss_n
+
+
+@triton.jit
+def _shard_stats_kernel(logits_ptr, stride, target_ptr, stats_ptr, n, V, vocab_start, IGNORE: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = logits_ptr + row * stride
+    row_max, row_sum = _row_max_sum(ptr, V, BLOCK)
+    target = tl.load(target_ptr + row)
+    col = target - vocab_start
+    owned = (target != IGNORE) & (col >= 0) & (col < V)
+    x_target = tl.load(ptr + tl.where(owned, col, 0)).to(tl.float32)
+    tl.store(stats_ptr + row, row_max)
+    tl.store(stats_ptr + n + row, row_sum)
+    tl.store(stats_ptr + 2 * n + row, tl.where(owned, x_target, 0.0))
+
+
+def shard_stats(logits_nv: torch.Tensor, labels_n: torch.Tensor, vocab_start: int, ignore_index: int) -> torch.Tensor:
+    """fp32 [3, n] over this rank's columns [vocab_start, vocab_start + V) of each row: the max, the sum of
+    exp(x - max), and the label's logit (0 where the label is `ignore_index` or another rank's column)."""
+    n, v = logits_nv.shape
+    assert logits_nv.stride(1) == 1, "rows of the logits must be contiguous"
+    stats_3n = torch.empty(3, n, device=logits_nv.device, dtype=torch.float32)
+    if n:
+        _shard_stats_kernel[(n,)](logits_nv, logits_nv.stride(0), labels_n, stats_3n, n, v, vocab_start,
+                                  IGNORE=ignore_index, BLOCK=BLOCK, num_warps=8)
+    return stats_3n
+
+
+@triton.jit
+def _shard_ce_grad_kernel(logits_ptr, stride, target_ptr, lse_ptr, V, vocab_start, IGNORE: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = logits_ptr + row * stride
+    target = tl.load(target_ptr + row)
+    valid = target != IGNORE
+    col = target - vocab_start
+    owned = valid & (col >= 0) & (col < V)
+    _write_grad(ptr, V, tl.load(lse_ptr + row), tl.where(owned, col, -1), tl.where(valid, 1.0, 0.0), BLOCK)
+
+
+def shard_ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, lse_n: torch.Tensor, vocab_start: int,
+                   ignore_index: int) -> torch.Tensor:
+    """`logits_nv` (this rank's columns [vocab_start, vocab_start + V)) becomes the CE's gradient there, given
+    each row's log-sum-exp over the whole vocabulary `lse_n` (fp32)."""
+    n, v = logits_nv.shape
+    assert logits_nv.stride(1) == 1, "rows of the logits must be contiguous"
+    if n:
+        _shard_ce_grad_kernel[(n,)](logits_nv, logits_nv.stride(0), labels_n, lse_n, v, vocab_start,
+                                    IGNORE=ignore_index, BLOCK=BLOCK, num_warps=8)
+    return logits_nv
 
 
 @triton.jit

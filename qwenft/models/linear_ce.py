@@ -8,11 +8,18 @@ backward recomputes one chunk's logits at a time to form its gradient. For Qwen3
 and 4096 tokens, unchunked fp32 logits are 3.8 GiB (and as much again for the log-softmax and for the
 gradient); a chunk of 1024 tokens holds 0.95 GiB. The price is one more [chunk, hidden] x [hidden, vocab]
 matmul per chunk in the backward (docs/performance.md, "Memory options").
+
+`model.kernels.ce=fused` (`fused_linear_ce_sum`) forms the gradients in the forward instead, and also runs on
+a head sharded over the vocabulary by tensor parallelism (`mesh.vocab_parallel`): each rank multiplies its
+own rows of the weight, and only three fp32 numbers per token (row max, sum of exponentials, label logit)
+cross the tp ranks, never logits.
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qwenft.constants import IGNORE_INDEX
 
@@ -24,6 +31,11 @@ class LMHead(nn.Linear):
 
     The CE runs in this module's forward so that whatever FSDP unit holds the head (the root, or its own
     `fully_shard`) has all-gathered the weight: outside a forward, FSDP2 leaves `weight` a sharded DTensor.
+
+    Vocab-parallel with `ce_kernel="fused"` (`tensor_parallel.apply_tp`): `weight` is a Shard(0) DTensor over the
+    tp mesh and the hidden states a plain tensor, the same on every tp rank. The logits come back as a DTensor
+    sharded on the vocabulary, as torch's ColwiseParallel returns them (the vocab-parallel `loss.token_ce_sum`
+    takes them); the CE sum is the same plain tensor on every rank.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, ce_chunk_tokens: int = 0, ce_kernel: str = "torch"):
@@ -35,6 +47,8 @@ class LMHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
+            if self.ce_kernel == "fused" and isinstance(self.weight, DTensor):
+                return _vocab_parallel_logits(hidden, self.weight)
             return super().forward(hidden)
         if self.ce_kernel == "fused":
             return fused_linear_ce_sum(hidden.flatten(0, -2), self.weight, labels.flatten(), self.ce_chunk_tokens)
@@ -42,6 +56,14 @@ class LMHead(nn.Linear):
             return F.cross_entropy(super().forward(hidden).flatten(0, -2).float(), labels.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return chunked_linear_ce_sum(hidden.flatten(0, -2), self.weight, labels.flatten(), self.ce_chunk_tokens)
+
+
+def _vocab_parallel_logits(hidden: torch.Tensor, weight: DTensor) -> DTensor:
+    """hidden @ weight.T as a DTensor sharded on the vocabulary, what ColwiseParallel(output_layouts=Shard(-1),
+    use_local_output=False) gives: the hidden states enter as a replicated DTensor, so the backward sums their
+    gradient (a partial sum on each rank, over its vocabulary rows) over the tp ranks. Through DTensor's
+    dispatch: this path serves evaluation and inspection, the training step takes the fused CE."""
+    return F.linear(DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False), weight)
 
 
 def chunked_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels_n: torch.Tensor,
@@ -52,12 +74,10 @@ def chunked_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labe
     `weight_vh` must be a plain tensor holding the whole vocabulary (inside an FSDP unit's forward, the
     all-gathered parameter); a vocab-sharded DTensor (tensor parallelism with vocab_parallel) is refused.
     """
-    from torch.distributed.tensor import DTensor
-
     if isinstance(weight_vh, DTensor):
-        raise ValueError("model.ce_chunk_tokens needs the whole lm_head on each rank, but it is a DTensor "
-                         f"{weight_vh.placements} (mesh.vocab_parallel=true with mesh.tp > 1); set "
-                         "mesh.vocab_parallel=false or model.ce_chunk_tokens=0")
+        raise ValueError("model.ce_chunk_tokens with model.kernels.ce=torch needs the whole lm_head on each rank, "
+                         f"but it is a DTensor {weight_vh.placements} (mesh.vocab_parallel=true with mesh.tp > 1); "
+                         "set model.kernels.ce=fused, mesh.vocab_parallel=false or model.ce_chunk_tokens=0")
     if chunk_tokens < 1:
         raise ValueError(f"model.ce_chunk_tokens={chunk_tokens} must be >= 1 here (0 = unchunked, handled by the caller)")
     return _ChunkedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk_tokens)
@@ -123,14 +143,75 @@ def _ce_grad_torch_(logits_nv: torch.Tensor, labels_n: torch.Tensor) -> torch.Te
     return loss_n
 
 
+def _owned_columns(labels_n: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each label's column in the slice [vocab_start, vocab_start + v_local), clamped into it; whether the slice
+    holds the label)."""
+    col_n = labels_n - vocab_start
+    owned_n = (labels_n != IGNORE_INDEX) & (col_n >= 0) & (col_n < v_local)
+    return col_n.clamp(0, v_local - 1), owned_n
+
+
+def _shard_stats_torch(logits_nv: torch.Tensor, labels_n: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """`ce_kernel.shard_stats` in torch ops: [3, n] of row max, sum of exp(x - max), owned label logit."""
+    x = logits_nv.to(torch.promote_types(logits_nv.dtype, torch.float32))
+    col_n, owned_n = _owned_columns(labels_n, vocab_start, x.shape[1])
+    max_n = x.amax(dim=-1)
+    sum_n = (x - max_n[:, None]).exp_().sum(dim=-1)
+    return torch.stack([max_n, sum_n, x.gather(1, col_n[:, None])[:, 0].where(owned_n, 0)])
+
+
+def _shard_ce_grad_torch_(logits_nv: torch.Tensor, labels_n: torch.Tensor, lse_n: torch.Tensor,
+                          vocab_start: int) -> torch.Tensor:
+    """`ce_kernel.shard_ce_grad_` in torch ops: logits (this rank's columns) -> the CE's gradient there."""
+    x = logits_nv.to(torch.promote_types(logits_nv.dtype, torch.float32))
+    col_n, owned_n = _owned_columns(labels_n, vocab_start, x.shape[1])
+    grad = (x - lse_n[:, None]).exp_()
+    grad.scatter_add_(1, col_n[:, None], -owned_n[:, None].to(grad.dtype))
+    return logits_nv.copy_(grad.mul_((labels_n != IGNORE_INDEX)[:, None]))
+
+
+def _triton_kernels(t: torch.Tensor):
+    """`qwenft.models.ce_kernel` for a CUDA tensor when Triton imports, else None (the torch ops above)."""
+    if not t.is_cuda:
+        return None
+    try:
+        from qwenft.models import ce_kernel
+    except ImportError:
+        return None
+    return ce_kernel
+
+
 def _ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor) -> torch.Tensor:
-    if logits_nv.is_cuda:
-        try:
-            from qwenft.models.ce_kernel import ce_grad_
-        except ImportError:
-            return _ce_grad_torch_(logits_nv, labels_n)
-        return ce_grad_(logits_nv, labels_n, IGNORE_INDEX)
-    return _ce_grad_torch_(logits_nv, labels_n)
+    kernels = _triton_kernels(logits_nv)
+    if kernels is None:
+        return _ce_grad_torch_(logits_nv, labels_n)
+    return kernels.ce_grad_(logits_nv, labels_n, IGNORE_INDEX)
+
+
+def _chunk_ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, vocab_start: int, group,
+                    grad: bool = True) -> torch.Tensor:
+    """One chunk's per-token CE in fp32, its logits turned into d CE / d logits (with `grad`; a whole-vocabulary
+    chunk either way, one kernel doing both). `group` None: the logits cover the whole vocabulary. Else they are
+    the columns [vocab_start, vocab_start + V_local) of a vocabulary sharded over `group`, and the CE is the same
+    on every rank: two all-reduces of fp32 per-token values (the row max; the rescaled sums of exponentials with
+    the label's logit, which one rank holds and the others give as 0), never logits."""
+    if group is None:
+        return _ce_grad_(logits_nv, labels_n)
+    kernels = _triton_kernels(logits_nv)
+    if kernels is None:
+        stats_3n = _shard_stats_torch(logits_nv, labels_n, vocab_start)
+    else:
+        stats_3n = kernels.shard_stats(logits_nv, labels_n, vocab_start, IGNORE_INDEX)
+    max_n = stats_3n[0].clone()
+    dist.all_reduce(max_n, op=dist.ReduceOp.MAX, group=group)
+    stats_3n[1].mul_((stats_3n[0] - max_n).exp_())
+    dist.all_reduce(stats_3n[1:], group=group)  # sum of exp(x - max) over the vocabulary; the label's logit
+    lse_n = stats_3n[1].log().add_(max_n)
+    if grad and kernels is None:
+        _shard_ce_grad_torch_(logits_nv, labels_n, lse_n, vocab_start)
+    elif grad:
+        kernels.shard_ce_grad_(logits_nv, labels_n, lse_n, vocab_start, IGNORE_INDEX)
+    return (lse_n - stats_3n[2]) * (labels_n != IGNORE_INDEX)
 
 
 def _scale_(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor | None:
@@ -139,13 +220,9 @@ def _scale_(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor 
         return None
     if grad.dtype in (torch.float32, torch.float64):
         return grad.mul_(grad_loss)
-    if grad.is_cuda:
-        try:
-            from qwenft.models.ce_kernel import scale_
-        except ImportError:
-            pass
-        else:
-            return scale_(grad, grad_loss)
+    kernels = _triton_kernels(grad)
+    if kernels is not None:
+        return kernels.scale_(grad, grad_loss)
     for part in grad.view(-1).split(1 << 24):  # bounded fp32 temporaries
         part.copy_(part.float() * grad_loss.float())
     return grad
@@ -160,45 +237,73 @@ def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels
     them (one kernel on CUDA), then d hidden and d weight by two matmuls; the backward only scales them by the
     incoming gradient. No fp32 logits, log-softmax or fp32 logits gradient ever exist, and nothing of the
     logits outlives its chunk. The head's matmuls are the three of nn.Linear + CE, in the same dtype.
-    """
-    from torch.distributed.tensor import DTensor
 
+    `weight_vh` may be a DTensor sharded over the vocabulary (Shard(0)) on a 1-D tp mesh (vocab_parallel), with
+    `hidden_nh` the same plain tensor on every tp rank: each rank computes its own columns of each chunk's
+    logits, the log-sum-exp comes from all-reduced per-token statistics (`_chunk_ce_grad_`), the weight's
+    gradient is this rank's rows (Shard(0), like the weight) and the hidden states' gradient is summed over tp.
+    The CE sum is the same on every rank. That sum of the hidden gradient runs in the forward, each chunk's
+    all-reduce started as soon as its rows exist and left in flight while the weight gradient's and the next
+    chunk's matmuls run; summed in the backward instead (an all-reduce after the head's backward, as
+    `tensor_parallel._ToBlock` does for a block), it would sit between the head's and the final norm's backward
+    with nothing to overlap it.
+    """
+    vocab_start, group = 0, None
     if isinstance(weight_vh, DTensor):
-        raise ValueError("the fused linear cross-entropy (model.kernels.ce=fused) needs the whole lm_head on each "
-                         f"rank, but it is a DTensor {weight_vh.placements} (mesh.vocab_parallel=true with "
-                         "mesh.tp > 1); set mesh.vocab_parallel=false or model.kernels.ce=torch")
+        vocab_start, group = _vocab_shard(weight_vh)
+        weight_vh = weight_vh.to_local()  # whose backward gives the local gradient the weight's placement
     chunk = chunk_tokens or hidden_nh.shape[0]
     if torch.is_grad_enabled() and (hidden_nh.requires_grad or weight_vh.requires_grad):
-        return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk)
+        return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk, vocab_start, group)
     loss = torch.zeros((), device=hidden_nh.device, dtype=torch.float32)
     for s in range(0, hidden_nh.shape[0], chunk):
-        loss += _ce_grad_(hidden_nh[s:s + chunk] @ weight_vh.t(), labels_n[s:s + chunk]).sum()
+        loss += _chunk_ce_grad_(hidden_nh[s:s + chunk] @ weight_vh.t(), labels_n[s:s + chunk], vocab_start, group,
+                                grad=False).sum()
     return loss
+
+
+def _vocab_shard(weight: DTensor) -> tuple[int, dist.ProcessGroup]:
+    """(first vocabulary row of this rank's shard, the tp process group) of a vocab-parallel lm_head weight."""
+    # No public equivalent yet (torch 2.13); loss.py and the loader use it too.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError("the fused linear cross-entropy (model.kernels.ce=fused) takes the lm_head whole or sharded "
+                         f"over the vocabulary (Shard(0)) on the 1-D tp mesh, but it is a DTensor "
+                         f"{weight.placements} on a {weight.device_mesh.ndim}-D mesh")
+    _, (start, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return start, weight.device_mesh.get_group()
 
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk: int):
+    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk: int, vocab_start: int, group):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden_nh) if want_hidden else None
         grad_weight = None
+        pending = []  # vocab-parallel: the hidden gradient's all-reduces, in flight while the next matmuls run
         loss = torch.zeros((), device=hidden_nh.device, dtype=torch.float32)
         for s in range(0, hidden_nh.shape[0], chunk):
             h_ch = hidden_nh[s:s + chunk]
             logits_cv = h_ch @ weight_vh.t()
-            loss += _ce_grad_(logits_cv, labels_n[s:s + chunk]).sum()  # logits_cv now holds d ce / d logits
+            # logits_cv now holds d ce / d logits
+            loss += _chunk_ce_grad_(logits_cv, labels_n[s:s + chunk], vocab_start, group).sum()
             if want_hidden:
                 torch.mm(logits_cv, weight_vh, out=grad_hidden[s:s + chunk])
+                if group is not None:  # this rank's vocabulary rows' share of it
+                    pending.append(dist.all_reduce(grad_hidden[s:s + chunk], group=group, async_op=True))
             if want_weight:
                 # accumulated in the weight's dtype: one rounding per chunk (addmm sums each product in fp32)
                 if grad_weight is None:
                     grad_weight = logits_cv.t() @ h_ch
                 else:
                     grad_weight.addmm_(logits_cv.t(), h_ch)
+        for work in pending:
+            work.wait()
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return _scale_(grad_hidden, grad_loss), _scale_(grad_weight, grad_loss), None, None
+        return _scale_(grad_hidden, grad_loss), _scale_(grad_weight, grad_loss), None, None, None, None

@@ -138,7 +138,8 @@ def logits_bytes(vocab: int, tokens: int, compute_bytes: int, *, vocab_parallel:
     logits and the fp32 cross-entropy. `vocab` is this rank's share of the vocabulary; `pipelined`: a
     pipeline stage keeps its output (the logits) for the backward. `fused_hidden` (the hidden size): the fused
     linear CE, which holds one chunk's logits in the compute dtype and keeps the head's weight and input
-    gradients, formed in the forward, until the backward."""
+    gradients, formed in the forward, until the backward; vocab-parallel, each rank's logits and weight gradient
+    cover its share of the vocabulary, and only fp32 numbers per token are all-reduced."""
     c = compute_bytes
     if fused_hidden:  # qwenft.models.linear_ce.fused_linear_ce_sum
         kept = c * fused_hidden * (vocab + tokens)

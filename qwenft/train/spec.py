@@ -133,11 +133,19 @@ def resolve_dtypes(cfg: Config, device: str) -> Dtypes:
 
 
 def resolve_ce_kernel(cfg: Config, layout: Layout, device: str) -> str:
-    """model.kernels.ce: auto = fused on CUDA (no fp32 logits, less memory, faster) unless the head is
-    vocab-parallel (its weight is then a vocabulary shard), else torch."""
-    if cfg.model.kernels.ce != "auto":
-        return cfg.model.kernels.ce
-    return "fused" if device == "cuda" and not (layout.tp > 1 and cfg.mesh.vocab_parallel) else "torch"
+    """model.kernels.ce: auto = fused on CUDA (no fp32 logits, less memory, faster; a vocab-parallel head too),
+    else torch. Raises for model.ce_chunk_tokens with the torch kernel on a vocab-parallel head, whose chunked
+    recompute needs the whole weight."""
+    kernel = cfg.model.kernels.ce
+    if kernel == "auto":
+        kernel = "fused" if device == "cuda" else "torch"
+    if kernel == "torch" and cfg.model.ce_chunk_tokens and layout.tp > 1 and cfg.mesh.vocab_parallel:
+        auto = " (model.kernels.ce=auto off CUDA)" if cfg.model.kernels.ce == "auto" else ""
+        raise ValueError(f"model.ce_chunk_tokens={cfg.model.ce_chunk_tokens} with model.kernels.ce=torch{auto} needs "
+                         f"the whole lm_head on each rank, but mesh.vocab_parallel=true shards it over "
+                         f"mesh.tp={layout.tp}; set model.kernels.ce=fused, mesh.vocab_parallel=false or "
+                         f"model.ce_chunk_tokens=0")
+    return kernel
 
 
 def check_tied_stages(cfg: Config, layout: Layout) -> None:

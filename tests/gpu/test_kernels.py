@@ -26,6 +26,39 @@ def test_ce_kernel_equals_torch_ops():
     assert not ours[::5].any()  # unlabelled tokens: no gradient
 
 
+def test_vocab_parallel_ce_kernels_equal_torch_ops():
+    """The vocab-parallel pair on each half of a vocabulary, as two tp ranks hold it: statistics and gradient as
+    the torch ops compute them, and the halves' statistics combined give the whole-vocabulary kernel's CE and,
+    side by side, its gradient."""
+    from qwenft.models.ce_kernel import ce_grad_, shard_ce_grad_, shard_stats
+    from qwenft.models.linear_ce import IGNORE_INDEX, _shard_ce_grad_torch_, _shard_stats_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(300, 50_000, device="cuda", generator=gen) * 4).bfloat16()
+    labels = torch.randint(0, 50_000, (300,), device="cuda", generator=gen)
+    labels[::5] = IGNORE_INDEX
+    labels[1], labels[2], labels[3] = 25_000, 49_999, 24_999  # both edges of the second half, the first's last
+    starts = (0, 25_000)
+    halves = [logits[:, :25_000].contiguous(), logits[:, 25_000:].contiguous()]
+    stats = [shard_stats(x, labels, start, IGNORE_INDEX) for x, start in zip(halves, starts)]
+    for x, start, ours in zip(halves, starts, stats):
+        assert _rel(ours, _shard_stats_torch(x, labels, start)) < 1e-6
+    row_max = torch.maximum(stats[0][0], stats[1][0])
+    lse = (stats[0][1] * (stats[0][0] - row_max).exp() + stats[1][1] * (stats[1][0] - row_max).exp()).log() + row_max
+    whole = logits.clone()
+    loss = ce_grad_(whole, labels, IGNORE_INDEX)
+    assert _rel((lse - stats[0][2] - stats[1][2]) * (labels != IGNORE_INDEX), loss) < 1e-6
+    grads = []
+    for x, start in zip(halves, starts):
+        ours, ref = x.clone(), x.clone()
+        shard_ce_grad_(ours, labels, lse, start, IGNORE_INDEX)
+        _shard_ce_grad_torch_(ref, labels, lse, start)
+        assert _rel(ours.float(), ref.float()) < 1e-3
+        grads.append(ours)
+    assert _rel(torch.cat(grads, 1).float(), whole.float()) < 1e-3
+    assert not grads[0][::5].any() and not grads[1][::5].any()  # unlabelled tokens: no gradient
+
+
 def test_scale_rounds_once_from_fp32():
     from qwenft.models.ce_kernel import scale_
 
