@@ -209,6 +209,8 @@ class VocabParallelEmbedding(nn.Embedding):
 # renamed *_single in torch 2.13 (the old names warn there); torch 2.11 has only the old ones
 _funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+_c10d_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_c10d_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +236,7 @@ def _all_gather_tokens(x, mesh):
         return _wait(_funcol_all_gather(x.contiguous(), 1, mesh))
     n = mesh.size()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' [B, t, ...] one after the other
-    dist.all_gather_into_tensor(out, x.contiguous(), group=mesh.get_group())
+    _c10d_all_gather(out, x.contiguous(), group=mesh.get_group())
     return out.view(n, *x.shape).movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])  # a view when B = 1
 
 
@@ -247,7 +249,7 @@ def _reduce_scatter_tokens(x, mesh):
     # rank-major [tp * B, t, ...]: no copy when B = 1
     chunks = x.reshape(b, n, t, *x.shape[2:]).movedim(1, 0).reshape(n * b, t, *x.shape[2:])
     out = x.new_empty((b, t, *x.shape[2:]))
-    dist.reduce_scatter_tensor(out, chunks, group=mesh.get_group())
+    _c10d_reduce_scatter(out, chunks, group=mesh.get_group())
     return out
 
 
