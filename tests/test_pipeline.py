@@ -358,3 +358,17 @@ def test_parallel_recipes_show_and_fit_their_mesh(recipe, capsys):
         assert [len(s) for s in layers] == [16, 16, 16, 16] and size == 1 and count == 32
         assert cfg.pipeline.reduce_grad_per_microbatch and cfg.model.activation_checkpointing == "true"
         assert "data.path" in out.err  # required, shown as ???
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, knob", [("zbv", "false"), ("interleaved_zb", "true")])
+def test_tp2_pp2_split_backward_equals_one_process(tmp_path, reference, tp2_reference, schedule, knob):
+    """tp2 x pp2 under the schedules that run the input and the weight gradients in separate steps: the weight
+    step differentiates towards the parameters themselves, through the tensor-parallel layers' local shards."""
+    results = run_distributed(train_with_state, 4, _overrides(
+        tmp_path, f"tp2pp2-{schedule}-{knob}", "mesh.tp=2", "mesh.pp=2", f"pipeline.schedule={schedule}",
+        f"pipeline.reduce_grad_per_microbatch={knob}"))
+    for result in (results[0], results[-1]):
+        assert_same_training(result, reference, rtol=1e-4)
+        assert_same_training(result, tp2_reference, rtol=1e-5)

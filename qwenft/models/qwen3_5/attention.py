@@ -44,8 +44,10 @@ class _LocalParam(torch.autograd.Function):
     Eager, `DTensor.to_local()`'s backward wraps each gradient in a new DTensor and autograd then adds it to
     `.grad` through DTensor's dispatch: about 75 us of host time per weight and microbatch, which is most of a
     tensor-parallel layer's host work once its kernels shrink with tp. Here the backward sums a replicated
-    parameter's local gradient over the ranks it is replicated on, adds it to the local tensor of `.grad` (or
-    makes `.grad` once, with the parameter's placements) and hands autograd no gradient to accumulate.
+    parameter's local gradient over the ranks it is replicated on and, in a `backward()`, adds it to the local
+    tensor of `.grad` (or makes `.grad` once, with the parameter's placements) and hands autograd no gradient to
+    accumulate. Under `torch.autograd.grad` towards the parameters (the pipeline schedules that split the weight
+    gradients from the input gradients) it returns the gradient as a DTensor, for the caller to take.
     """
 
     @staticmethod
@@ -59,18 +61,31 @@ class _LocalParam(torch.autograd.Function):
         p = ctx.param
         ctx.param = None
         mesh = p.device_mesh
+        into_grad = _accumulates_into_grad(ctx)
         replicated = [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate) and mesh.size(d) > 1]
-        if p.grad is None or replicated:
+        if (into_grad and p.grad is None) or replicated:
             # a copy of our own to keep as `.grad` and to sum in place: autograd may hand the same buffer to other
             # inputs too (an add passes one gradient to both)
             grad = grad.contiguous().clone()
         for dim in replicated:
             torch.distributed.all_reduce(grad, group=mesh.get_group(dim))
+        if not into_grad:
+            return DTensor.from_local(grad.contiguous(), mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
         if p.grad is None:
             p.grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         else:
             p.grad._local_tensor.add_(grad)
         return None
+
+
+def _accumulates_into_grad(ctx) -> bool:
+    """Whether this backward pass accumulates into the parameter's `.grad` (`backward()`), rather than capturing
+    its gradient (`torch.autograd.grad` with the parameter among its inputs)."""
+    try:
+        return torch._C._will_engine_execute_node(ctx.next_functions[0][0])  # the parameter's AccumulateGrad
+    except RuntimeError:  # raised for a leaf's node under torch.autograd.grad, which accumulates into no .grad
+        return False
 
 
 class RMSNorm(nn.Module):
