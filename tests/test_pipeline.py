@@ -372,3 +372,17 @@ def test_tp2_pp2_split_backward_equals_one_process(tmp_path, reference, tp2_refe
     for result in (results[0], results[-1]):
         assert_same_training(result, reference, rtol=1e-4)
         assert_same_training(result, tp2_reference, rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("knob", ["false", "true"])
+def test_tp2_dp2_accumulation_equals_one_process(tmp_path, reference, tp2_reference, knob):
+    """tp2 x dp2 with FSDP2, two microbatches per rank and step: the tensor-parallel layers' local gradients
+    accumulate into FSDP2's unsharded parameters across microbatches (knob off) or are reduce-scattered after
+    each (knob on)."""
+    results = run_distributed(train_with_state, 4, _overrides(
+        tmp_path, f"tp2dp2-{knob}", "mesh.tp=2", "mesh.dp=2", f"pipeline.reduce_grad_per_microbatch={knob}"))
+    for result in (results[0], results[-1]):
+        assert_same_training(result, reference, rtol=1e-4)
+        assert_same_training(result, tp2_reference, rtol=1e-5)
