@@ -118,26 +118,36 @@ def profiled_run(cfg, warmup: int, trace: str | None = None):
 
 
 def host_profiled_run(cfg, warmup: int, out: str):
-    """`run(cfg)` with cProfile on for the steps after the first `warmup`; writes the functions by own time and
-    by cumulative time to `out`. cProfile's overhead per Python call inflates Python-heavy code most."""
+    """`run(cfg)` with cProfile on for the steps after the first `warmup` (to the end of the last step, not the
+    run's teardown); writes the functions by own time and by cumulative time to `out` (rank R > 0: `out.rankR`).
+    cProfile's overhead per Python call inflates Python-heavy code most."""
     import cProfile
     import io
     import pstats
 
     prof = cProfile.Profile()
 
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def on_step(step):
         if step == warmup:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            sync()
             prof.enable()
+        if step == cfg.train.max_steps:
+            sync()
+            prof.disable()
 
+    if warmup == 0:
+        prof.enable()
     result = run(cfg, on_step=on_step)
     prof.disable()
     text = io.StringIO()
     for key in ("tottime", "cumulative"):
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(60)
-    Path(out).write_text(text.getvalue())
+    rank = int(os.environ.get("RANK", "0"))
+    Path(out if rank == 0 else f"{out}.rank{rank}").write_text(text.getvalue())
     return result
 
 
@@ -158,6 +168,8 @@ def main():
     args, overrides = parser.parse_known_args()
     if args.fake_world:
         init_fake_process_group(args.fake_world)
+    if args.host_profile and args.profile:
+        parser.error("--host-profile and --profile each profile the same steps: pass one of them")
     if args.trace and not args.profile:
         parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
