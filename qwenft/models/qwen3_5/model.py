@@ -45,10 +45,10 @@ class DecoderLayer(nn.Module):
 def _compile(fn):
     """torch.compile(fn, dynamic=False), fed plain tensors.
 
-    Tensor parallelism hands some inputs over as AsyncCollectiveTensor (a collective not yet waited on, e.g.
-    the all-reduced output of the vocab-parallel embedding, layer 0's input).
-    Given one directly, the compiled graph's backward was wrong on torch 2.13 (tp2: the embedding's gradient
-    4.4e-3 off eager after one step); a clone waits and gives eager's numbers, for one [B, T, H] copy.
+    An input may arrive as AsyncCollectiveTensor (a functional collective not yet waited on). Given one
+    directly, the compiled graph's backward was wrong on torch 2.13 (tp2, the vocab-parallel embedding's output
+    when its all-reduce was a functional one: the embedding's gradient 4.4e-3 off eager after one step); a clone
+    waits and gives eager's numbers, for one [B, T, H] copy.
     """
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
