@@ -174,7 +174,6 @@ def test_grouped_mm_equals_the_expert_loop():
         assert rel_err(out["grouped_mm"][2][n], g) < 1e-6, n
 
 
-
 def test_rows_by_expert_backward_equals_indexing():
     """The routed pairs' rows (`x[order // k]`) with the fixed-order backward that keeps tp replicas bit-equal
     on CUDA: the same gradient as indexing's own backward (fp64, where both orders agree to rounding)."""
@@ -193,6 +192,7 @@ def test_rows_by_expert_backward_equals_indexing():
         grads.append((out.detach(), xg.grad))
     assert torch.equal(grads[0][0], grads[1][0])
     torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-12, atol=1e-12)
+
 
 def test_hf_save_native_load_hf_export_keeps_every_tensor(tiny_pair, tmp_path_factory):
     """transformers' save_pretrained writes one tensor per expert (experts.{j}.gate_proj ...); the export writes

@@ -207,10 +207,11 @@ def _chunk_ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, vocab_start
     stats_3n[1].mul_((stats_3n[0] - max_n).exp_())
     dist.all_reduce(stats_3n[1:], group=group)  # sum of exp(x - max) over the vocabulary; the label's logit
     lse_n = stats_3n[1].log().add_(max_n)
-    if grad and kernels is None:
-        _shard_ce_grad_torch_(logits_nv, labels_n, lse_n, vocab_start)
-    elif grad:
-        kernels.shard_ce_grad_(logits_nv, labels_n, lse_n, vocab_start, IGNORE_INDEX)
+    if grad:
+        if kernels is None:
+            _shard_ce_grad_torch_(logits_nv, labels_n, lse_n, vocab_start)
+        else:
+            kernels.shard_ce_grad_(logits_nv, labels_n, lse_n, vocab_start, IGNORE_INDEX)
     return (lse_n - stats_3n[2]) * (labels_n != IGNORE_INDEX)
 
 

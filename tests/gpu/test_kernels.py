@@ -30,8 +30,8 @@ def test_vocab_parallel_ce_kernels_equal_torch_ops():
     """The vocab-parallel pair on each half of a vocabulary, as two tp ranks hold it: statistics and gradient as
     the torch ops compute them, and the halves' statistics combined give the whole-vocabulary kernel's CE and,
     side by side, its gradient."""
-    from qwenft.models.ce_kernel import ce_grad_, shard_ce_grad_, shard_stats
     from qwenft.constants import IGNORE_INDEX
+    from qwenft.models.ce_kernel import ce_grad_, shard_ce_grad_, shard_stats
     from qwenft.models.linear_ce import _shard_ce_grad_torch_, _shard_stats_torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -43,11 +43,11 @@ class _LocalParam(torch.autograd.Function):
 
     Eager, `DTensor.to_local()`'s backward wraps each gradient in a new DTensor and autograd then adds it to
     `.grad` through DTensor's dispatch: about 75 us of host time per weight and microbatch, about a third of a
-    tp2 layer's backward host work. Here the backward sums a replicated
-    parameter's local gradient over the ranks it is replicated on and, in a `backward()`, adds it to the local
-    tensor of `.grad` (or makes `.grad` once, with the parameter's placements) and hands autograd no gradient to
-    accumulate. Under `torch.autograd.grad` towards the parameters (the pipeline schedules that split the weight
-    gradients from the input gradients) it returns the gradient as a DTensor, for the caller to take.
+    tp2 layer's backward host work. Here the backward sums a replicated parameter's local gradient over the
+    ranks it is replicated on and, in a `backward()`, adds it to the local tensor of `.grad` (or makes `.grad`
+    once, with the parameter's placements) and hands autograd no gradient to accumulate. Under
+    `torch.autograd.grad` towards the parameters (the pipeline schedules that split the weight gradients from
+    the input gradients) it returns the gradient as a DTensor, for the caller to take.
 
     Its node does not get AccumulateGrad's first place in autograd's queue; it still runs before FSDP2's
     post-backward of the module because `local()` is called inside the module's forward, after FSDP2's
@@ -66,20 +66,21 @@ class _LocalParam(torch.autograd.Function):
         ctx.param = None
         mesh = p.device_mesh
         into_grad = _accumulates_into_grad(ctx)
+        add_to_grad = into_grad and p.grad is not None
         replicated = [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate) and mesh.size(d) > 1]
-        if (into_grad and p.grad is None) or replicated:
-            # a copy of our own to keep as `.grad` and to sum in place: autograd may hand the same buffer to other
-            # inputs too (an add passes one gradient to both)
+        if not add_to_grad or replicated:
+            # a copy of our own to keep (as `.grad`, or handed back) and to sum in place: autograd may hand the
+            # same buffer to other inputs too (an add passes one gradient to both)
             grad = grad.contiguous().clone()
         for dim in replicated:
             torch.distributed.all_reduce(grad, group=mesh.get_group(dim))
-        if not into_grad:
-            return DTensor.from_local(grad.contiguous(), mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
-        if p.grad is None:
-            p.grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-        else:
+        if add_to_grad:
             p.grad._local_tensor.add_(grad)
+            return None
+        grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        if not into_grad:
+            return grad
+        p.grad = grad
         return None
 
 
