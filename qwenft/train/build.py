@@ -30,7 +30,7 @@ from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
 from qwenft.launch import signals
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
-                                   forward_batch, val_micro_batches)
+                                   device_batch, forward_batch, val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0, set_cpu_threads,
@@ -216,12 +216,13 @@ def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.
     step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, reduce_grad_per_microbatch)
-        labels = mb["labels"].to(device)
+        mb = device_batch(mb, device)
+        labels = mb["labels"]
         moe = {}
         if model.cfg.text.is_moe:
             padding = mb.get("padding_mask")
-            moe = {"return_routing": True, "router_mask": None if padding is None else ~padding.to(device)}
-        output = forward_batch(model, mb, device, **({"labels": labels} if ce_in_model else {}), **moe)
+            moe = {"return_routing": True, "router_mask": None if padding is None else ~padding}
+        output = forward_batch(model, mb, **({"labels": labels} if ce_in_model else {}), **moe)
         loss = loss_fn(output, labels)
         loss.backward()
         step_loss += loss.detach()

@@ -5,24 +5,36 @@ import torch
 import torch.distributed as dist
 
 from qwenft.constants import IGNORE_INDEX
+from qwenft.models.qwen3_5 import varlen
+from qwenft.models.qwen3_5.varlen import copy_to_device
 from qwenft.models.loss import count_label_tokens, token_ce_sum
 
 
-def forward_batch(model, mb: dict, device, **kwargs):
+def device_batch(mb: dict, device) -> dict:
+    """A microbatch's tensors on `device`, copied without making the host wait for the GPU (so it queues this
+    microbatch's kernels while the last one's still run), its `cu_seqlens` known to the model's kernels with
+    the host offsets they came from (`varlen.to_device`)."""
+    out = {k: copy_to_device(v, device) for k, v in mb.items() if k != "cu_seqlens"}
+    out["cu_seqlens"] = varlen.to_device(mb["cu_seqlens"], device)
+    return out
+
+
+def forward_batch(model, mb: dict, **kwargs):
+    """The model's forward on a microbatch from `device_batch`."""
     images = {}
     if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
-        images = {"pixel_values": mb["pixel_values"].to(device), "image_grid_thw": mb["image_grid_thw"].to(device)}
-    return model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                 cu_seqlens=mb["cu_seqlens"].to(device), **images, **kwargs)
+        images = {"pixel_values": mb["pixel_values"], "image_grid_thw": mb["image_grid_thw"]}
+    return model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], **images,
+                 **kwargs)
 
 
 def ce_sum(model, mb: dict, device, ce_in_model: bool) -> torch.Tensor:
     """Token CE summed over a microbatch's labels: from the logits, or (model.ce_chunk_tokens > 0) computed by
     the model's head itself, chunk by chunk, without the whole logits."""
-    labels = mb["labels"].to(device)
+    mb = device_batch(mb, device)
     if ce_in_model:
-        return forward_batch(model, mb, device, labels=labels)
-    return token_ce_sum(forward_batch(model, mb, device), labels)
+        return forward_batch(model, mb, labels=mb["labels"])
+    return token_ce_sum(forward_batch(model, mb), mb["labels"])
 
 
 def val_micro_batches(val_data, max_batches: int | None) -> list[dict]:

@@ -43,6 +43,34 @@ def test_tiny_forward_on_cuda_equals_cpu():
     assert rel_err(out.cpu(), ref) < 1e-4
 
 
+def test_a_microbatch_makes_the_host_wait_for_nothing():
+    """The tiny model in bf16 on the CUDA kernels training picks (fla's GDN, varlen flash attention, the fused
+    cross-entropy): a packed microbatch's transfer (`device_batch`), forward and backward under torch.cuda's
+    sync debug mode "error", so an op that makes the host wait for the GPU raises. A step whose microbatches
+    sync lets the host queue only one microbatch's kernels ahead, and a host-bound layer's launches then add
+    to the step time. After one pass of the same shapes outside the mode (kernels compile and autotune)."""
+    from qwenft.train.evaluate import device_batch, forward_batch
+
+    cfg = named_config("tiny")
+    model = init_random_weights(build_model(cfg, kernels="auto", attention_kernel="auto", ce_kernel="fused"),
+                                seed=0, device="cuda", dtype=torch.bfloat16)
+    T = 256
+    mb = {"input_ids": torch.randint(0, cfg.text.vocab_size, (1, T), generator=torch.Generator().manual_seed(0)),
+          "position_ids": torch.cat([torch.arange(100), torch.arange(T - 100)]).view(1, T),
+          "cu_seqlens": torch.tensor([0, 100, T], dtype=torch.int32)}
+    mb["labels"] = mb["input_ids"].roll(-1, dims=1)
+    for debug_mode in ("default", "error"):
+        torch.cuda.set_sync_debug_mode(debug_mode)
+        try:
+            on_device = device_batch(mb, torch.device("cuda"))
+            loss = forward_batch(model, on_device, labels=on_device["labels"])
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert math.isfinite(loss.item())
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def _exported(run_dir) -> dict:
     """The parameters of run_dir's HF export (every safetensors file of run_dir/hf), on the CPU."""
     from safetensors.torch import load_file
