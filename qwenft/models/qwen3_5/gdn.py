@@ -240,11 +240,14 @@ class GatedDeltaNet(nn.Module):
             pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, x.shape[1])
             conv = lambda t, w: causal_conv(t, w, pos)  # noqa: E731
         b, t = x.shape[:2]
-        q, k, v, z, beta, a = self.project(x)
+        qkv, z, beta, a = self.project(x)
         g = self.decay(a)
-        q = conv(q, local(self.conv_q)).view(b, t, -1, self.head_k_dim)
-        k = conv(k, local(self.conv_k)).view(b, t, -1, self.head_k_dim)
-        v = conv(v, local(self.conv_v)).view(b, t, -1, self.head_v_dim)
+        # one depthwise conv over q|k|v's channels: one kernel launch (forward and backward) instead of three
+        weights = [local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
+        qkv = conv(qkv, torch.cat(weights))
+        q, k, v = qkv.split([w.shape[0] for w in weights], dim=-1)
+        q, k = q.view(b, t, -1, self.head_k_dim), k.view(b, t, -1, self.head_k_dim)
+        v = v.view(b, t, -1, self.head_v_dim)
         if kernel == "fla":  # grouped value heads in the kernel: value head j reads key head j // (Hv / Hk)
             out = _fla_delta_rule(q, k, v, g, beta, cu_seqlens)
         else:
@@ -257,10 +260,12 @@ class GatedDeltaNet(nn.Module):
     # (qwenft.models.qwen3_5.model.compile_layer); the convs and the delta rule between them (fla's Triton
     # kernels, or the reference) stay eager.
     def project(self, x: torch.Tensor):
-        """q, k, v before their convs [b, t, channels], z [b, t, Hv, Dv], beta [b, t, Hv], decay input a."""
+        """q|k|v before their conv [b, t, channels] (one tensor), z [b, t, Hv, Dv], beta [b, t, Hv], decay
+        input a."""
         b, t = x.shape[:2]
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x), z, self.b_proj(x).sigmoid(), self.a_proj(x)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return qkv, z, self.b_proj(x).sigmoid(), self.a_proj(x)
 
     def norm_output(self, out: torch.Tensor, z: torch.Tensor, B: int, T: int) -> torch.Tensor:
         # back to [B, T] before out_proj, so a sequence-parallel out_proj scatters each row's tokens
