@@ -203,7 +203,8 @@ class GatedDeltaNet(nn.Module):
     """Qwen3.5 linear attention with separate q/k/v/z/a/b projections and per-part conv weights.
 
     HF fuses q|k|v into `in_proj_qkv` and `conv1d`; keeping them apart lets TP shard every tensor by head
-    (adapter.py splits/fuses). conv_q/conv_k/conv_v are [channels, 1, kernel] like HF's conv1d weight.
+    (adapter.py splits/fuses). conv_q/conv_k/conv_v are [channels, 1, kernel] like HF's conv1d weight; the
+    forward concatenates each rank's local q|k|v and their conv weights for one conv call.
     Head counts are read from weight shapes so TP-local shards run unchanged.
     """
 
