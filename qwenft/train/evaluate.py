@@ -6,7 +6,6 @@ import torch.distributed as dist
 
 from qwenft.constants import IGNORE_INDEX
 from qwenft.models.qwen3_5 import varlen
-from qwenft.models.qwen3_5.varlen import copy_to_device
 from qwenft.models.loss import count_label_tokens, token_ce_sum
 
 
@@ -14,7 +13,7 @@ def device_batch(mb: dict, device) -> dict:
     """A microbatch's tensors on `device`, copied without making the host wait for the GPU (so it queues this
     microbatch's kernels while the last one's still run), its `cu_seqlens` known to the model's kernels with
     the host offsets they came from (`varlen.to_device`)."""
-    out = {k: copy_to_device(v, device) for k, v in mb.items() if k != "cu_seqlens"}
+    out = {k: varlen.copy_to_device(v, device) for k, v in mb.items() if k != "cu_seqlens"}
     out["cu_seqlens"] = varlen.to_device(mb["cu_seqlens"], device)
     return out
 
@@ -48,16 +47,16 @@ def eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_i
 
     model.eval()
     ce = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), dtype=torch.float64)  # counted on the host: no copy to wait for per microbatch
     with torch.no_grad():
         for mb in val_batches:
             ce += ce_sum(model, mb, device, ce_in_model).double()
-            tokens += count_label_tokens(mb["labels"]).to(device)
+            tokens += count_label_tokens(mb["labels"])
     for m in model.modules():  # FSDP keeps the root's parameters unsharded after a forward without backward
         if isinstance(m, FSDPModule):
             m.reshard()
     model.train()
-    totals = torch.stack([ce, tokens])
+    totals = torch.stack([ce, tokens.to(device)])
     dist.all_reduce(totals, group=dp_group)
     return (totals[0] / totals[1].clamp(min=1)).item()
 

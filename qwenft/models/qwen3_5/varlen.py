@@ -34,7 +34,7 @@ def to_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The host offsets `cu_seqlens` on `device`, copied without waiting for the GPU, and known to
     `varlen_info` (which then needs no copy back)."""
     on_device = copy_to_device(cu_seqlens, device)
-    _remember(on_device, cu_seqlens.to(torch.long))
+    _remember(on_device, cu_seqlens.to("cpu", torch.long))
     return on_device
 
 
