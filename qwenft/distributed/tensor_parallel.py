@@ -219,8 +219,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 # Eager, the blocks' collectives are c10d's ops: the functional collectives' dispatch (a custom op, its
-# autograd shim and an AsyncCollectiveTensor per call, ~100 us a call under cProfile) costs several times
-# c10d's, once per block input and output. Traced by model.compile, the functional ones, which the graph absorbs.
+# autograd shim and an AsyncCollectiveTensor per call) costs several times c10d's host work, once per block
+# input and output. Traced by model.compile, the functional ones, which the graph absorbs.
 def _all_reduce(x, mesh):
     if torch.compiler.is_compiling():
         return _wait(funcol.all_reduce(x.contiguous(), "sum", mesh))

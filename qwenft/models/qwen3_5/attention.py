@@ -42,10 +42,11 @@ class _LocalParam(torch.autograd.Function):
     """A DTensor parameter's local tensor, its gradient accumulated straight into the parameter's `.grad`.
 
     Eager, `DTensor.to_local()`'s backward wraps each gradient in a new DTensor and autograd then adds it to
-    `.grad` through DTensor's dispatch: about 75 us of host time per weight and microbatch, about a third of a
-    tp2 layer's backward host work. Here the backward sums a replicated parameter's local gradient over the
-    ranks it is replicated on and, in a `backward()`, adds it to the local tensor of `.grad` (or makes `.grad`
-    once, with the parameter's placements) and hands autograd no gradient to accumulate. Under
+    `.grad` through DTensor's dispatch: host work per weight and microbatch, a large share of a tensor-parallel
+    layer's backward (docs/performance.md, "Host time per decoder layer"). Here the backward sums a replicated
+    parameter's local gradient over the ranks it is replicated on and, in a `backward()`, adds it to the local
+    tensor of `.grad` (or makes `.grad` once, with the parameter's placements) and hands autograd no gradient
+    to accumulate. Under
     `torch.autograd.grad` towards the parameters (the pipeline schedules that split the weight gradients from
     the input gradients) it returns the gradient as a DTensor, for the caller to take.
 

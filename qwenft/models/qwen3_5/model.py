@@ -46,9 +46,9 @@ def _compile(fn):
     """torch.compile(fn, dynamic=False), fed plain tensors.
 
     An input may arrive as AsyncCollectiveTensor (a functional collective not yet waited on). Given one
-    directly, the compiled graph's backward was wrong on torch 2.13 (tp2, the vocab-parallel embedding's output
-    when its all-reduce was a functional one: the embedding's gradient 4.4e-3 off eager after one step); a clone
-    waits and gives eager's numbers, for one [B, T, H] copy.
+    directly, the compiled graph's backward is wrong on torch 2.13 (the gradient of whatever produced the input,
+    e.g. a vocab-parallel embedding whose all-reduce is a functional one); a clone waits and gives eager's
+    numbers, for one [B, T, H] copy.
     """
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
