@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qwenft.constants import IGNORE_INDEX
+from qwenft.models.qwen3_5.attention import local
 
 
 
@@ -252,7 +253,7 @@ def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels
     vocab_start, group = 0, None
     if isinstance(weight_vh, DTensor):
         vocab_start, group = _vocab_shard(weight_vh)
-        weight_vh = weight_vh.to_local()  # whose backward gives the local gradient the weight's placement
+        weight_vh = local(weight_vh)  # its rows' gradient goes to the weight's `.grad`, Shard(0) like the weight
     chunk = chunk_tokens or hidden_nh.shape[0]
     if torch.is_grad_enabled() and (hidden_nh.requires_grad or weight_vh.requires_grad):
         return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk, vocab_start, group)
