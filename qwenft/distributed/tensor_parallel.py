@@ -107,11 +107,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
             for name in ("A_log", "dt_bias"):
                 shard_param(mixer.decay, name, tp_mesh, Shard(0))
             shard_param(mixer.norm, "weight", tp_mesh, Replicate())
-        blocks = [(mixer, cols, row)]
+        # a block's input is the output of the norm before it: the hook sits there, so that model.compile's
+        # graphs, which run a norm and the block's projections together, trace it (model.compile_layer)
+        blocks = [(layer.input_layernorm, mixer, cols, row)]
         if not isinstance(layer.mlp, MoE):  # the MoE block stays replicated (table above)
-            blocks.append((layer.mlp, ("gate_proj", "up_proj"), "down_proj"))
-        for block, col_names, row_name in blocks:
-            block.register_forward_pre_hook(block_in)
+            blocks.append((layer.post_attention_layernorm, layer.mlp, ("gate_proj", "up_proj"), "down_proj"))
+        for norm, block, col_names, row_name in blocks:
+            norm.register_forward_hook(block_in)
             for name in col_names:
                 _local_linear(getattr(block, name), tp_mesh, Shard(0))
             _local_linear(getattr(block, row_name), tp_mesh, Shard(1))
@@ -164,7 +166,7 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     `_block_input` / `_block_output` communicate, once per block, and the projections' ops skip DTensor's
     dispatch."""
     shard_param(linear, "weight", mesh, placement)
-    if linear.bias is not None:  # row-parallel: replicated, added by `_block_output` after the sum
+    if linear.bias is not None:  # row-parallel: replicated, added once by `_block_output`
         shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
     column = placement == Shard(0)
     # LoRA adapters (qwenft.models.lora) follow the weight: column-parallel, A replicated and B split like the
@@ -181,7 +183,7 @@ class ShardedLinear(nn.Linear):
     """An nn.Linear whose DTensor weight (and a column-parallel bias) are multiplied as local shards."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a row-parallel bias is replicated: `_block_output` adds it once, after the ranks' outputs are summed
+        # a row-parallel bias is replicated: `_block_output` adds it once, to rank 0's partial output
         sharded_bias = self.bias is not None and self.bias.placements[-1].is_shard()
         return torch.nn.functional.linear(x, local(self.weight), local(self.bias) if sharded_bias else None)
 
@@ -282,18 +284,16 @@ class _FromBlock(torch.autograd.Function):
         return (_all_gather_tokens(grad, ctx.mesh) if ctx.seq else grad), None, None
 
 
-def _block_input(block, args, mesh, seq):
-    x, *rest = args
-    return (_ToBlock.apply(x, mesh, seq), *rest)
+def _block_input(norm, args, output, mesh, seq):
+    return _ToBlock.apply(output, mesh, seq)
 
 
 def _block_output(linear, args, output, mesh, seq):
-    out = _FromBlock.apply(output, mesh, seq)
-    if linear.bias is None:
-        return out
-    # every rank adds the whole bias, so its gradient is whole too; with sequence parallelism it is this rank's
-    # tokens' share, summed over tp (`local`)
-    return out + (local(linear.bias) if seq else linear.bias.to_local())
+    if linear.bias is not None:
+        # the replicated bias goes into rank 0's partial output only, so the ranks' sum holds it once and only
+        # rank 0's local gradient is nonzero: `local` sums it over tp into the whole gradient on every rank
+        output = output + local(linear.bias) * (1.0 if mesh.get_local_rank() == 0 else 0.0)
+    return _FromBlock.apply(output, mesh, seq)
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:

@@ -11,7 +11,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from .configs import TextConfig
 from .varlen import varlen_info
@@ -30,12 +30,12 @@ def local(p: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(p, DTensor):
         return p
-    if torch.compiler.is_compiling():  # traced: DTensor's own autograd functions, which the graph absorbs
-        if not any(isinstance(pl, Replicate) for pl in p.placements):
-            return p.to_local()
-        p = p.redistribute(p.device_mesh, p.placements)
-        return p.to_local(grad_placements=[Partial() if isinstance(pl, Replicate) else pl for pl in p.placements])
     return _LocalParam.apply(p)
+
+
+def local_all(params: list[DTensor]) -> tuple[torch.Tensor, ...]:
+    """`local` of several DTensor parameters at once: one autograd node for all of them."""
+    return _LocalParams.apply(*params)
 
 
 class _LocalParam(torch.autograd.Function):
@@ -58,40 +58,59 @@ class _LocalParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p):
         ctx.param = p
-        local_tensor = p._local_tensor
-        return local_tensor.view_as(local_tensor)  # a new tensor object: autograd writes its metadata on it
+        return p._local_tensor.view_as(p._local_tensor)  # a new tensor object: autograd writes its metadata on it
 
     @staticmethod
     def backward(ctx, grad):
-        p = ctx.param
-        ctx.param = None
-        mesh = p.device_mesh
-        into_grad = _accumulates_into_grad(ctx)
-        add_to_grad = into_grad and p.grad is not None
-        replicated = [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate) and mesh.size(d) > 1]
-        if not add_to_grad or replicated:
-            # a copy of our own to keep (as `.grad`, or handed back) and to sum in place: autograd may hand the
-            # same buffer to other inputs too (an add passes one gradient to both)
-            grad = grad.contiguous().clone()
-        for dim in replicated:
-            torch.distributed.all_reduce(grad, group=mesh.get_group(dim))
-        if add_to_grad:
-            p.grad._local_tensor.add_(grad)
-            return None
-        grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-        if not into_grad:
-            return grad
-        p.grad = grad
+        p, ctx.param = ctx.param, None
+        return _param_grad(ctx, 0, p, grad)
+
+
+class _LocalParams(torch.autograd.Function):
+    """`_LocalParam` of several parameters: one node, one backward call for all of them."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.params = params
+        # new tensor objects: autograd writes its metadata on them
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        params, ctx.params = ctx.params, None
+        return tuple(None if grad is None else _param_grad(ctx, i, p, grad)
+                     for i, (p, grad) in enumerate(zip(params, grads)))
+
+
+def _param_grad(ctx, i: int, p: DTensor, grad: torch.Tensor) -> DTensor | None:
+    """The backward of `_LocalParam(s)` for its i-th parameter: None once the gradient is in `p.grad`."""
+    mesh = p.device_mesh
+    into_grad = _accumulates_into_grad(ctx, i)
+    add_to_grad = into_grad and p.grad is not None
+    replicated = [d for d, pl in enumerate(p.placements) if isinstance(pl, Replicate) and mesh.size(d) > 1]
+    if not add_to_grad or replicated:
+        # a copy of our own to keep (as `.grad`, or handed back) and to sum in place: autograd may hand the
+        # same buffer to other inputs too (an add passes one gradient to both)
+        grad = grad.contiguous().clone()
+    for dim in replicated:
+        torch.distributed.all_reduce(grad, group=mesh.get_group(dim))
+    if add_to_grad:
+        p.grad._local_tensor.add_(grad)
         return None
+    grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    if not into_grad:
+        return grad
+    p.grad = grad
+    return None
 
 
-def _accumulates_into_grad(ctx) -> bool:
+def _accumulates_into_grad(ctx, i: int) -> bool:
     """Whether this backward pass accumulates into the parameter's `.grad` (`backward()`), rather than capturing
     its gradient (`torch.autograd.grad` with the parameter among its inputs)."""
     # torch has no public way to tell the two apart (2.13): its private check raises for a leaf's node under
     # torch.autograd.grad, which accumulates into no .grad; a public one would replace both
     try:
-        return torch._C._will_engine_execute_node(ctx.next_functions[0][0])  # the parameter's AccumulateGrad
+        return torch._C._will_engine_execute_node(ctx.next_functions[i][0])  # the parameter's AccumulateGrad
     except RuntimeError:
         return False
 
@@ -252,11 +271,11 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens=None) -> torch.Tensor:
         q, k, v, gate = self.project(x, rope)
-        out_bthd = attend(q, k, v, self.head_dim**-0.5, cu_seqlens, self.kernel)
-        return self.gate_output(out_bthd, gate)
+        return self.output(self.mix(q, k, v, cu_seqlens), gate)
 
-    # project and gate_output see only [B, T, ...] tensors, never cu_seqlens: model.compile compiles them
-    # (qwenft.models.qwen3_5.model.compile_layer) and leaves the attention kernel between them eager.
+    # The decoder layer calls the three pieces itself: model.compile compiles project and output into the layer's
+    # graphs (qwenft.models.qwen3_5.model.compile_layer); mix, the attention kernel, stays eager, and is the only
+    # piece that reads cu_seqlens.
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """q, k, v [B, H, T, D] (normed, rotated) and the output gate [B, T, H * D]."""
         B, T, _ = x.shape
@@ -268,6 +287,10 @@ class GatedAttention(nn.Module):
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate_bthd.reshape(B, T, -1)
 
-    def gate_output(self, out_bthd: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def mix(self, q_bhtd, k_bhtd, v_bhtd, cu_seqlens=None) -> torch.Tensor:
+        return attend(q_bhtd, k_bhtd, v_bhtd, self.head_dim**-0.5, cu_seqlens, self.kernel)
+
+    def output(self, out_bthd: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The sigmoid gate and o_proj: [B, T, H, D] -> [B, T, hidden]."""
         B, T = gate.shape[:2]
         return self.o_proj(out_bthd.reshape(B, T, -1) * torch.sigmoid(gate))

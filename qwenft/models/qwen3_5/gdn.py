@@ -231,17 +231,33 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
+        qkv, z, beta, a = self.project(x)
+        return self.output(self.mix(qkv, beta, a, cu_seqlens), z)
+
+    # The decoder layer calls the three pieces itself: model.compile compiles project and output into the layer's
+    # graphs (qwenft.models.qwen3_5.model.compile_layer); mix (the convs and the delta rule: fla's Triton kernels,
+    # or the reference) stays eager, and is the only piece that reads cu_seqlens.
+    def project(self, x: torch.Tensor):
+        """q|k|v before their conv [B, T, channels] (one tensor), z [B, T, Hv, Dv], beta [B, T, Hv], decay
+        input a [B, T, Hv]."""
+        b, t = x.shape[:2]
+        z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return qkv, z, self.b_proj(x).sigmoid(), self.a_proj(x)
+
+    def mix(self, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
+            cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """The decay, the causal conv and the delta rule -> [B, T, Hv, Dv]."""
+        B, T = qkv.shape[:2]
         kernel = resolve_kernel(self.kernels)
         if cu_seqlens is not None:  # documents index the flattened B*T stream: run it as one row
-            x = x.reshape(1, B * T, -1)
+            qkv, beta, a = (t.reshape(1, B * T, *t.shape[2:]) for t in (qkv, beta, a))
         if kernel == "fla":
             conv = lambda t, w: _fla_conv(t, w, cu_seqlens)  # noqa: E731
         else:
-            pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, x.shape[1])
+            pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, qkv.shape[1])
             conv = lambda t, w: causal_conv(t, w, pos)  # noqa: E731
-        b, t = x.shape[:2]
-        qkv, z, beta, a = self.project(x)
+        b, t = qkv.shape[:2]
         g = self.decay(a)
         # one depthwise conv over q|k|v's channels: one kernel launch (forward and backward) instead of three
         weights = [local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
@@ -255,19 +271,9 @@ class GatedDeltaNet(nn.Module):
             rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
             out = _torch_delta_rule(q, k, v, g, beta, cu_seqlens)
-        return self.norm_output(out, z, B, T)
+        return out.view(B, T, *out.shape[2:])
 
-    # project and norm_output see only fixed-shape tensors, never cu_seqlens: model.compile compiles them
-    # (qwenft.models.qwen3_5.model.compile_layer); the convs and the delta rule between them (fla's Triton
-    # kernels, or the reference) stay eager.
-    def project(self, x: torch.Tensor):
-        """q|k|v before their conv [b, t, channels] (one tensor), z [b, t, Hv, Dv], beta [b, t, Hv], decay
-        input a."""
-        b, t = x.shape[:2]
-        z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return qkv, z, self.b_proj(x).sigmoid(), self.a_proj(x)
-
-    def norm_output(self, out: torch.Tensor, z: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        # back to [B, T] before out_proj, so a sequence-parallel out_proj scatters each row's tokens
+    def output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm and out_proj: [B, T, Hv, Dv] -> [B, T, hidden]."""
+        B, T = z.shape[:2]
         return self.out_proj(self.norm(out, z).reshape(B, T, -1))

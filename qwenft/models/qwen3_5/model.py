@@ -9,8 +9,9 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from .attention import GatedAttention, RMSNorm, RotaryEmbedding
+from .attention import GatedAttention, RMSNorm, RotaryEmbedding, local_all
 from .configs import FULL_ATTENTION, ModelConfig, TextConfig
 from .gdn import GatedDeltaNet, param_dtype, positions_in_document
 from .moe import MLP, MoE, RouterStats, routing_rows
@@ -31,19 +32,52 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
+
     def forward(self, h, rope, cu_seqlens=None, router_mask=None):
+        # three pieces: model.compile makes the first and the last one graph each (compile_layer); the mixer's
+        # kernels between them stay eager and are all that reads cu_seqlens
+        kernel_inputs, carry = self.mixer_input(h, rope)
+        out = self.mixer.mix(*kernel_inputs, cu_seqlens)
+        if isinstance(self.mlp, MoE):
+            h, x = self.mixer_output(h, out, carry)
+            return h + self.mlp(x, router_mask)
+        return self.layer_output(h, out, carry)
+
+    def mixer_input(self, h, rope):
+        """The input norm and the mixer's projections -> (the kernel's inputs, what its output step takes)."""
         x = self.input_layernorm(h)
         if self.layer_type == FULL_ATTENTION:
-            x = self.self_attn(x, rope, cu_seqlens)
-        else:
-            x = self.linear_attn(x, cu_seqlens)
-        h = h + x
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, router_mask) if isinstance(self.mlp, MoE) else self.mlp(x))
+            q, k, v, gate = self.self_attn.project(x, rope)
+            return (q, k, v), gate
+        qkv, z, beta, a = self.linear_attn.project(x)
+        return (qkv, beta, a), z
+
+    def mixer_output(self, h, out, carry):
+        """The mixer's output step and the residual add -> (the residual stream, its post-attention norm)."""
+        h = h + self.mixer.output(out, carry)
+        return h, self.post_attention_layernorm(h)
+
+    def layer_output(self, h, out, carry):
+        """`mixer_output`, then the dense MLP and its residual add -> the layer's output."""
+        h, x = self.mixer_output(h, out, carry)
+        return h + self.mlp(x)
 
 
-def _compile(fn):
-    """torch.compile(fn, dynamic=False), fed plain tensors.
+def _compile(fn, *owners: nn.Module):
+    """torch.compile(fn, dynamic=False), fed plain tensors: its inputs, and the parameters of `owners` (the
+    modules whose weights `fn` reads).
+
+    A tensor-parallel parameter is a DTensor. Given one, the graph would flatten it into its local tensor and
+    wrap its gradient into a new DTensor at every call, and autograd would add that to `.grad` through DTensor's
+    dispatch: host work per parameter and call, several times the graph's own launch cost on a small
+    tensor-parallel shard (docs/performance.md, "Host time per decoder layer"). So for the call each DTensor
+    parameter is swapped for its local tensor through `attention.local`, eager, as the layers without compile
+    take it: its backward adds the local gradient to the parameter's `.grad`, and the graph sees plain tensors.
+    The parameters are put back before the call returns (FSDP2 swaps the same slots around the layer). One
+    autograd node takes all of a graph's parameters (`local_all`).
 
     An input may arrive as AsyncCollectiveTensor (a functional collective not yet waited on). Given one
     directly, the compiled graph's backward is wrong on torch 2.13 (the gradient of whatever produced the input,
@@ -53,10 +87,21 @@ def _compile(fn):
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     graph = torch.compile(fn, dynamic=False)
+    slots = [(m, name) for owner in owners for m in owner.modules() for name in m._parameters]
 
     @functools.wraps(fn)
     def call(*args):
-        return graph(*(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args))
+        args = [a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args]
+        swapped = [(m, name, m._parameters[name]) for m, name in slots if isinstance(m._parameters[name], DTensor)]
+        trained = [p for _, _, p in swapped if p.requires_grad]
+        taken = iter(local_all(trained) if trained else ())
+        for m, name, p in swapped:  # a frozen parameter's local tensor as it is: no gradient to take
+            m._parameters[name] = next(taken) if p.requires_grad else p._local_tensor
+        try:
+            return graph(*args)
+        finally:
+            for m, name, p in swapped:
+                m._parameters[name] = p
 
     return call
 
@@ -64,31 +109,34 @@ def _compile(fn):
 def compile_layer(layer: DecoderLayer) -> None:
     """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place.
 
-    Compiled, each its own graph: the two layer norms, the MLP (of MoE: the shared expert only), and the mixer's
-    pieces before and after its
-    kernel (attention: q/k/v/gate projections, q/k norms and rotary, then the sigmoid gate and o_proj; GDN:
-    the six projections and beta's sigmoid, the fp32 decay, then the gated norm and out_proj). Left eager:
-    the kernels (fla's Triton convs and delta rule, the torch reference, SDPA or varlen flash attention) and
-    everything that reads cu_seqlens (`varlen_info`'s identity cache, masks, positions), so a batch with a
-    different number of documents reuses the graphs: every compiled input is [B, T, ...] of the fixed
-    data.seq_len (dynamic=False). Each module's `forward` is replaced, not its `__call__`, so FSDP2's hooks
-    and TP's block-input hooks stay eager around the graphs; TP's row-parallel output hooks sit on
-    submodules inside the pieces and are traced into them. Layers of one kind share their graphs (one code
-    object, parameters are graph inputs).
+    Two graphs a layer: `mixer_input` (the input norm and the mixer's projections: q/k/v/gate, q/k norms and
+    rotary; GDN's six projections and beta's sigmoid) and `layer_output` (the mixer's output step: the sigmoid
+    gate or GDN's gated norm, o_proj / out_proj, the residual add, the post-attention norm, the MLP and its
+    residual add). An MoE layer's output graph stops at the post-attention norm (`mixer_output`), and its
+    shared expert is a graph of its own: the tokens per expert are data (the expert loop's host sync,
+    grouped_mm's offsets), so a graph around the routed experts would break there or specialise on each batch's
+    counts. GDN's fp32 decay is a third graph: FSDP2 shards it as a unit of its own, whose hooks stay eager.
+
+    Left eager between the graphs: the mixer's `mix` (fla's Triton convs and delta rule, the torch reference,
+    SDPA or varlen flash attention), the only piece that reads cu_seqlens, so a batch with a different number of
+    documents reuses the graphs: every compiled input is [B, T, ...] of the fixed data.seq_len (dynamic=False).
+    The layer's `forward` is not compiled, so FSDP2's hooks and the sequence-parallel split around the layer
+    stay eager; TP's hooks on the norms (a block's input) and on the row-parallel projections (its output) are
+    traced into the graphs. Layers of one kind share their graphs (one code object, parameters are graph inputs).
     """
-    # MoE: the tokens per expert are data (the loop's host sync, grouped_mm's offsets), so a graph
-    # around the routed experts would break there or specialise on each batch's counts; the shared expert is a
-    # dense SwiGLU on every token, the one fixed-shape piece worth a graph (the router is one small matmul).
-    mlp = layer.mlp.shared_expert if isinstance(layer.mlp, MoE) else layer.mlp
-    for module in (layer.input_layernorm, layer.post_attention_layernorm, mlp):
-        module.forward = _compile(module.forward)
-    if layer.layer_type == FULL_ATTENTION:
-        attn = layer.self_attn
-        attn.project, attn.gate_output = _compile(attn.project), _compile(attn.gate_output)
+    mixer = layer.mixer
+    projections = ([mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.q_norm, mixer.k_norm]
+                   if layer.layer_type == FULL_ATTENTION else [getattr(mixer, f"{p}_proj") for p in "qkvzab"])
+    layer.mixer_input = _compile(layer.mixer_input, layer.input_layernorm, *projections)
+    output = [mixer.o_proj] if layer.layer_type == FULL_ATTENTION else [mixer.norm, mixer.out_proj]
+    if isinstance(layer.mlp, MoE):
+        layer.mixer_output = _compile(layer.mixer_output, *output, layer.post_attention_layernorm)
+        shared = layer.mlp.shared_expert
+        shared.forward = _compile(shared.forward, shared)
     else:
-        gdn = layer.linear_attn
-        gdn.project, gdn.norm_output = _compile(gdn.project), _compile(gdn.norm_output)
-        gdn.decay.forward = _compile(gdn.decay.forward)  # an FSDP unit of its own (fp32): hooks stay outside
+        layer.layer_output = _compile(layer.layer_output, *output, layer.post_attention_layernorm, layer.mlp)
+    if layer.layer_type != FULL_ATTENTION:
+        mixer.decay.forward = _compile(mixer.decay.forward, mixer.decay)
 
 
 class Qwen3_5Model(nn.Module):
