@@ -181,3 +181,15 @@ def test_offsets_put_on_the_device_keep_their_host_copy():
     assert info.cu_seqlens_cpu.device.type == "cpu" and info.cu_seqlens_cpu.dtype == torch.long
     assert info.cu_seqlens_cpu.tolist() == [0, 5, 8, 12] and info.max_len == 5
     assert info.cu_seqlens.dtype == torch.long
+
+
+def test_chunk_indices_label_every_block_of_every_document():
+    """The chunk indices handed to fla's kernels: (document, block within it) for every 64-token block of every
+    document, empty documents included (they have none), against a loop over the documents."""
+    from qwenft.models.qwen3_5 import varlen
+
+    bounds = [0, 1, 64, 64, 65, 200, 329, 4096]  # a 1-token, a 63, an empty, a 1, a 135, a 129, a 3767 document
+    info = varlen.varlen_info(torch.tensor(bounds, dtype=torch.int32))
+    expected = [(d, j) for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])) for j in range(-(-(e - s) // 64))]
+    assert info.chunk_indices.dtype == torch.long
+    assert [tuple(r) for r in info.chunk_indices.tolist()] == expected

@@ -43,18 +43,15 @@ def test_tiny_forward_on_cuda_equals_cpu():
     assert rel_err(out.cpu(), ref) < 1e-4
 
 
-FLA_CHUNK_INDICES = "fla/ops/utils/index.py"  # prepare_chunk_indices: host-built, copied to the GPU
-
-
-def test_a_microbatch_makes_the_host_wait_only_for_flas_chunk_indices():
+def test_a_microbatch_never_makes_the_host_wait():
     """The tiny model in bf16 on the CUDA kernels training picks (fla's GDN, varlen flash attention, the fused
     cross-entropy): a packed microbatch's transfer (`device_batch`), forward and backward under torch.cuda's
     sync debug mode, which warns at every op that makes the host wait for the GPU, from the Python line that
     ran it (for a sync inside the backward's C++ formulas: torch's autograd, after the backward). A step whose
-    microbatches sync lets the host queue only one microbatch's kernels ahead. The one sync allowed is
-    flash-linear-attention's: it builds a batch's chunk indices on the host and copies them to the GPU (once
-    per microbatch, then cached). Every sync's place and count are printed. After one pass of the same
-    shapes outside the mode (kernels compile and autotune)."""
+    microbatches sync lets the host queue only one microbatch's kernels ahead. fla's kernels get the chunk
+    indices built on the host (`varlen.Varlen.chunk_indices`): fla's own build copies them from pageable memory,
+    which waits. Every sync's place and count are printed. After one pass of the same shapes outside the mode
+    (kernels compile and autotune)."""
     import warnings
     from collections import Counter
 
@@ -80,8 +77,7 @@ def test_a_microbatch_makes_the_host_wait_only_for_flas_chunk_indices():
                 torch.cuda.set_sync_debug_mode("default")
     syncs = Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     print("host syncs:", dict(syncs))
-    unexpected = [place for place in syncs if FLA_CHUNK_INDICES not in place.replace("\\", "/")]
-    assert not unexpected, f"the host waits for the GPU at {unexpected}"
+    assert not syncs, f"the host waits for the GPU at {dict(syncs)}"
     assert math.isfinite(loss.item())
     assert all(p.grad is not None for p in model.parameters())
 

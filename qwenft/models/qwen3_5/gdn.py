@@ -14,7 +14,7 @@ from torch import nn
 
 from .attention import local
 from .configs import TextConfig
-from .varlen import varlen_info
+from .varlen import FLA_CHUNK, varlen_info
 
 KERNELS = ("auto", "fla", "torch")
 # Parameters kept in fp32 whatever the model dtype: the decay exp(-exp(A_log) * softplus(a + dt_bias)) is
@@ -160,7 +160,7 @@ def _fla_varlen_kwargs(cu_seqlens) -> dict:
     if cu_seqlens is None:
         return {"cu_seqlens": None}
     info = varlen_info(cu_seqlens)
-    return {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu}
+    return {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu, "chunk_indices": info.chunk_indices}
 
 
 def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
@@ -168,7 +168,7 @@ def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
 
     out, _ = chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=True, **_fla_varlen_kwargs(cu_seqlens),
+        use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK, **_fla_varlen_kwargs(cu_seqlens),
     )
     return out
 

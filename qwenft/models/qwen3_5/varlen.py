@@ -1,20 +1,23 @@
 """What every layer needs to know about a packed batch's documents, computed once per batch.
 
-Each GDN layer calls fla's conv and chunk kernels with the batch's `cu_seqlens`; fla derives chunk indices
-from it and, without a CPU copy, reads it back from the GPU (a host sync per kernel call, several per layer,
-forward and backward). fla caches those derivations by tensor identity, so all layers must also pass the
-very same int64 tensor. `varlen_info` hands every layer one shared `Varlen` per `cu_seqlens` tensor: one
-device->host copy per batch instead of one per kernel call, and none for a batch whose offsets were put on the
-device by `to_device`, which keeps the host copy they came from (a device->host copy waits for every kernel
-queued before it, so the host could not run ahead of the GPU from one microbatch into the next).
+Each GDN layer calls fla's conv and chunk kernels with the batch's `cu_seqlens`. Given only those, fla derives
+the chunk indices (which document and which chunk of it each 64-token block is) and reads the offsets back
+from the GPU for it: a host sync per kernel call. `varlen_info` hands every layer one shared `Varlen` per
+`cu_seqlens` tensor, with the offsets' host copy and the chunk indices built from it on the host and copied to
+the GPU without waiting: no device->host copy at all for a batch whose offsets were put on the device by
+`to_device`, which keeps the host copy they came from. A device->host copy, or a copy from pageable host memory
+to the device, waits for every kernel queued before it, so the host could not run ahead of the GPU from one
+microbatch into the next.
 """
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 _RECENT: deque = deque(maxlen=8)  # (cu_seqlens, Varlen): a few batches are in flight under pipelining
+FLA_CHUNK = 64  # the token block of fla's chunked delta rule and of its causal conv (their default chunk_size)
 
 
 @dataclass
@@ -22,6 +25,16 @@ class Varlen:
     cu_seqlens: torch.Tensor  # int64, on the batch's device
     cu_seqlens_cpu: torch.Tensor  # int64 copy on the CPU
     max_len: int  # longest document
+
+    @functools.cached_property
+    def chunk_indices(self) -> torch.Tensor:
+        """[blocks, 2] int64 on the batch's device: (document, block within it) of every FLA_CHUNK-token block
+        of every document, in order (what fla's `prepare_chunk_indices` computes), built on the host."""
+        blocks = (self.cu_seqlens_cpu.diff() + FLA_CHUNK - 1) // FLA_CHUNK
+        doc = torch.repeat_interleave(torch.arange(len(blocks)), blocks)
+        first = blocks.cumsum(0) - blocks  # each document's first block
+        indices = torch.stack([doc, torch.arange(len(doc)) - first[doc]], dim=1)
+        return copy_to_device(indices, self.cu_seqlens.device)
 
 
 def _remember(cu_seqlens: torch.Tensor, cpu: torch.Tensor) -> Varlen:
