@@ -136,11 +136,13 @@ def test_base_frozen_in_compute_dtype(tmp_path):
     (2, ["mesh.pp=2", "pipeline.schedule=zbv"]),
     (2, ["mesh.pp=2", "pipeline.schedule=interleaved_zb"]),
     (4, ["mesh.tp=2", "mesh.pp=2"]),
-], ids=["tp2", "pp2", "pp2-interleaved-knob", "pp2-gpipe", "pp2-zbv", "pp2-interleaved-zb", "tp2xpp2"])
+    (2, ["mesh.tp=2", "model.compile=true"]),
+], ids=["tp2", "pp2", "pp2-interleaved-knob", "pp2-gpipe", "pp2-zbv", "pp2-interleaved-zb", "tp2xpp2", "tp2-compile"])
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_mesh_equals_one_process(tmp_path, reference, world_size, mesh):
-    """Adapters sharded with their projections (tp) and split over stages (pp): same losses and gradients."""
+    """Adapters sharded with their projections (tp) and split over stages (pp): same losses and gradients. Under
+    model.compile the graphs take the frozen base's and the adapters' local tensors."""
     results = run_distributed(_train, world_size, _overrides(tmp_path, "mesh", *mesh))
     _assert_same(_merge(results), reference)
 

@@ -344,3 +344,55 @@ def test_tp2_one_input_reduction_per_block(text_ckpt, sequence_parallel):
                           "all_gather_into_tensor": 4 * n + 2}, counts
     else:
         assert counts == {"all_reduce": 4 * n + norms}, counts
+
+
+def _local_params_rank(rank, world_size):
+    """Per call of `local` / `local_all`: this rank's .grad (after two backward passes) and torch.autograd.grad's
+    result, as (local tensor, placements), with the plain-tensor reference: a Shard(0) weight's gradient is this
+    rank's, a Replicate norm weight's is the sum of the ranks' local gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from qwenft.models.qwen3_5.attention import local, local_all
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    weight, norm = torch.randn(4, 3), torch.randn(3)  # the same full tensors on every rank
+    x = torch.randn(world_size, 2, 3)[rank]  # head-sharded activations: this rank's own
+
+    def loss(w, n):
+        return ((x * n) @ w.T).square().sum()
+
+    plain = [weight.chunk(world_size)[rank].clone().requires_grad_(), norm.clone().requires_grad_()]
+    ref_w, ref_n = torch.autograd.grad(loss(*plain), plain)
+    torch.distributed.all_reduce(ref_n)
+    results = {}
+    for name in ("local", "local_all"):
+        params = [torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)], src_data_rank=None)),
+                  torch.nn.Parameter(distribute_tensor(norm, mesh, [Replicate()], src_data_rank=None))]
+        take = (lambda: [local(p) for p in params]) if name == "local" else (lambda: local_all(params))
+        for _ in range(2):  # the first makes .grad, the second adds to it
+            loss(*take()).backward()
+        grads = [(p.grad.to_local(), p.grad.placements) for p in params]
+        taken = torch.autograd.grad(loss(*take()), params)  # towards the parameters: returned, .grad untouched
+        results[name] = {"grad": grads, "taken": [(g.to_local(), g.placements) for g in taken],
+                         "grad_after": [p.grad.to_local().clone() for p in params]}
+    return results, (ref_w, ref_n)
+
+
+@pytest.mark.distributed
+def test_local_parameters_take_their_gradients_like_to_local():
+    """`attention.local` and `local_all` (model.compile's graphs take their parameters through it): the local
+    gradients land in `.grad` with the parameter's placement, a replicated weight's summed over the tp ranks,
+    and `torch.autograd.grad` towards the parameters returns them instead (the split-backward schedules)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for results, (ref_w, ref_n) in run_distributed(_local_params_rank, 2):
+        for name, got in results.items():
+            (gw, pw), (gn, pn) = got["grad"]
+            assert tuple(pw) == (Shard(0),) and tuple(pn) == (Replicate(),), name
+            assert rel(gw, 2 * ref_w) < 1e-6 and rel(gn, 2 * ref_n) < 1e-6, name
+            (tw, tpw), (tn, tpn) = got["taken"]
+            assert tuple(tpw) == (Shard(0),) and tuple(tpn) == (Replicate(),), name
+            assert rel(tw, ref_w) < 1e-6 and rel(tn, ref_n) < 1e-6, name
+            assert rel(got["grad_after"][0], 2 * ref_w) < 1e-6 and rel(got["grad_after"][1], 2 * ref_n) < 1e-6, name
