@@ -60,8 +60,9 @@ def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager):
 @pytest.mark.slow
 def test_compiled_layers_under_tp2_train_like_eager(tmp_path, eager):
     """Head-sharded projections and a vocab-parallel embedding: the TP hooks of the norms and the row-parallel
-    projections are traced into the graphs, which take the DTensor parameters' local tensors, and layer 0's input arrives as an AsyncCollectiveTensor (model._compile's clone; without it the
-    embedding's gradient was 4.4e-3 off)."""
+    projections are traced into the graphs, which take the DTensor parameters' local tensors, and layer 0's
+    input may arrive as an AsyncCollectiveTensor (model._compile clones it: given one, the graph's backward
+    gives the embedding a wrong gradient)."""
     results = run_distributed(_train, 2, _overrides(tmp_path, "tp2", "model.compile=true", "mesh.tp=2"))
     for result, graphs in results:
         assert_same_training(result, eager[0])
@@ -72,12 +73,13 @@ def test_compiled_layers_under_tp2_train_like_eager(tmp_path, eager):
 @pytest.mark.slow
 def test_compiled_moe_layers_train_like_eager(tmp_path):
     """tiny_moe: the shared expert compiles as the dense MLP does, the routing and the routed experts stay eager
-    (`compile_layer`): 6 graphs (the output graphs stop before the MoE block, the shared expert is one more) and no recompile over 12
-    microbatches, and every step's loss (token CE + aux loss) within 1e-5 of eager. Parameters are compared as
-    gradients (`test_compiled_moe_gradients_equal_eager`), not after AdamW steps: AdamW's first steps move each
-    element by about lr whatever its gradient's size, so rounding in near-zero gradient elements becomes
-    parameter differences (2.8e-5 on norm weights after 3 steps here), and a router tie that the rounding
-    resolves the other way (a token's k-th and (k+1)-th expert within 1e-7) moves whole experts."""
+    (`compile_layer`): 6 graphs (the output graphs stop before the MoE block, the shared expert is one more) and
+    no recompile over 12 microbatches, and every step's loss (token CE + aux loss) within 1e-5 of eager.
+    Parameters are compared as gradients (`test_compiled_moe_gradients_equal_eager`), not after AdamW steps:
+    AdamW's first steps move each element by about lr whatever its gradient's size, so rounding in near-zero
+    gradient elements becomes parameter differences (2.8e-5 on norm weights after 3 steps here), and a router
+    tie that the rounding resolves the other way (a token's k-th and (k+1)-th expert within 1e-7) moves whole
+    experts."""
     moe = ("model.name=tiny_moe", "model.kernels.moe=loop")
     (eager,) = run_distributed(_train, 1, _overrides(tmp_path, "moe-eager", *moe))
     ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "moe-compiled", *moe, "model.compile=true"))

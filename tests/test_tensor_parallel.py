@@ -48,7 +48,7 @@ def tied_odd_vocab_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def attention_bias_ckpt(tmp_path_factory):
     cfg = named_config("tiny")
-    cfg.text.attention_bias = True  # q/k/v biases sharded with their heads, o_proj's added once after the sum
+    cfg.text.attention_bias = True  # q/k/v biases sharded with their heads, o_proj's added once before the sum
     return _save_checkpoint(cfg, tmp_path_factory.mktemp("tp_attention_bias"))
 
 
@@ -143,10 +143,10 @@ def reference(path, batches, max_norm=math.inf, lr=0.0):
 
 
 def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0,
-             sequence_parallel=False, activation_checkpointing=False, ce_kernel="torch"):
+             sequence_parallel=False, activation_checkpointing=False, ce_kernel="torch", compile_layers=False):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from qwenft.distributed.parallelize import parallelize
+    from qwenft.distributed.parallelize import apply_compile, parallelize
     from qwenft.distributed.tensor_parallel import apply_tp, clip_grad_norm_, validate_tp
 
     mesh = init_device_mesh("cpu", (1, dp, world_size // dp), mesh_dim_names=("pp", "dp", "tp"))
@@ -155,9 +155,12 @@ def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm
     model = build_model(cfg, kernels="torch", ce_kernel=ce_kernel)
     if fsdp:
         parallelize(model, mesh, param_dtype=torch.float32, vocab_parallel=vocab_parallel,
-                    sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing)
+                    sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
+                    compile_layers=compile_layers)
     else:
         apply_tp(model, mesh["tp"], vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+        if compile_layers:
+            apply_compile(model)
     sharded = [model.layers["3"].self_attn.q_proj.weight, model.layers["0"].linear_attn.conv_v]
     if vocab_parallel:
         sharded.append(model.lm_head.weight)
@@ -196,30 +199,33 @@ def assert_same(out, ref, logits=True):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel, ce_kernel", [
-    (True, False, False, "torch"), (False, True, False, "torch"), (True, True, True, "torch"),
-    (False, False, True, "torch"), (True, False, False, "fused"), (True, True, True, "fused"),
-    (False, False, False, "fused")])
-def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel, ce_kernel):
+@pytest.mark.parametrize("vocab_parallel, fsdp, sequence_parallel, ce_kernel, compile_layers", [
+    (True, False, False, "torch", False), (False, True, False, "torch", False), (True, True, True, "torch", False),
+    (False, False, True, "torch", False), (True, False, False, "fused", False), (True, True, True, "fused", False),
+    (False, False, False, "fused", False), (True, True, True, "fused", True)])
+def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_parallel, ce_kernel, compile_layers):
     batches = text_batch()
     ref = reference(text_ckpt, batches)
-    # the FSDP cases also recompute each layer (activation checkpointing), as parallelize orders it
+    # the FSDP cases also recompute each layer (activation checkpointing), as parallelize orders it; compiled:
+    # the graphs trace the sequence-parallel block hooks and take the parameters' local tensors under FSDP2
     for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp, math.inf, 0.0,
-                               sequence_parallel, fsdp, ce_kernel):
+                               sequence_parallel, fsdp, ce_kernel, compile_layers):
         assert_same(out, ref)
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fsdp, sequence_parallel", [(False, False), (False, True), (True, True)])
-def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel):
-    """q/k/v biases sharded with their heads; o_proj's replicated and added once, after the ranks' outputs are
-    summed (FSDP: with activation checkpointing, so the recompute adds it too)."""
+@pytest.mark.parametrize("fsdp, sequence_parallel, compile_layers", [
+    (False, False, False), (False, True, False), (True, True, False), (False, False, True), (True, True, True)])
+def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel, compile_layers):
+    """q/k/v biases sharded with their heads; o_proj's replicated and added once, to rank 0's partial output
+    before the ranks' outputs are summed (FSDP: with activation checkpointing, so the recompute adds it too).
+    model.compile's graphs see the biases as local tensors."""
     batches = text_batch()
     ref = reference(attention_bias_ckpt, batches)
     assert ref["grads"]["layers.3.self_attn.o_proj.bias"].norm() > 0
     for out in run_distributed(_tp_rank, 2, attention_bias_ckpt, batches, 1, True, fsdp, math.inf, 0.0,
-                               sequence_parallel, fsdp):
+                               sequence_parallel, fsdp, "torch", compile_layers):
         assert_same(out, ref)
 
 

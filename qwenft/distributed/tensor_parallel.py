@@ -169,6 +169,8 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     if linear.bias is not None:  # row-parallel: replicated, added once by `_block_output`
         shard_param(linear, "bias", mesh, Shard(0) if placement == Shard(0) else Replicate())
     column = placement == Shard(0)
+    # a plain attribute, not the bias's placement: model.compile's graphs see the bias as its local tensor
+    linear.sharded_bias = linear.bias is not None and column
     # LoRA adapters (qwenft.models.lora) follow the weight: column-parallel, A replicated and B split like the
     # output rows; row-parallel, A split like the input columns and B replicated. Each rank's adapter output is
     # then a shard of the rows, or a partial sum, exactly as the base's, and the block's one collective covers it.
@@ -184,8 +186,7 @@ class ShardedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a row-parallel bias is replicated: `_block_output` adds it once, to rank 0's partial output
-        sharded_bias = self.bias is not None and self.bias.placements[-1].is_shard()
-        return torch.nn.functional.linear(x, local(self.weight), local(self.bias) if sharded_bias else None)
+        return torch.nn.functional.linear(x, local(self.weight), local(self.bias) if self.sharded_bias else None)
 
 
 class VocabParallelEmbedding(nn.Embedding):

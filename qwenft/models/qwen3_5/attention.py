@@ -30,7 +30,7 @@ def local(p: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(p, DTensor):
         return p
-    return _LocalParam.apply(p)
+    return _LocalParams.apply(p)[0]
 
 
 def local_all(params: list[DTensor]) -> tuple[torch.Tensor, ...]:
@@ -38,8 +38,8 @@ def local_all(params: list[DTensor]) -> tuple[torch.Tensor, ...]:
     return _LocalParams.apply(*params)
 
 
-class _LocalParam(torch.autograd.Function):
-    """A DTensor parameter's local tensor, its gradient accumulated straight into the parameter's `.grad`.
+class _LocalParams(torch.autograd.Function):
+    """DTensor parameters' local tensors, their gradients accumulated straight into the parameters' `.grad`.
 
     Eager, `DTensor.to_local()`'s backward wraps each gradient in a new DTensor and autograd then adds it to
     `.grad` through DTensor's dispatch: host work per weight and microbatch, a large share of a tensor-parallel
@@ -48,7 +48,8 @@ class _LocalParam(torch.autograd.Function):
     tensor of `.grad` (or makes `.grad` once, with the parameter's placements) and hands autograd no gradient
     to accumulate. Under
     `torch.autograd.grad` towards the parameters (the pipeline schedules that split the weight gradients from
-    the input gradients) it returns the gradient as a DTensor, for the caller to take.
+    the input gradients) it returns the gradient as a DTensor, for the caller to take. A parameter whose local
+    tensor got no gradient is left alone.
 
     Its node does not get AccumulateGrad's first place in autograd's queue; it still runs before FSDP2's
     post-backward of the module because `local()` is called inside the module's forward, after FSDP2's
@@ -56,22 +57,9 @@ class _LocalParam(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, p):
-        ctx.param = p
-        return p._local_tensor.view_as(p._local_tensor)  # a new tensor object: autograd writes its metadata on it
-
-    @staticmethod
-    def backward(ctx, grad):
-        p, ctx.param = ctx.param, None
-        return _param_grad(ctx, 0, p, grad)
-
-
-class _LocalParams(torch.autograd.Function):
-    """`_LocalParam` of several parameters: one node, one backward call for all of them."""
-
-    @staticmethod
     def forward(ctx, *params):
         ctx.params = params
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros to all-reduce
         # new tensor objects: autograd writes its metadata on them
         return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
 
@@ -83,7 +71,7 @@ class _LocalParams(torch.autograd.Function):
 
 
 def _param_grad(ctx, i: int, p: DTensor, grad: torch.Tensor) -> DTensor | None:
-    """The backward of `_LocalParam(s)` for its i-th parameter: None once the gradient is in `p.grad`."""
+    """`_LocalParams.backward` for its i-th parameter: None once the gradient is in `p.grad`."""
     mesh = p.device_mesh
     into_grad = _accumulates_into_grad(ctx, i)
     add_to_grad = into_grad and p.grad is not None

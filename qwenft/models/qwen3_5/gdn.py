@@ -174,6 +174,8 @@ def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
 
 
 def _fla_conv(x_btc, weight_c1k, cu_seqlens):
+    # fla's conv takes no chunk size: its Triton path cuts FLA_CHUNK-token blocks, which the chunk indices describe
+    # (tests/gpu/test_packed_kernels.py compares it with the torch conv on packed rows)
     from fla.modules.convolution import causal_conv1d
 
     out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu",

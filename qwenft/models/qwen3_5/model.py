@@ -74,10 +74,10 @@ def _compile(fn, *owners: nn.Module):
     wrap its gradient into a new DTensor at every call, and autograd would add that to `.grad` through DTensor's
     dispatch: host work per parameter and call, several times the graph's own launch cost on a small
     tensor-parallel shard (docs/performance.md, "Host time per decoder layer"). So for the call each DTensor
-    parameter is swapped for its local tensor through `attention.local`, eager, as the layers without compile
-    take it: its backward adds the local gradient to the parameter's `.grad`, and the graph sees plain tensors.
-    The parameters are put back before the call returns (FSDP2 swaps the same slots around the layer). One
-    autograd node takes all of a graph's parameters (`local_all`).
+    parameter is swapped for its local tensor through `attention.local_all` (one autograd node for all of a
+    graph's parameters), eager, as the layers without compile take them through `local`: its backward adds
+    each local gradient to the parameter's `.grad`, and the graph sees plain tensors. The parameters are put
+    back before the call returns (FSDP2 swaps the same slots around the layer).
 
     An input may arrive as AsyncCollectiveTensor (a functional collective not yet waited on). Given one
     directly, the compiled graph's backward is wrong on torch 2.13 (the gradient of whatever produced the input,
@@ -95,9 +95,9 @@ def _compile(fn, *owners: nn.Module):
         swapped = [(m, name, m._parameters[name]) for m, name in slots if isinstance(m._parameters[name], DTensor)]
         trained = [p for _, _, p in swapped if p.requires_grad]
         taken = iter(local_all(trained) if trained else ())
-        for m, name, p in swapped:  # a frozen parameter's local tensor as it is: no gradient to take
-            m._parameters[name] = next(taken) if p.requires_grad else p._local_tensor
         try:
+            for m, name, p in swapped:  # a frozen parameter's local tensor as it is: no gradient to take
+                m._parameters[name] = next(taken) if p.requires_grad else p._local_tensor
             return graph(*args)
         finally:
             for m, name, p in swapped:
