@@ -69,7 +69,7 @@ start=$(date +%s)
 bench bf16_ac_on_compile 280 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true
 echo "=== automodel $(date +%T)"
 # Automodel gets what is left but 70 s for the last run (at most 330 s): on a machine whose caches lack its
-# kernels its setup and compile alone took over 240 s
+# kernels, its setup and kernel compilation take minutes before its first step
 wall=$((515 - $(date +%s) + start)); [ $wall -gt 330 ] && wall=330
 GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
