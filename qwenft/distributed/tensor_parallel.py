@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from qwenft.models.qwen3_5.attention import local
+from qwenft.models.qwen3_5.attention import local, shard_extent
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
 from qwenft.models.qwen3_5.moe import MoE
 
@@ -199,11 +199,8 @@ class VocabParallelEmbedding(nn.Embedding):
     `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         mesh = self.weight.device_mesh
-        (rows, _), (start, _) = compute_local_shape_and_global_offset(self.weight.shape, mesh,
-                                                                       self.weight.placements)
+        (rows, _), (start, _) = shard_extent(self.weight)
         outside = (ids < start) | (ids >= start + rows)
         out = F.embedding((ids - start).masked_fill(outside, 0), local(self.weight))
         return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qwenft.constants import IGNORE_INDEX
-from qwenft.models.qwen3_5.attention import local
+from qwenft.models.qwen3_5.attention import local, shard_extent
 
 
 
@@ -266,14 +266,11 @@ def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels
 
 def _vocab_shard(weight: DTensor) -> tuple[int, dist.ProcessGroup]:
     """(first vocabulary row of this rank's shard, the tp process group) of a vocab-parallel lm_head weight."""
-    # No public equivalent yet (torch 2.13); loss.py and the loader use it too.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
         raise ValueError("the fused linear cross-entropy (model.kernels.ce=fused) takes the lm_head whole or sharded "
                          f"over the vocabulary (Shard(0)) on the 1-D tp mesh, but it is a DTensor "
                          f"{weight.placements} on a {weight.device_mesh.ndim}-D mesh")
-    _, (start, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    _, (start, _) = shard_extent(weight)
     return start, weight.device_mesh.get_group()
 
 

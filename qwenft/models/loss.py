@@ -27,10 +27,9 @@ def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _vocab_parallel_ce_sum(logits, labels: torch.Tensor) -> torch.Tensor:
-    # No public equivalent yet (torch 2.13); the loader uses it too.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from qwenft.models.qwen3_5.attention import shard_extent
 
-    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    _, offset = shard_extent(logits)
     local = logits.to_local()
     return _VocabParallelCE.apply(local.flatten(0, -2), labels.flatten(), offset[-1],
                                   logits.device_mesh.get_group())

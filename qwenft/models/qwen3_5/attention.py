@@ -38,6 +38,22 @@ def local_all(params: list[DTensor]) -> tuple[torch.Tensor, ...]:
     return _LocalParams.apply(*params)
 
 
+def shard_extent(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of the DTensor `t`. Cached per shape, mesh and
+    placements: torch's computation builds index tensors on the host at every call, on the hot path of a
+    vocab-parallel embedding and loss."""
+    return _shard_extent(t.shape, t.device_mesh, tuple(t.placements))
+
+
+@functools.cache
+def _shard_extent(shape: torch.Size, mesh, placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # No public equivalent yet (torch 2.13); the loader and DCP's planner use it too.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local_shape), tuple(offset)
+
+
 class _LocalParams(torch.autograd.Function):
     """DTensor parameters' local tensors, their gradients accumulated straight into the parameters' `.grad`.
 
