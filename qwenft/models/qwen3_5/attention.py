@@ -82,12 +82,17 @@ class _LocalParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         params, ctx.params = ctx.params, None
-        return tuple(None if grad is None else _param_grad(ctx, i, p, grad)
-                     for i, (p, grad) in enumerate(zip(params, grads)))
+        into, adds = [], []  # the `.grad` local tensors to add to, and what: one foreach add for the node
+        out = tuple(None if grad is None else _param_grad(ctx, i, p, grad, into, adds)
+                    for i, (p, grad) in enumerate(zip(params, grads)))
+        if into:
+            torch._foreach_add_(into, adds)
+        return out
 
 
-def _param_grad(ctx, i: int, p: DTensor, grad: torch.Tensor) -> DTensor | None:
-    """`_LocalParams.backward` for its i-th parameter: None once the gradient is in `p.grad`."""
+def _param_grad(ctx, i: int, p: DTensor, grad: torch.Tensor, into: list, adds: list) -> DTensor | None:
+    """`_LocalParams.backward` for its i-th parameter: None once the gradient is in `p.grad`, or queued in
+    (`into`, `adds`) to be added to it."""
     mesh = p.device_mesh
     into_grad = _accumulates_into_grad(ctx, i)
     add_to_grad = into_grad and p.grad is not None
@@ -99,7 +104,8 @@ def _param_grad(ctx, i: int, p: DTensor, grad: torch.Tensor) -> DTensor | None:
     for dim in replicated:
         torch.distributed.all_reduce(grad, group=mesh.get_group(dim))
     if add_to_grad:
-        p.grad._local_tensor.add_(grad)
+        into.append(p.grad._local_tensor)
+        adds.append(grad)
         return None
     grad = DTensor.from_local(grad, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     if not into_grad:
