@@ -187,3 +187,59 @@ def test_bad_compile_value_is_one_line():
     with pytest.raises(ConfigError) as e:
         compose(["recipe=tiny", "model.compile=maybe"])
     assert "model.compile" in str(e.value) and "maybe" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, layout, device, expected", [
+    (["model.activation_checkpointing=false"], (1, 1, 1, 1), "cpu", "it needs CUDA, and this run is on cpu"),
+    (["model.compile=false"], (1, 1, 1, 1), "cuda", "it replays model.compile's graphs; set model.compile=true"),
+    (["optim.master_dtype=bfloat16"], (1, 2, 1, 2), "cuda", "FSDP2 wraps the model (mesh.dp=2"),
+    ([], (1, 1, 1, 1), "cuda", "FSDP2 wraps the model (mesh.dp=1, optim.master_dtype=float32)"),
+    (["optim.master_dtype=bfloat16", "model.activation_checkpointing=selective"], (1, 1, 1, 1), "cuda",
+     "model.activation_checkpointing=selective recomputes the graphs inside the backward; set it to false"),
+    (["optim.master_dtype=bfloat16", "mesh.pp=2"], (2, 1, 1, 2), "cuda",
+     "mesh.pp=2: pipeline schedules are not supported; set mesh.pp=1"),
+    (["optim.master_dtype=bfloat16", "mesh.tp=2"], (1, 1, 2, 2), "cuda", None),
+    (["optim.master_dtype=bfloat16"], (1, 1, 1, 1), "cuda", None),
+])
+def test_cuda_graphs_where_they_can_replay(overrides, layout, device, expected):
+    """model.cuda_graphs=true needs model.compile, CUDA, weights at fixed addresses (no FSDP2: one data-parallel
+    rank and weights stored in the compute dtype), no activation checkpointing and no pipeline: one line naming
+    the key, the value and what to set, before anything is built."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.build import model_config
+    from qwenft.train.spec import resolve_spec
+
+    cfg = compose(["recipe=tiny", "model.compile=true", "model.cuda_graphs=true", *overrides])
+    pp, dp, tp, world = layout
+    layout = resolve_layout(tp, pp, dp, world)
+    if expected is None:
+        assert resolve_spec(cfg, layout, model_config(cfg), device).parallel.cuda_graphs
+        return
+    with pytest.raises(ValueError) as info:
+        resolve_spec(cfg, layout, model_config(cfg), device)
+    message = str(info.value)
+    assert message.startswith("model.cuda_graphs=true: ") and expected in message and "\n" not in message, message
+
+
+def test_keep_grads_makes_the_layers_gradients_only():
+    """runner.keep_grads (model.cuda_graphs): zeros `.grad` for every trained parameter of the decoder layers
+    that has none, before the first backward; it leaves the embedding and head (eager, outside the graphs),
+    frozen parameters and a `.grad` that already exists alone."""
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.runner import keep_grads
+
+    model = init_random_weights(build_model(named_config("tiny"), kernels="torch"), seed=0, device="cpu",
+                                dtype=torch.float32)
+    frozen = model.layers["0"].input_layernorm.weight
+    frozen.requires_grad_(False)
+    held = model.layers["1"].mlp.up_proj.weight
+    held.grad = torch.ones_like(held)
+    keep_grads([model])
+    for name, p in model.named_parameters():
+        if p is frozen or not name.startswith("layers."):
+            assert p.grad is None, name
+        elif p is held:
+            assert torch.equal(p.grad, torch.ones_like(p)), name
+        else:
+            assert p.grad is not None and not p.grad.any(), name

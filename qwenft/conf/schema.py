@@ -61,6 +61,10 @@ class ModelOptions:
     # torch.compile each decoder layer's norms, MLP and the mixers' fixed-shape pieces around their kernels
     # (docs/performance.md, "torch.compile per block")
     compile: bool = False
+    # replay model.compile's graphs as CUDA graphs (torch.compile's reduce-overhead mode): one launch a graph
+    # instead of its kernels, for host-bound layouts such as tensor parallelism; CUDA, no FSDP2, no activation
+    # checkpointing, mesh.pp=1 (docs/performance.md, "CUDA graphs")
+    cuda_graphs: bool = False
 
 
 @dataclass

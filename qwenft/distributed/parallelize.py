@@ -10,22 +10,25 @@ from qwenft.distributed.fsdp import apply_fsdp
 from qwenft.distributed.tensor_parallel import apply_tp
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> None:
     """torch.compile each decoder layer's fixed-shape pieces, never the whole model (model.compile_layer says
-    which, and why the kernels and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it."""
+    which, and why the kernels and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it;
+    `cuda_graphs` replays each graph as a CUDA graph."""
     from qwenft.models.qwen3_5.model import compile_layer
 
     for layer in model.layers.values():
-        compile_layer(layer)
+        compile_layer(layer, cuda_graphs)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: str | bool = False,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
-                reshard_after_forward: bool = True, compile_layers: bool = False, fsdp: bool = True,
+                reshard_after_forward: bool = True, compile_layers: bool = False, cuda_graphs: bool = False,
+                fsdp: bool = True,
                 fsdp_prefetch: int = 0) -> nn.Module:
     """TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
-    activation checkpointing, then (compile_layers) per-layer torch.compile, then (`fsdp`, see
+    activation checkpointing, then (compile_layers) per-layer torch.compile (`cuda_graphs`: replayed as CUDA
+    graphs, which `qwenft.train.spec.check_cuda_graphs` allows), then (`fsdp`, see
     `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp"] (the experts over mesh["dp_outer"]), with
     `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
     stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters
@@ -47,7 +50,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if mode != "false":
         apply_activation_checkpointing(model, mode)
     if compile_layers:
-        apply_compile(model)
+        apply_compile(model, cuda_graphs)
     if not fsdp:
         if mesh["dp"].size() > 1:
             raise ValueError(f"FSDP2 left out on {mesh['dp'].size()} data-parallel ranks")

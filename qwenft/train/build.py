@@ -113,6 +113,7 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
                 activation_checkpointing=par.activation_checkpointing,
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
                 reshard_after_forward=par.reshard_after_forward, compile_layers=par.compile,
+                cuda_graphs=par.cuda_graphs,
                 fsdp=par.fsdp, fsdp_prefetch=cfg.mesh.fsdp_prefetch)
 
 

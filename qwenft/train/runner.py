@@ -106,6 +106,8 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     cfg = job.cfg
     label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(job.device)
     dist.all_reduce(label_tokens, group=job.dp_group)
+    if job.spec.parallel.cuda_graphs:
+        keep_grads(job.model_parts)
     step_loss = job.step(micro_batches, label_tokens)
     moe = moe_step_metrics(job)
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
@@ -126,6 +128,23 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
                     "so far)", step, loss_value, grad_norm.item(), result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_value, grad_norm.item(), int(label_tokens.item()), lr, moe)
+
+
+def keep_grads(model_parts) -> None:
+    """model.cuda_graphs: `.grad` (zeros) for each trained plain-tensor parameter of the decoder layers before
+    the step's first backward. Their gradients come out of CUDA graphs, in the graph's pool, which the next
+    replay overwrites: autograd must add each into a buffer of the parameter's own, never keep it as `.grad`.
+    (A DTensor parameter's gradient is copied into `.grad` by `attention.local_all`'s backward.)"""
+    from torch.distributed.tensor import DTensor
+
+    from qwenft.models.qwen3_5.model import DecoderLayer
+
+    for part in model_parts:
+        for layer in part.modules():
+            if isinstance(layer, DecoderLayer):
+                for p in layer.parameters():
+                    if p.requires_grad and p.grad is None and not isinstance(p, DTensor):
+                        p.grad = torch.zeros_like(p)
 
 
 def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_steps: int) -> None:

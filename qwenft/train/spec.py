@@ -60,6 +60,7 @@ class ParallelSpec:
     ce_in_model: bool  # chunked or fused CE: the head returns the CE sum, never the whole logits
     activation_checkpointing: str  # model.activation_checkpointing's mode
     compile: bool  # model.compile: per-layer torch.compile
+    cuda_graphs: bool  # model.cuda_graphs: the compiled graphs replayed as CUDA graphs
     fsdp: bool  # FSDP2 wraps the model: dp > 1, or weights stored in another dtype than they compute in
 
     @property
@@ -201,6 +202,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         layers = pp_split.split_layers(num_layers, layout.pp * virtual, model_cfg.vision is not None,
                                        cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
     single_pass = layout.pp == 1 and batching.num_microbatches == 1
+    fsdp = uses_fsdp(layout, dtypes, cfg.peft)
     return ParallelSpec(
         schedule=name, virtual_stages=virtual, stage_layers=tuple(tuple(stage) for stage in layers),
         reduce_grad_per_microbatch=knob, single_pass=single_pass,
@@ -208,7 +210,34 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_kernel=(ce_kernel := resolve_ce_kernel(cfg, layout, device)),
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        compile=cfg.model.compile, fsdp=uses_fsdp(layout, dtypes, cfg.peft))
+        compile=cfg.model.compile, cuda_graphs=check_cuda_graphs(cfg, layout, device, fsdp),
+        fsdp=fsdp)
+
+
+def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool) -> bool:
+    """model.cuda_graphs; raises where the compiled graphs cannot be replayed as CUDA graphs. A CUDA graph reads
+    its weights at the addresses it was recorded with, and its outputs live in a pool that its next replay
+    overwrites: so no FSDP2 (it gathers the weights into new buffers every step), no activation checkpointing
+    (the recompute replays a layer's forward graphs while its backward is pending) and no pipeline schedule
+    (several microbatches' forwards before their backwards)."""
+    if not cfg.model.cuda_graphs:
+        return False
+    if not cfg.model.compile:
+        why = "it replays model.compile's graphs; set model.compile=true"
+    elif device != "cuda":
+        why = f"it needs CUDA, and this run is on {device}"
+    elif fsdp:
+        why = (f"the weights must stay at fixed addresses, but FSDP2 wraps the model (mesh.dp={layout.dp}, "
+               f"optim.master_dtype={cfg.optim.master_dtype}); it needs mesh.dp=1 and weights stored in the "
+               f"compute dtype")
+    elif cfg.model.activation_checkpointing != "false":
+        why = (f"model.activation_checkpointing={cfg.model.activation_checkpointing} recomputes the graphs "
+               f"inside the backward; set it to false")
+    elif layout.pp > 1:
+        why = f"mesh.pp={layout.pp}: pipeline schedules are not supported; set mesh.pp=1"
+    else:
+        return True
+    raise ValueError(f"model.cuda_graphs=true: {why} (or model.cuda_graphs=false)")
 
 
 def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec:

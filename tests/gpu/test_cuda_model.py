@@ -129,13 +129,63 @@ def test_compiled_layers_train_like_eager_on_cuda(tmp_path):
     assert_same_training(compiled, eager, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mesh", [("mesh.tp=2",), ("mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true")],
-                         ids=["tp2", "dp2_reduce_grad_per_microbatch"])
+def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
+    """model.cuda_graphs=true (each compiled graph recorded once as a CUDA graph, then replayed) against
+    model.compile=true alone, 3 steps of the tiny recipe in fp32 on CUDA (4 microbatches a step, so the graphs
+    replay from the first step on): losses and every parameter within 1e-5. No graph was left out of CUDA graphs
+    (inductor counts each one it cannot record)."""
+    from torch._dynamo.utils import counters
+
+    common = (*FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false")
+    compiled = train_alone(parity_overrides(tmp_path / "compiled", *common), return_state=True)
+    counters.clear()
+    graphs = train_alone(parity_overrides(tmp_path / "graphs", *common, "model.cuda_graphs=true"), return_state=True)
+    assert counters["stats"]["unique_graphs"] > 0 and counters["inductor"]["cudagraph_skips"] == 0, dict(counters)
+    assert_same_training(graphs, compiled, rtol=1e-5)
+
+
+def test_cuda_graphs_replay_the_compiled_layers():
+    """The tiny model's layers compiled with cuda_graphs=True against compiled without: after two passes (a graph
+    runs once as is, is recorded at its second call), a third forward + backward launches CUDA graphs
+    (cudaGraphLaunch in torch's profiler), and every pass gives the same logits and weight gradients. The
+    layers' `.grad` are made before the first backward, as the runner does (`runner.keep_grads`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qwenft.distributed.parallelize import apply_compile
+    from qwenft.train.runner import keep_grads
+
+    cfg = named_config("tiny")
+    models = []
+    for cuda_graphs in (False, True):
+        model = init_random_weights(build_model(cfg, kernels="torch"), seed=0, device="cuda", dtype=torch.float32)
+        apply_compile(model, cuda_graphs=cuda_graphs)
+        keep_grads([model])
+        models.append(model)
+    ids = torch.randint(0, cfg.text.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0)).cuda()
+    cu_seqlens = torch.tensor([0, 70, 128], dtype=torch.int32, device="cuda")
+    weight = lambda model: model.layers["0"].mlp.up_proj.weight  # noqa: E731
+    for attempt in range(3):
+        outs = []
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for model in models:
+                logits = model(input_ids=ids, cu_seqlens=cu_seqlens)
+                logits.square().mean().backward()
+                outs.append((logits.detach().clone(), weight(model).grad.clone()))
+        (ref, ref_grad), (out, grad) = outs
+        assert rel_err(out, ref) < 1e-5 and rel_err(grad, ref_grad) < 1e-5, (attempt, rel_err(out, ref))
+    assert any(event.name == "cudaGraphLaunch" for event in prof.events())
+
+
+@pytest.mark.parametrize("mesh", [("mesh.tp=2",), ("mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true"),
+                                  ("mesh.tp=2", "model.compile=true", "model.cuda_graphs=true",
+                                   "optim.master_dtype=bfloat16", "model.activation_checkpointing=false")],
+                         ids=["tp2", "dp2_reduce_grad_per_microbatch", "tp2_cuda_graphs"])
 def test_multi_rank_path_trains_as_rank_0_of_a_fake_world(tmp_path, mesh):
     """Rank 0 of 2 on torch's fake process group (qwenft.distributed.fake_pg; collectives return at once), the
     runner's CUDA defaults (bf16, fla's GDN when installed, varlen flash attention, fused AdamW): tp2 (head-sharded
-    projections, vocab-parallel embedding and loss) and dp2 with FSDP reduce-scattering every microbatch's
-    gradients (2 microbatches per step) each train 3 steps to finite losses. Their numbers are the CPU tier's
+    projections, vocab-parallel embedding and loss), dp2 with FSDP reduce-scattering every microbatch's
+    gradients (2 microbatches per step), and tp2 with its compiled layers replayed as CUDA graphs (the graphs'
+    all-reduces are recorded in them) each train 3 steps to finite losses. Their numbers are the CPU tier's
     (tests/test_tensor_parallel.py, tests/test_fsdp.py); the fake collectives make these meaningless."""
     from qwenft.train.runner import run
 

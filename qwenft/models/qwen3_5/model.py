@@ -66,9 +66,10 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(x)
 
 
-def _compile(fn, *owners: nn.Module):
+def _compile(fn, *owners: nn.Module, cuda_graphs: bool = False):
     """torch.compile(fn, dynamic=False), fed plain tensors: its inputs, and the parameters of `owners` (the
-    modules whose weights `fn` reads).
+    modules whose weights `fn` reads). With `cuda_graphs`, in reduce-overhead mode: each graph (forward and
+    backward) is recorded once as a CUDA graph and replayed, one launch instead of its kernels' host work.
 
     A tensor-parallel parameter is a DTensor. Given one, the graph would flatten it into its local tensor and
     wrap its gradient into a new DTensor at every call, and autograd would add that to `.grad` through DTensor's
@@ -83,10 +84,14 @@ def _compile(fn, *owners: nn.Module):
     directly, the compiled graph's backward is wrong on torch 2.13 (the gradient of whatever produced the input,
     e.g. a vocab-parallel embedding whose all-reduce is a functional one); a clone waits and gives eager's
     numbers, for one [B, T, H] copy.
+
+    A CUDA graph copies each input into a buffer of its own at every replay, but for inputs that it may take at
+    their address: the parameters, and the local tensors taken here, which are marked so (they are views of the
+    local shards, at the same address at every call without FSDP2, which `check_cuda_graphs` rules out).
     """
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    graph = torch.compile(fn, dynamic=False)
+    graph = torch.compile(fn, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
     slots = [(m, name) for owner in owners for m in owner.modules() for name in m._parameters]
 
     @functools.wraps(fn)
@@ -97,7 +102,9 @@ def _compile(fn, *owners: nn.Module):
         taken = iter(local_all(trained) if trained else ())
         try:
             for m, name, p in swapped:  # a frozen parameter's local tensor as it is: no gradient to take
-                m._parameters[name] = next(taken) if p.requires_grad else p._local_tensor
+                m._parameters[name] = t = next(taken) if p.requires_grad else p._local_tensor
+                if cuda_graphs:
+                    torch._dynamo.mark_static_address(t)
             return graph(*args)
         finally:
             for m, name, p in swapped:
@@ -106,8 +113,9 @@ def _compile(fn, *owners: nn.Module):
     return call
 
 
-def compile_layer(layer: DecoderLayer) -> None:
-    """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place.
+def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False) -> None:
+    """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place; with
+    `cuda_graphs` (`model.cuda_graphs=true`) each graph is replayed as a CUDA graph (`_compile`).
 
     Two graphs a layer: `mixer_input` (the input norm and the mixer's projections: q/k/v/gate, q/k norms and
     rotary; GDN's six projections and beta's sigmoid) and `layer_output` (the mixer's output step: the sigmoid
@@ -127,16 +135,18 @@ def compile_layer(layer: DecoderLayer) -> None:
     mixer = layer.mixer
     projections = ([mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.q_norm, mixer.k_norm]
                    if layer.layer_type == FULL_ATTENTION else [getattr(mixer, f"{p}_proj") for p in "qkvzab"])
-    layer.mixer_input = _compile(layer.mixer_input, layer.input_layernorm, *projections)
+    layer.mixer_input = _compile(layer.mixer_input, layer.input_layernorm, *projections, cuda_graphs=cuda_graphs)
     output = [mixer.o_proj] if layer.layer_type == FULL_ATTENTION else [mixer.norm, mixer.out_proj]
     if isinstance(layer.mlp, MoE):
-        layer.mixer_output = _compile(layer.mixer_output, *output, layer.post_attention_layernorm)
+        layer.mixer_output = _compile(layer.mixer_output, *output, layer.post_attention_layernorm,
+                                      cuda_graphs=cuda_graphs)
         shared = layer.mlp.shared_expert
-        shared.forward = _compile(shared.forward, shared)
+        shared.forward = _compile(shared.forward, shared, cuda_graphs=cuda_graphs)
     else:
-        layer.layer_output = _compile(layer.layer_output, *output, layer.post_attention_layernorm, layer.mlp)
+        layer.layer_output = _compile(layer.layer_output, *output, layer.post_attention_layernorm, layer.mlp,
+                                      cuda_graphs=cuda_graphs)
     if layer.layer_type != FULL_ATTENTION:
-        mixer.decay.forward = _compile(mixer.decay.forward, mixer.decay)
+        mixer.decay.forward = _compile(mixer.decay.forward, mixer.decay, cuda_graphs=cuda_graphs)
 
 
 class Qwen3_5Model(nn.Module):
