@@ -209,6 +209,10 @@ def main():
             report["gpu_kernel_ms_per_step"] = round(sum(breakdown.values()), 1)
             walls = [r["step_time_s"] for r in rows[args.warmup:]]
             report["step_ms_profiled"] = round(1e3 * statistics.mean(walls), 1)
+        if torch.cuda.is_available():
+            # what the allocator holds from the GPU: under model.cuda_graphs a graph's replay writes into its
+            # private pool without allocating, so the allocated peak above misses what a replay uses inside
+            report["peak_reserved_gib_rank0"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
         if planned is not None:
             report["planned_peak_gib_per_rank"] = planned
         print(json.dumps(report, indent=2))

@@ -73,8 +73,8 @@ echo "=== automodel $(date +%T)"
 wall=$((515 - $(date +%s) + start)); [ $wall -gt 330 ] && wall=330
 GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
-bench bf16_ac_off_compile $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 \
-  model.activation_checkpointing=false model.compile=true ;;
+bench bf16_ac_off_compile_cuda_graphs $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 \
+  model.activation_checkpointing=false model.compile=true model.cuda_graphs=true ;;
 lora)  # after side_by_side, warm: LoRA rank 16 on every linear against full finetuning, eager, AC off, both
 # profiled (the frozen base's backward has no weight-gradient matmuls: about 2/3 of full finetuning's matmul time)
 bench full_ft_profile 300 1 0 "--warmup 2 --plan --profile $out/full_ft.txt" train.max_steps=5 $bf16 \
