@@ -63,7 +63,7 @@ class ModelOptions:
     compile: bool = False
     # replay model.compile's graphs as CUDA graphs (torch.compile's reduce-overhead mode): one launch a graph
     # instead of its kernels, for host-bound layouts such as tensor parallelism; CUDA, no FSDP2, no activation
-    # checkpointing, mesh.pp=1 (docs/performance.md, "CUDA graphs")
+    # checkpointing, mesh.pp=1 (docs/performance.md, "Tensor parallel's ceiling")
     cuda_graphs: bool = False
 
 
