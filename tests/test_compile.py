@@ -192,8 +192,13 @@ def test_bad_compile_value_is_one_line():
 @pytest.mark.parametrize("overrides, layout, device, expected", [
     (["model.activation_checkpointing=false"], (1, 1, 1, 1), "cpu", "it needs CUDA, and this run is on cpu"),
     (["model.compile=false"], (1, 1, 1, 1), "cuda", "it replays model.compile's graphs; set model.compile=true"),
-    (["optim.master_dtype=bfloat16"], (1, 2, 1, 2), "cuda", "FSDP2 wraps the model (mesh.dp=2"),
-    ([], (1, 1, 1, 1), "cuda", "FSDP2 wraps the model (mesh.dp=1, optim.master_dtype=float32)"),
+    (["optim.master_dtype=bfloat16"], (1, 2, 1, 2), "cuda", "FSDP2 does not keep: mesh.dp=2 shards them; set "
+     "mesh.dp=1"),
+    ([], (1, 1, 1, 1), "cuda", "optim.master_dtype=float32 needs its cast to the compute dtype; set "
+     "optim.master_dtype=bfloat16"),
+    (["peft=lora", "peft.train_head=true"], (1, 1, 1, 1), "cuda", "peft.train_embeddings / peft.train_head with "
+     "optim.master_dtype=float32 need its cast to bfloat16; set optim.master_dtype=bfloat16 or train neither"),
+    (["peft=lora"], (1, 1, 1, 1), "cuda", None),
     (["optim.master_dtype=bfloat16", "model.activation_checkpointing=selective"], (1, 1, 1, 1), "cuda",
      "model.activation_checkpointing=selective recomputes the graphs inside the backward; set it to false"),
     (["optim.master_dtype=bfloat16", "mesh.pp=2"], (2, 1, 1, 2), "cuda",
@@ -204,7 +209,8 @@ def test_bad_compile_value_is_one_line():
 def test_cuda_graphs_where_they_can_replay(overrides, layout, device, expected):
     """model.cuda_graphs=true needs model.compile, CUDA, weights at fixed addresses (no FSDP2: one data-parallel
     rank and weights stored in the compute dtype), no activation checkpointing and no pipeline: one line naming
-    the key, the value and what to set, before anything is built."""
+    the key, the value and what to set, before the model is built. LoRA's frozen base in the compute dtype needs
+    no FSDP2, its trained head in fp32 does."""
     from qwenft.conf.layout import resolve_layout
     from qwenft.train.build import model_config
     from qwenft.train.spec import resolve_spec

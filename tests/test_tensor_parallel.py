@@ -402,3 +402,30 @@ def test_local_parameters_take_their_gradients_like_to_local():
             assert tuple(tpw) == (Shard(0),) and tuple(tpn) == (Replicate(),), name
             assert rel(tw, ref_w) < 1e-6 and rel(tn, ref_n) < 1e-6, name
             assert rel(got["grad_after"][0], 2 * ref_w) < 1e-6 and rel(got["grad_after"][1], 2 * ref_n) < 1e-6, name
+
+
+def test_shard_extent_is_each_ranks_own():
+    """attention.shard_extent caches the shard offsets per shape, mesh, rank and placements. Meshes compare equal
+    across ranks, so in one process (as `qwenft plan` plays every rank) rank 0 and then rank 1 of a fake world of
+    2 must each get their own shard: torch's shape and offset, on an even and an uneven split, without
+    forgetting the meshes in between."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from qwenft.distributed.fake_pg import init_fake_process_group
+    from qwenft.models.qwen3_5.attention import shard_extent
+
+    seen = []
+    for rank in (0, 1):
+        init_fake_process_group(2, rank)
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+            for rows, dim in ((10, 0), (11, 0), (7, 1)):
+                t = distribute_tensor(torch.zeros(rows, 7), mesh, [Shard(dim)])
+                shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+                assert shard_extent(t) == (tuple(shape), tuple(offset)), (rank, rows, dim)
+                seen.append(shard_extent(t))
+        finally:
+            torch.distributed.destroy_process_group()
+    assert seen[0] != seen[3]  # rank 1's offset is not rank 0's

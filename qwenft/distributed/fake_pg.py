@@ -23,10 +23,14 @@ def forget_meshes() -> None:
     """Drop DTensor's sharding-propagation caches (Python and C++); call it once a process group is destroyed.
     Their keys compare meshes by shape and names only, so an entry made on the fake group (or any destroyed one)
     would hand a later mesh of the same shape the old one's process groups ("Could not resolve the process group
-    registered under the name ..."). torch offers this clearing as a debug helper only (2.13)."""
+    registered under the name ..."). torch offers this clearing as a debug helper only (2.13). qwenft's own
+    cache of shard offsets (`attention.shard_extent`) goes with them."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+    from qwenft.models.qwen3_5.attention import _shard_extent
+
     _clear_sharding_prop_cache()
+    _shard_extent.cache_clear()
 
 
 @contextmanager

@@ -134,7 +134,9 @@ def keep_grads(model_parts) -> None:
     """model.cuda_graphs: `.grad` (zeros) for each trained plain-tensor parameter of the decoder layers before
     the step's first backward. Their gradients come out of CUDA graphs, in the graph's pool, which the next
     replay overwrites: autograd must add each into a buffer of the parameter's own, never keep it as `.grad`.
-    (A DTensor parameter's gradient is copied into `.grad` by `attention.local_all`'s backward.)"""
+    (A DTensor parameter's gradient is copied into `.grad` by `attention.local_all`'s backward.) Every decoder
+    layer parameter gets a gradient at every step (an MoE layer's experts are stacked tensors), so AdamW steps
+    the same parameters as without; with one microbatch a step the gradients exist during its forward too."""
     from torch.distributed.tensor import DTensor
 
     from qwenft.models.qwen3_5.model import DecoderLayer

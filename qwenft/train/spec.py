@@ -210,11 +210,11 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_kernel=(ce_kernel := resolve_ce_kernel(cfg, layout, device)),
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        compile=cfg.model.compile, cuda_graphs=check_cuda_graphs(cfg, layout, device, fsdp),
+        compile=cfg.model.compile, cuda_graphs=check_cuda_graphs(cfg, layout, device, fsdp, dtypes),
         fsdp=fsdp)
 
 
-def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool) -> bool:
+def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes) -> bool:
     """model.cuda_graphs; raises where the compiled graphs cannot be replayed as CUDA graphs. A CUDA graph reads
     its weights at the addresses it was recorded with, and its outputs live in a pool that its next replay
     overwrites: so no FSDP2 (it gathers the weights into new buffers every step), no activation checkpointing
@@ -227,9 +227,16 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool) -> b
     elif device != "cuda":
         why = f"it needs CUDA, and this run is on {device}"
     elif fsdp:
-        why = (f"the weights must stay at fixed addresses, but FSDP2 wraps the model (mesh.dp={layout.dp}, "
-               f"optim.master_dtype={cfg.optim.master_dtype}); it needs mesh.dp=1 and weights stored in the "
-               f"compute dtype")
+        compute = str(dtypes.compute).removeprefix("torch.")
+        if layout.dp > 1:
+            cause = f"mesh.dp={layout.dp} shards them; set mesh.dp=1"
+        elif cfg.peft.method == "lora":
+            cause = (f"peft.train_embeddings / peft.train_head with optim.master_dtype={cfg.optim.master_dtype} "
+                     f"need its cast to {compute}; set optim.master_dtype={compute} or train neither")
+        else:
+            cause = (f"optim.master_dtype={cfg.optim.master_dtype} needs its cast to the compute dtype; set "
+                     f"optim.master_dtype={compute}")
+        why = f"the weights must stay at fixed addresses, which FSDP2 does not keep: {cause}"
     elif cfg.model.activation_checkpointing != "false":
         why = (f"model.activation_checkpointing={cfg.model.activation_checkpointing} recomputes the graphs "
                f"inside the backward; set it to false")

@@ -132,15 +132,18 @@ def test_compiled_layers_train_like_eager_on_cuda(tmp_path):
 def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
     """model.cuda_graphs=true (each compiled graph recorded once as a CUDA graph, then replayed) against
     model.compile=true alone, 3 steps of the tiny recipe in fp32 on CUDA (4 microbatches a step, so the graphs
-    replay from the first step on): losses and every parameter within 1e-5. No graph was left out of CUDA graphs
-    (inductor counts each one it cannot record)."""
+    replay from the first step on), with validation passes after steps 2 and 3 (no-grad graphs of their own,
+    then training's again): losses, the validation loss and every parameter within 1e-5. No graph was left out of
+    CUDA graphs (inductor counts each one it cannot record)."""
     from torch._dynamo.utils import counters
 
-    common = (*FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false")
+    common = (*FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
+              "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2")
     compiled = train_alone(parity_overrides(tmp_path / "compiled", *common), return_state=True)
     counters.clear()
     graphs = train_alone(parity_overrides(tmp_path / "graphs", *common, "model.cuda_graphs=true"), return_state=True)
     assert counters["stats"]["unique_graphs"] > 0 and counters["inductor"]["cudagraph_skips"] == 0, dict(counters)
+    assert sorted(compiled.val_losses) == [2, 3]  # after step 2, then after the last
     assert_same_training(graphs, compiled, rtol=1e-5)
 
 
@@ -176,6 +179,25 @@ def test_cuda_graphs_replay_the_compiled_layers():
     assert any(event.name == "cudaGraphLaunch" for event in prof.events())
 
 
+def test_cuda_graphs_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
+    """Rank 0 of a fake tp2 world, fp32, 3 steps: model.cuda_graphs=true against model.compile=true alone. The
+    fake collectives return at once, so both runs' numbers are meaningless but deterministic: equal losses (each
+    step's loss depends on every earlier step's update) check what tensor parallelism adds under CUDA graphs: the
+    DTensor parameters' local tensors taken at their addresses, the graphs' recorded all-reduces, and the
+    gradients added into `.grad` after each replay."""
+    from qwenft.train.runner import run
+
+    losses = []
+    for name, extra in (("compiled", ()), ("graphs", ("model.cuda_graphs=true",))):
+        overrides = parity_overrides(tmp_path / name, *FP32, "checkpoint.export_hf=false", "mesh.tp=2",
+                                     "model.compile=true", "model.activation_checkpointing=false", *extra)
+        with fake_process_group(world_size=2):
+            losses.append(run(compose(overrides)).losses)
+    compiled, graphs = losses
+    assert len(compiled) == 3 and compiled[0] != compiled[-1], compiled
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(graphs, compiled)), (graphs, compiled)
+
+
 @pytest.mark.parametrize("mesh", [("mesh.tp=2",), ("mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true"),
                                   ("mesh.tp=2", "model.compile=true", "model.cuda_graphs=true",
                                    "optim.master_dtype=bfloat16", "model.activation_checkpointing=false")],
@@ -184,8 +206,8 @@ def test_multi_rank_path_trains_as_rank_0_of_a_fake_world(tmp_path, mesh):
     """Rank 0 of 2 on torch's fake process group (qwenft.distributed.fake_pg; collectives return at once), the
     runner's CUDA defaults (bf16, fla's GDN when installed, varlen flash attention, fused AdamW): tp2 (head-sharded
     projections, vocab-parallel embedding and loss), dp2 with FSDP reduce-scattering every microbatch's
-    gradients (2 microbatches per step), and tp2 with its compiled layers replayed as CUDA graphs (the graphs'
-    all-reduces are recorded in them) each train 3 steps to finite losses. Their numbers are the CPU tier's
+    gradients (2 microbatches per step), and tp2 in bf16 on fla's kernels with its compiled layers replayed as
+    CUDA graphs each train 3 steps to finite losses. Their numbers are the CPU tier's
     (tests/test_tensor_parallel.py, tests/test_fsdp.py); the fake collectives make these meaningless."""
     from qwenft.train.runner import run
 

@@ -39,14 +39,16 @@ def local_all(params: list[DTensor]) -> tuple[torch.Tensor, ...]:
 
 
 def shard_extent(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offset) of this rank's shard of the DTensor `t`. Cached per shape, mesh and
-    placements: torch's computation builds index tensors on the host at every call, on the hot path of a
-    vocab-parallel embedding and loss."""
-    return _shard_extent(t.shape, t.device_mesh, tuple(t.placements))
+    """(local shape, global offset) of this rank's shard of the DTensor `t`. Cached per shape, mesh, this rank's
+    place in the mesh and placements (meshes compare equal across ranks): torch's computation builds index
+    tensors on the host at every call, on the hot path of a vocab-parallel embedding and loss. Cleared with
+    DTensor's own caches (`fake_pg.forget_meshes`)."""
+    return _shard_extent(t.shape, t.device_mesh, tuple(t.device_mesh.get_coordinate() or ()), tuple(t.placements))
 
 
 @functools.cache
-def _shard_extent(shape: torch.Size, mesh, placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _shard_extent(shape: torch.Size, mesh, coordinate: tuple, placements: tuple) -> tuple[tuple[int, ...],
+                                                                                          tuple[int, ...]]:
     # No public equivalent yet (torch 2.13); the loader and DCP's planner use it too.
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
