@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qwenft.constants import IGNORE_INDEX
+from qwenft.models.qwen3_5.attention import shard_extent
 
 
 def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,6 @@ def token_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _vocab_parallel_ce_sum(logits, labels: torch.Tensor) -> torch.Tensor:
-    from qwenft.models.qwen3_5.attention import shard_extent
-
     _, offset = shard_extent(logits)
     local = logits.to_local()
     return _VocabParallelCE.apply(local.flatten(0, -2), labels.flatten(), offset[-1],
