@@ -193,3 +193,68 @@ def test_chunk_indices_label_every_block_of_every_document():
     expected = [(d, j) for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])) for j in range(-(-(e - s) // 64))]
     assert info.chunk_indices.dtype == torch.long
     assert [tuple(r) for r in info.chunk_indices.tolist()] == expected
+
+
+def _random_bounds(gen: torch.Generator, total: int, docs: int) -> list[int]:
+    cuts = torch.randperm(total - 1, generator=gen)[: docs - 1].add(1).sort().values.tolist()
+    return [0, *cuts, total]
+
+
+def test_fixed_layouts_have_one_shape_per_document_bucket():
+    """`fixed_layout`, which CUDA graphs of fla's kernels run on: for any documents of a stream, the offsets and
+    the chunk indices have lengths fixed by the stream's length and its document count's bucket (1-64, 65-128,
+    ...), the real documents come first unchanged, every pad document fits one 64-token block, and the chunk
+    indices are those of the padded offsets. Worst cases included: one document, every document of one token,
+    and every document one token past a block."""
+    from qwenft.models.qwen3_5.varlen import DOC_BUCKET, FLA_CHUNK, chunk_indices, fixed_layout
+
+    gen = torch.Generator().manual_seed(0)
+    total = 4096
+    cases = [[0, total], list(range(0, 64)) + [total], list(range(0, 65 * 63, 65)) + [total],
+             *(_random_bounds(gen, total, int(n)) for n in torch.randint(1, 3 * DOC_BUCKET, (60,), generator=gen))]
+    shapes = {}
+    for bounds in cases:
+        layout = fixed_layout(torch.tensor(bounds, dtype=torch.int32))
+        docs = len(bounds) - 1
+        assert layout.bucket == -(-docs // DOC_BUCKET) * DOC_BUCKET
+        assert layout.cu_seqlens[: docs + 1].tolist() == bounds and layout.cu_seqlens[-1] == layout.tokens
+        assert layout.tokens == total + layout.pad
+        pads = layout.cu_seqlens[docs:].diff()
+        assert (pads >= 0).all() and (pads <= FLA_CHUNK).all()
+        assert torch.equal(layout.chunk_indices, chunk_indices(layout.cu_seqlens))
+        shape = (len(layout.cu_seqlens), len(layout.chunk_indices), layout.tokens)
+        assert shapes.setdefault(layout.bucket, shape) == shape, (bounds, shape, shapes[layout.bucket])
+    assert len(shapes) == 3
+
+
+def test_a_fixed_layout_leaves_the_real_tokens_alone():
+    """The GatedDeltaNet kernels (the torch reference: conv, decay, delta rule) on a batch's fixed layout, pad
+    rows of zeros appended, give the real tokens the output and input gradients they get on the batch itself."""
+    from qwenft.models.qwen3_5.gdn import GatedDeltaNet
+    from qwenft.models.qwen3_5.varlen import fixed_layout
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(named_config("tiny").text, "torch").double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    bounds = [0, 1, 70, 130, 200, 256]
+    layout = fixed_layout(torch.tensor(bounds))
+    x = torch.randn(1, 256, layer.q_proj.in_features, dtype=torch.float64)
+    qkv, _, beta, a = layer.project(x)
+    g = layer.decay(a)
+    weight = torch.cat([layer.conv_q, layer.conv_k, layer.conv_v])
+    sizes = (layer.conv_q.shape[0], layer.conv_k.shape[0], layer.conv_v.shape[0])
+    inputs = [t.detach().requires_grad_() for t in (qkv, beta, g)]
+    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, layout.pad)).detach().requires_grad_()
+              for t in inputs]
+    probe = torch.randn(1, 256, *layer._torch_kernels(*inputs, weight, sizes, torch.tensor(bounds)).shape[2:],
+                        dtype=torch.float64)
+    results = []
+    for args, cu in ((inputs, torch.tensor(bounds)), (padded, layout.cu_seqlens)):
+        out = layer._torch_kernels(*args, weight, sizes, cu)[:, :256]
+        grads = torch.autograd.grad((out * probe).sum(), [*args, weight])
+        results.append((out, [t[:, :256] for t in grads[:3]] + [grads[3]]))
+    (ref, ref_grads), (out, grads) = results
+    assert rel_err(out, ref) < 1e-12
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < 1e-12

@@ -10,14 +10,14 @@ from qwenft.distributed.fsdp import apply_fsdp
 from qwenft.distributed.tensor_parallel import apply_tp
 
 
-def apply_compile(model: nn.Module, cuda_graphs: bool = False) -> None:
+def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool = False) -> None:
     """torch.compile each decoder layer's fixed-shape pieces, never the whole model (model.compile_layer says
     which, and why the kernels and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it;
-    `cuda_graphs` replays each graph as a CUDA graph."""
+    `cuda_graphs` replays each graph as a CUDA graph, `gdn_graphs` fla's GatedDeltaNet kernels too."""
     from qwenft.models.qwen3_5.model import compile_layer
 
     for layer in model.layers.values():
-        compile_layer(layer, cuda_graphs)
+        compile_layer(layer, cuda_graphs, gdn_graphs)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
@@ -50,7 +50,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if mode != "false":
         apply_activation_checkpointing(model, mode)
     if compile_layers:
-        apply_compile(model, cuda_graphs)
+        # fla's kernels as graphs only where the layer is tensor-parallel: a shard's kernels are small and the host
+        # sets the pace there; a whole layer's keep the GPU busy, and the graphs' fixed layouts add work and memory
+        # (docs/performance.md, "CUDA graphs")
+        apply_compile(model, cuda_graphs, gdn_graphs=cuda_graphs and tp_mesh.size() > 1)
     if not fsdp:
         if mesh["dp"].size() > 1:
             raise ValueError(f"FSDP2 left out on {mesh['dp'].size()} data-parallel ranks")

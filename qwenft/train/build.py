@@ -28,6 +28,7 @@ from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
 from qwenft.launch import signals
+from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
 from qwenft.train import metrics as metrics_lib
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    device_batch, forward_batch, val_micro_batches)
@@ -313,12 +314,23 @@ def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: li
     dp_group, ce_in_model = mesh["dp"].get_group(), spec.parallel.ce_in_model
     if spec.layout.pp == 1:
         [model] = modules
+        if spec.parallel.cuda_graphs:
+            return lambda: _eager_validation(model, val_batches, device, dp_group, ce_in_model)
         return lambda: eval_loss_unpipelined(model, val_batches, device, dp_group, ce_in_model)
     pp_group = mesh["pp"].get_group()
     stage_ids = spec.stage_ids(mesh["pp"].get_local_rank())
     eval_schedule = build_eval_schedule(list(zip(stage_ids, modules)), spec.parallel.num_stages,
                                         spec.parallel.schedule, n, ce_in_model, device, pp_group)
     return lambda: eval_loss_pipelined(eval_schedule, val_batches, n, device, dp_group, pp_group, ce_in_model)
+
+
+def _eager_validation(*args) -> float:
+    """`eval_loss_unpipelined` with the compiled layers run eagerly, under model.cuda_graphs. Inductor's CUDA
+    graph trees mishandle no-grad calls of graphs that several layers share (every layer of a kind calls the
+    same `mixer_input`): a validation pass recorded that way read a graph output a later replay had already
+    overwritten. Training's calls, each with its backward pending, are unaffected."""
+    with torch.compiler.set_stance("force_eager"):
+        return eval_loss_unpipelined(*args)
 
 
 # ---------------------------------------------------------------- the job
@@ -447,9 +459,12 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
                                 cfg.optim.eps, cfg.optim.fused, state_dtype=cfg.optim.state_dtype, seed=cfg.seed)
     fused = getattr(optimizer, "fused", None) or optimizer.defaults.get("fused")
-    log.info("kernels: cross-entropy %s (model.kernels.ce=%s); optimizer %s, %s (optim.fused=%s)",
-             spec.parallel.ce_kernel, cfg.model.kernels.ce, type(optimizer).__name__,
-             "fused" if fused else "foreach", cfg.optim.fused)
+    gdn = resolve_gdn_kernel(cfg.model.kernels.gdn)
+    if gdn == "fla" and spec.parallel.cuda_graphs and spec.layout.tp > 1:  # parallelize's gdn_graphs
+        gdn += ", replayed as CUDA graphs (model.cuda_graphs, mesh.tp > 1)"
+    log.info("kernels: GatedDeltaNet %s (model.kernels.gdn=%s); cross-entropy %s (model.kernels.ce=%s); optimizer "
+             "%s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn, spec.parallel.ce_kernel, cfg.model.kernels.ce,
+             type(optimizer).__name__, "fused" if fused else "foreach", cfg.optim.fused)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)
     wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None

@@ -147,6 +147,30 @@ def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
     assert_same_training(graphs, compiled, rtol=1e-5)
 
 
+def test_cuda_graphs_with_fla_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
+    """Rank 0 of a fake tp2 world in bf16 with fla's GatedDeltaNet kernels: model.cuda_graphs=true (at tp > 1 fla's
+    conv and delta rule are replayed as CUDA graphs of their own on fixed layouts, gdn_graph.py) against
+    model.compile=true alone, 3 steps of the tiny recipe on packed rows, validation (fla eager under no_grad)
+    after step 2: equal losses to bf16's rounding, and fla's kernels did run as graphs."""
+    from qwenft.models.qwen3_5 import gdn_graph
+    from qwenft.train.runner import run
+
+    common = ("model.dtype=bfloat16", "model.kernels.gdn=fla", "optim.master_dtype=bfloat16", "mesh.tp=2",
+              "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
+              "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2")
+    results = []
+    for name, extra in (("compiled", ()), ("graphs", ("model.cuda_graphs=true",))):
+        gdn_graph._LAYOUTS.clear()
+        with fake_process_group(world_size=2):
+            results.append(run(compose(parity_overrides(tmp_path / name, *common, *extra))))
+    assert gdn_graph._LAYOUTS, "no GatedDeltaNet layer ran its kernels as graphs"
+    compiled, graphs = results
+    assert len(compiled.losses) == 3 and compiled.losses[0] != compiled.losses[-1]
+    losses = lambda result: [*result.losses, *result.val_losses.values()]  # noqa: E731
+    for got, want in zip(losses(graphs), losses(compiled)):
+        assert abs(got - want) <= 2e-3 * abs(want), (graphs.losses, compiled.losses, graphs.val_losses)
+
+
 def test_cuda_graphs_replay_the_compiled_layers():
     """The tiny model's layers compiled with cuda_graphs=True against compiled without: after two passes (a graph
     runs once as is, is recorded at its second call), a third forward + backward launches CUDA graphs

@@ -11,8 +11,9 @@ Kernels (`kernels` argument, config `model.kernels.gdn`):
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from .attention import local
+from .attention import local, local_all
 from .configs import TextConfig
 from .varlen import FLA_CHUNK, varlen_info
 
@@ -163,23 +164,20 @@ def _fla_varlen_kwargs(cu_seqlens) -> dict:
     return {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu, "chunk_indices": info.chunk_indices}
 
 
-def _fla_delta_rule(q, k, v, g, beta, cu_seqlens):
+def _fla_delta_rule(q, k, v, g, beta, varlen: dict):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    out, _ = chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK, **_fla_varlen_kwargs(cu_seqlens),
-    )
+    out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                    use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK, **varlen)
     return out
 
 
-def _fla_conv(x_btc, weight_c1k, cu_seqlens):
+def _fla_conv(x_btc, weight_c1k, varlen: dict):
     # fla's conv takes no chunk size: its Triton path cuts FLA_CHUNK-token blocks, which the chunk indices describe
     # (tests/gpu/test_packed_kernels.py compares it with the torch conv on packed rows)
     from fla.modules.convolution import causal_conv1d
 
-    out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu",
-                           **_fla_varlen_kwargs(cu_seqlens))
+    out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu", **varlen)
     return out
 
 
@@ -231,6 +229,7 @@ class GatedDeltaNet(nn.Module):
         self.decay = Decay(nv)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self.graphs = None  # GraphedMix under model.cuda_graphs (compile_layer): fla's kernels replayed
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         qkv, z, beta, a = self.project(x)
@@ -254,26 +253,38 @@ class GatedDeltaNet(nn.Module):
         kernel = resolve_kernel(self.kernels)
         if cu_seqlens is not None:  # documents index the flattened B*T stream: run it as one row
             qkv, beta, a = (t.reshape(1, B * T, *t.shape[2:]) for t in (qkv, beta, a))
-        if kernel == "fla":
-            conv = lambda t, w: _fla_conv(t, w, cu_seqlens)  # noqa: E731
-        else:
-            pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, qkv.shape[1])
-            conv = lambda t, w: causal_conv(t, w, pos)  # noqa: E731
-        b, t = qkv.shape[:2]
         g = self.decay(a)
         # one depthwise conv over q|k|v's channels: one kernel launch (forward and backward) instead of three
-        weights = [local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
-        qkv = conv(qkv, torch.cat(weights))
-        q, k, v = qkv.split([w.shape[0] for w in weights], dim=-1)
-        q, k = q.view(b, t, -1, self.head_k_dim), k.view(b, t, -1, self.head_k_dim)
-        v = v.view(b, t, -1, self.head_v_dim)
-        if kernel == "fla":  # grouped value heads in the kernel: value head j reads key head j // (Hv / Hk)
-            out = _fla_delta_rule(q, k, v, g, beta, cu_seqlens)
+        weights = (self.conv_q, self.conv_k, self.conv_v)
+        weights = local_all(list(weights)) if isinstance(weights[0], DTensor) else weights
+        sizes = tuple(w.shape[0] for w in weights)
+        weight = torch.cat(weights)
+        if kernel == "fla" and self.graphs is not None and torch.is_grad_enabled():
+            out = self.graphs(qkv, beta, g, weight, sizes, cu_seqlens)
+        elif kernel == "fla":
+            out = self.fla_kernels(qkv, beta, g, weight, sizes, **_fla_varlen_kwargs(cu_seqlens))
         else:
-            rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-            out = _torch_delta_rule(q, k, v, g, beta, cu_seqlens)
+            out = self._torch_kernels(qkv, beta, g, weight, sizes, cu_seqlens)
         return out.view(B, T, *out.shape[2:])
+
+    def fla_kernels(self, qkv, beta, g, weight, sizes, **varlen) -> torch.Tensor:
+        """fla's conv over q|k|v (`sizes` channels each) and its chunked delta rule, grouped value heads in the
+        kernel (value head j reads key head j // (Hv / Hk)); `varlen`: fla's cu_seqlens (and chunk_indices,
+        cu_seqlens_cpu) keywords."""
+        q, k, v = self._heads(_fla_conv(qkv, weight, varlen).split(sizes, dim=-1))
+        return _fla_delta_rule(q, k, v, g, beta, varlen)
+
+    def _torch_kernels(self, qkv, beta, g, weight, sizes, cu_seqlens) -> torch.Tensor:
+        pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, qkv.shape[1])
+        q, k, v = self._heads(causal_conv(qkv, weight, pos).split(sizes, dim=-1))
+        rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        return _torch_delta_rule(q, k, v, g, beta, cu_seqlens)
+
+    def _heads(self, qkv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        q, k, v = qkv
+        b, t = q.shape[:2]
+        return q.view(b, t, -1, self.head_k_dim), k.view(b, t, -1, self.head_k_dim), v.view(b, t, -1, self.head_v_dim)
 
     def output(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated norm and out_proj: [B, T, Hv, Dv] -> [B, T, hidden]."""

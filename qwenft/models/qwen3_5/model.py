@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from .attention import GatedAttention, RMSNorm, RotaryEmbedding, local_all
 from .configs import FULL_ATTENTION, ModelConfig, TextConfig
 from .gdn import GatedDeltaNet, param_dtype, positions_in_document
+from .gdn_graph import GraphedMix
 from .moe import MLP, MoE, RouterStats, routing_rows
 from ..linear_ce import LMHead
 
@@ -113,9 +114,10 @@ def _compile(fn, *owners: nn.Module, cuda_graphs: bool = False):
     return call
 
 
-def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False) -> None:
+def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False, gdn_graphs: bool = False) -> None:
     """torch.compile the fixed-shape pieces of one decoder layer (`model.compile=true`), in place; with
-    `cuda_graphs` (`model.cuda_graphs=true`) each graph is replayed as a CUDA graph (`_compile`).
+    `cuda_graphs` (`model.cuda_graphs=true`) each graph is replayed as a CUDA graph (`_compile`), and with
+    `gdn_graphs` a GatedDeltaNet layer's fla kernels too (gdn_graph.py).
 
     Two graphs a layer: `mixer_input` (the input norm and the mixer's projections: q/k/v/gate, q/k norms and
     rotary; GDN's six projections and beta's sigmoid) and `layer_output` (the mixer's output step: the sigmoid
@@ -126,7 +128,8 @@ def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False) -> None:
     counts. GDN's fp32 decay is a third graph: FSDP2 shards it as a unit of its own, whose hooks stay eager.
 
     Left eager between the graphs: the mixer's `mix` (fla's Triton convs and delta rule, the torch reference,
-    SDPA or varlen flash attention), the only piece that reads cu_seqlens, so a batch with a different number of
+    SDPA or varlen flash attention; with `gdn_graphs`, fla's GDN kernels are graphs of their own on fixed-shape
+    layouts), the only piece that reads cu_seqlens, so a batch with a different number of
     documents reuses the graphs: every compiled input is [B, T, ...] of the fixed data.seq_len (dynamic=False).
     The layer's `forward` is not compiled, so FSDP2's hooks and the sequence-parallel split around the layer
     stay eager; TP's hooks on the norms (a block's input) and on the row-parallel projections (its output) are
@@ -147,6 +150,8 @@ def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False) -> None:
                                       cuda_graphs=cuda_graphs)
     if layer.layer_type != FULL_ATTENTION:
         mixer.decay.forward = _compile(mixer.decay.forward, mixer.decay, cuda_graphs=cuda_graphs)
+        if gdn_graphs:
+            mixer.graphs = GraphedMix(mixer.fla_kernels)
 
 
 class Qwen3_5Model(nn.Module):

@@ -1,0 +1,144 @@
+"""GatedDeltaNet's fla kernels (its causal conv and chunked delta rule) replayed as CUDA graphs, under
+`model.cuda_graphs=true` with `mesh.tp > 1` (`parallelize`): a layer's conv and delta rule become one graph
+launch forward and one backward, instead of some twenty Triton launches each, every one through fla's Python
+wrappers and autotuner. That host work sets the pace of a tensor-parallel shard's small kernels; a whole layer's
+kernels keep the GPU busy anyway, and there the layouts' pad blocks, the input copies and each graph's own
+buffers (inputs, outputs, saved activations, per layer and bucket) would cost more than they save.
+
+fla sizes its grids from the batch's document layout, which changes from batch to batch, and a graph needs
+fixed shapes: the graphs run on the batch's `FixedLayout` (varlen.py), the stream with pad documents after
+it, whose shapes are the same for every batch with a document count in one bucket. A layer keeps a pair of
+graphs per bucket. The layout's offsets and chunk indices are copied once per batch into buffers that every
+layer's graphs read, and each call copies its inputs into the graphs' own buffers (the pad rows stay zero).
+
+What the graphs write is overwritten by the layer's next replay: the forward's output and saved activations by
+the next microbatch's forward, the input gradients by its backward. That is safe where each microbatch's
+backward runs before the next one's forward and nothing keeps a gradient buffer as `.grad`: no pipeline
+schedule, no activation checkpointing (both refused with CUDA graphs, `spec.check_cuda_graphs`), and the
+runner's `keep_grads`. Under `torch.no_grad` (validation) the kernels run eagerly.
+"""
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from .varlen import varlen_info
+
+_POOL = []  # one memory pool for every layer's graphs: they run one at a time, on one stream
+_LAYOUTS: dict = {}  # (device, layout key) -> [offsets buffer, chunk indices buffer, the Varlen loaded in them]
+
+
+class GraphedMix:
+    """One GatedDeltaNet layer's `fla_kernels`, captured per input shape and layout bucket on first use."""
+
+    def __init__(self, kernels: Callable):
+        self.kernels = kernels  # kernels(qkv, beta, g, weight, sizes, cu_seqlens=, chunk_indices=) -> out
+        self.graphs: dict = {}
+
+    def __call__(self, qkv, beta, g, weight, sizes: tuple[int, ...], cu_seqlens: torch.Tensor | None):
+        """Like `kernels(qkv, beta, g, weight, sizes, ...)` on the batch's documents `cu_seqlens` (None: one
+        document per row)."""
+        pad, varlen = 0, {"cu_seqlens": None}
+        if cu_seqlens is not None:
+            layout = varlen_info(cu_seqlens)
+            pad = layout.fixed.pad
+            offsets, indices = _load_layout(layout, qkv.device)
+            varlen = {"cu_seqlens": offsets, "chunk_indices": indices}
+        key = (tuple(qkv.shape), tuple(weight.shape), qkv.dtype, g.dtype, sizes, pad,
+               None if cu_seqlens is None else tuple(varlen["chunk_indices"].shape))
+        graphs = self.graphs.get(key)
+        if graphs is None:
+            graphs = self.graphs[key] = _Graphs(lambda *a: self.kernels(*a, sizes, **varlen), (qkv, beta, g, weight),
+                                                pad)
+        return _Replay.apply(graphs, qkv, beta, g, weight)
+
+
+def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device buffers of `info`'s fixed layout's bucket, holding its offsets and chunk indices: copied in
+    once per batch (the first layer to see it), from pinned memory without waiting for the GPU."""
+    layout = info.fixed
+    slot = _LAYOUTS.get((device, layout.key))
+    if slot is None:
+        slot = _LAYOUTS[(device, layout.key)] = [layout.cu_seqlens.to(device), layout.chunk_indices.to(device), info]
+    elif slot[2] is not info:
+        slot[0].copy_(layout.cu_seqlens.pin_memory(), non_blocking=True)
+        slot[1].copy_(layout.chunk_indices.pin_memory(), non_blocking=True)
+        slot[2] = info
+    return slot[0], slot[1]
+
+
+def _pool():
+    if not _POOL:
+        _POOL.append(torch.cuda.graph_pool_handle())
+    return _POOL[0]
+
+
+@contextlib.contextmanager
+def _fla_tensor_cache_off():
+    """fla memoises what it derives from `cu_seqlens` (its chunk offsets) by tensor identity. In a capture, a
+    hit would bake in a tensor that no replay recomputes: every derived tensor is computed inside the graph."""
+    import fla.utils
+
+    before = fla.utils.FLA_DISABLE_TENSOR_CACHE
+    fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = before
+
+
+class _Graphs:
+    """The forward and backward graphs of `run` on inputs shaped like `inputs` with `pad` zero rows appended to
+    all but the last (the conv weight), and the buffers they read and write."""
+
+    def __init__(self, run: Callable, inputs: tuple[torch.Tensor, ...], pad: int):
+        self.rows = inputs[0].shape[1]
+        self.inputs = [torch.zeros(t.shape[0], t.shape[1] + pad, *t.shape[2:], dtype=t.dtype, device=t.device)
+                       for t in inputs[:-1]] + [torch.zeros_like(inputs[-1])]
+        self.load(*inputs)
+        for t in self.inputs:
+            t.requires_grad_(True)
+        with _fla_tensor_cache_off():
+            # a warm-up outside any graph first: fla's autotuning and TileLang's compilation cannot be captured
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = run(*self.inputs)
+                torch.autograd.grad(out, self.inputs, torch.zeros_like(out))
+            torch.cuda.current_stream().wait_stream(side)
+            del out
+            self.forward = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.forward, pool=_pool(), capture_error_mode="thread_local"):
+                self.out = run(*self.inputs)
+            self.grad_out = torch.zeros_like(self.out)
+            self.backward = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.backward, pool=_pool(), capture_error_mode="thread_local"):
+                # retain_graph: the saved activations stay allocated, so no later capture in the shared pool
+                # reuses memory this pair's backward reads after its forward wrote it
+                self.grads = torch.autograd.grad(self.out, self.inputs, self.grad_out, retain_graph=True)
+        self.out_rows = self.out.detach()[:, : self.rows]
+
+    def load(self, *inputs: torch.Tensor) -> None:
+        with torch.no_grad():
+            for buffer, t in zip(self.inputs, inputs):
+                (buffer if buffer.shape == t.shape else buffer[:, : self.rows]).copy_(t)
+
+
+class _Replay(torch.autograd.Function):
+    """`_Graphs`' forward replay, and its backward replay in the backward."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, *inputs: torch.Tensor) -> torch.Tensor:
+        graphs.load(*inputs)
+        graphs.forward.replay()
+        ctx.graphs = graphs
+        return graphs.out_rows.view_as(graphs.out_rows)  # a tensor of its own for autograd to mark
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        graphs = ctx.graphs
+        graphs.grad_out[:, : graphs.rows].copy_(grad)
+        graphs.backward.replay()
+        grads = [g[:, : graphs.rows] for g in graphs.grads[:-1]] + [graphs.grads[-1]]
+        return None, *grads
