@@ -202,29 +202,36 @@ def _random_bounds(gen: torch.Generator, total: int, docs: int) -> list[int]:
 
 def test_fixed_layouts_have_one_shape_per_document_bucket():
     """`fixed_layout`, which CUDA graphs of fla's kernels run on: for any documents of a stream, the offsets and
-    the chunk indices have lengths fixed by the stream's length and its document count's bucket (1-64, 65-128,
-    ...), the real documents come first unchanged, every pad document fits one 64-token block, and the chunk
-    indices are those of the padded offsets. Worst cases included: one document, every document of one token,
-    and every document one token past a block."""
-    from qwenft.models.qwen3_5.varlen import DOC_BUCKET, FLA_CHUNK, chunk_indices, fixed_layout
+    the chunk indices have lengths fixed by the stream's length and the document bucket (1, 2, 4, ... 64, 128,
+    192, ...: the batch's own, or any larger one), the real documents come first unchanged, every pad document
+    fits one 64-token block, and the chunk indices are those of the padded offsets. Worst cases included: one
+    document, every document of one token, every document one token past a block, a stream length off the
+    block size. A bucket smaller than the document count is refused."""
+    from qwenft.models.qwen3_5.varlen import FLA_CHUNK, chunk_indices, doc_bucket, fixed_layout
 
+    assert [doc_bucket(n) for n in (1, 2, 3, 5, 64, 65, 129)] == [1, 2, 4, 8, 64, 128, 192]
     gen = torch.Generator().manual_seed(0)
-    total = 4096
-    cases = [[0, total], list(range(0, 64)) + [total], list(range(0, 65 * 63, 65)) + [total],
-             *(_random_bounds(gen, total, int(n)) for n in torch.randint(1, 3 * DOC_BUCKET, (60,), generator=gen))]
+    cases = [(4096, [0, 4096]), (4096, list(range(0, 64)) + [4096]), (4096, list(range(0, 65 * 63, 65)) + [4096]),
+             (4000, list(range(0, 65 * 61, 65)) + [4000]),
+             *((4096, _random_bounds(gen, 4096, int(n))) for n in torch.randint(1, 200, (60,), generator=gen))]
     shapes = {}
-    for bounds in cases:
-        layout = fixed_layout(torch.tensor(bounds, dtype=torch.int32))
+    for total, bounds in cases:
         docs = len(bounds) - 1
-        assert layout.bucket == -(-docs // DOC_BUCKET) * DOC_BUCKET
-        assert layout.cu_seqlens[: docs + 1].tolist() == bounds and layout.cu_seqlens[-1] == layout.tokens
-        assert layout.tokens == total + layout.pad
-        pads = layout.cu_seqlens[docs:].diff()
-        assert (pads >= 0).all() and (pads <= FLA_CHUNK).all()
-        assert torch.equal(layout.chunk_indices, chunk_indices(layout.cu_seqlens))
-        shape = (len(layout.cu_seqlens), len(layout.chunk_indices), layout.tokens)
-        assert shapes.setdefault(layout.bucket, shape) == shape, (bounds, shape, shapes[layout.bucket])
-    assert len(shapes) == 3
+        for bucket in (None, doc_bucket(docs) * 2, 192):
+            if bucket is not None and bucket < docs:
+                continue
+            layout = fixed_layout(torch.tensor(bounds, dtype=torch.int32), bucket)
+            assert layout.bucket == (bucket or doc_bucket(docs))
+            assert layout.cu_seqlens[: docs + 1].tolist() == bounds and layout.cu_seqlens[-1] == layout.tokens
+            assert layout.tokens == total + layout.pad
+            pads = layout.cu_seqlens[docs:].diff()
+            assert (pads >= 0).all() and (pads <= FLA_CHUNK).all()
+            assert torch.equal(layout.chunk_indices, chunk_indices(layout.cu_seqlens))
+            shape = (len(layout.cu_seqlens), len(layout.chunk_indices), layout.tokens)
+            assert shapes.setdefault((total, layout.bucket), shape) == shape, (bounds, shape)
+    assert len(shapes) > 8
+    with pytest.raises(ValueError, match="a layout for 4 documents cannot hold 5"):
+        fixed_layout(torch.tensor([0, 1, 2, 3, 4, 10]), 4)
 
 
 def test_a_fixed_layout_leaves_the_real_tokens_alone():

@@ -7,26 +7,34 @@ buffers (inputs, outputs, saved activations, per layer and bucket) would cost mo
 
 fla sizes its grids from the batch's document layout, which changes from batch to batch, and a graph needs
 fixed shapes: the graphs run on the batch's `FixedLayout` (varlen.py), the stream with pad documents after
-it, whose shapes are the same for every batch with a document count in one bucket. A layer keeps a pair of
-graphs per bucket. The layout's offsets and chunk indices are copied once per batch into buffers that every
-layer's graphs read, and each call copies its inputs into the graphs' own buffers (the pad rows stay zero).
+it, whose shapes are the same for every batch laid out in one document bucket (1, 2, 4, ... 64, then multiples
+of 64). A batch takes the smallest bucket already in use that holds its documents, or its own, and a layer keeps
+a pair of graphs per bucket: each pair's buffers (inputs, output, saved activations, gradients) stay allocated,
+about 1.5 GiB per bucket at tp4 on the 27B shape's six GatedDeltaNet layers of 4096 tokens. The layout's offsets
+and chunk indices are copied once per batch into buffers that every layer's graphs read, and each call copies
+its inputs into the graphs' own buffers (the pad rows stay zero).
 
 What the graphs write is overwritten by the layer's next replay: the forward's output and saved activations by
 the next microbatch's forward, the input gradients by its backward. That is safe where each microbatch's
-backward runs before the next one's forward and nothing keeps a gradient buffer as `.grad`: no pipeline
-schedule, no activation checkpointing (both refused with CUDA graphs, `spec.check_cuda_graphs`), and the
-runner's `keep_grads`. Under `torch.no_grad` (validation) the kernels run eagerly.
+backward runs before the next one's forward: no pipeline schedule, no activation checkpointing (both refused
+with CUDA graphs, `spec.check_cuda_graphs`). The input gradients feed the compiled graphs' backward, which
+copies them; the conv weight's is handed out as a copy, so no `.grad` keeps a graph's buffer. All layers'
+graphs share one memory pool: the buffers of every captured pair stay referenced, so a later capture only
+reuses another's scratch, and graphs run one at a time. Under `torch.no_grad` (validation) the kernels run
+eagerly.
 """
 
 import contextlib
+import os
 from typing import Callable
 
 import torch
 
-from .varlen import varlen_info
+from .varlen import doc_bucket, fixed_layout, varlen_info
 
 _POOL = []  # one memory pool for every layer's graphs: they run one at a time, on one stream
-_LAYOUTS: dict = {}  # (device, layout key) -> [offsets buffer, chunk indices buffer, the Varlen loaded in them]
+# (device, stream length, bucket) -> [offsets buffer, chunk indices buffer, the Varlen loaded in them, pad tokens]
+_LAYOUTS: dict = {}
 
 
 class GraphedMix:
@@ -41,9 +49,7 @@ class GraphedMix:
         document per row)."""
         pad, varlen = 0, {"cu_seqlens": None}
         if cu_seqlens is not None:
-            layout = varlen_info(cu_seqlens)
-            pad = layout.fixed.pad
-            offsets, indices = _load_layout(layout, qkv.device)
+            offsets, indices, pad = _load_layout(varlen_info(cu_seqlens), qkv.device)
             varlen = {"cu_seqlens": offsets, "chunk_indices": indices}
         key = (tuple(qkv.shape), tuple(weight.shape), qkv.dtype, g.dtype, sizes, pad,
                None if cu_seqlens is None else tuple(varlen["chunk_indices"].shape))
@@ -54,18 +60,24 @@ class GraphedMix:
         return _Replay.apply(graphs, qkv, beta, g, weight)
 
 
-def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device buffers of `info`'s fixed layout's bucket, holding its offsets and chunk indices: copied in
-    once per batch (the first layer to see it), from pinned memory without waiting for the GPU."""
-    layout = info.fixed
-    slot = _LAYOUTS.get((device, layout.key))
+def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(offsets, chunk indices, pad tokens) of the batch `info` in the device buffers of its layout's bucket: the
+    smallest bucket in use for its stream length that holds its documents, else its own. Copied in once per batch
+    (by the first layer to see it), from pinned memory without waiting for the GPU."""
+    total, docs = int(info.cu_seqlens_cpu[-1]), len(info.cu_seqlens_cpu) - 1
+    in_use = [b for d, t, b in _LAYOUTS if d == device and t == total and b >= docs]
+    bucket = min(in_use) if in_use else doc_bucket(docs)
+    slot = _LAYOUTS.get((device, total, bucket))
     if slot is None:
-        slot = _LAYOUTS[(device, layout.key)] = [layout.cu_seqlens.to(device), layout.chunk_indices.to(device), info]
+        layout = fixed_layout(info.cu_seqlens_cpu, bucket)
+        slot = _LAYOUTS[(device, total, bucket)] = [layout.cu_seqlens.to(device), layout.chunk_indices.to(device),
+                                                     info, layout.pad]
     elif slot[2] is not info:
+        layout = fixed_layout(info.cu_seqlens_cpu, bucket)
         slot[0].copy_(layout.cu_seqlens.pin_memory(), non_blocking=True)
         slot[1].copy_(layout.chunk_indices.pin_memory(), non_blocking=True)
         slot[2] = info
-    return slot[0], slot[1]
+    return slot[0], slot[1], slot[3]
 
 
 def _pool():
@@ -75,17 +87,24 @@ def _pool():
 
 
 @contextlib.contextmanager
-def _fla_tensor_cache_off():
-    """fla memoises what it derives from `cu_seqlens` (its chunk offsets) by tensor identity. In a capture, a
-    hit would bake in a tensor that no replay recomputes: every derived tensor is computed inside the graph."""
+def _capturable_fla():
+    """fla as a capture needs it. Its tensor cache memoises what it derives from `cu_seqlens` (the chunk offsets)
+    by tensor identity: a hit would bake in a tensor that no replay recomputes, so every derived tensor is computed
+    inside the graph. Its FlashQLA backend for the delta rule, where installed, takes no chunk indices: the
+    Triton and TileLang kernels, whose grids the fixed layout fixes, run instead."""
     import fla.utils
 
-    before = fla.utils.FLA_DISABLE_TENSOR_CACHE
+    before = fla.utils.FLA_DISABLE_TENSOR_CACHE, os.environ.get("FLA_FLASH_QLA")
     fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    os.environ["FLA_FLASH_QLA"] = "0"
     try:
         yield
     finally:
-        fla.utils.FLA_DISABLE_TENSOR_CACHE = before
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = before[0]
+        if before[1] is None:
+            del os.environ["FLA_FLASH_QLA"]
+        else:
+            os.environ["FLA_FLASH_QLA"] = before[1]
 
 
 class _Graphs:
@@ -99,7 +118,7 @@ class _Graphs:
         self.load(*inputs)
         for t in self.inputs:
             t.requires_grad_(True)
-        with _fla_tensor_cache_off():
+        with _capturable_fla():
             # a warm-up outside any graph first: fla's autotuning and TileLang's compilation cannot be captured
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -140,5 +159,7 @@ class _Replay(torch.autograd.Function):
         graphs = ctx.graphs
         graphs.grad_out[:, : graphs.rows].copy_(grad)
         graphs.backward.replay()
-        grads = [g[:, : graphs.rows] for g in graphs.grads[:-1]] + [graphs.grads[-1]]
+        # the conv weight's gradient may become a parameter's `.grad` (autograd keeps an incoming gradient it
+        # alone holds): a copy of its few values, not the buffer the next replay overwrites
+        grads = [g[:, : graphs.rows] for g in graphs.grads[:-1]] + [graphs.grads[-1].clone()]
         return None, *grads

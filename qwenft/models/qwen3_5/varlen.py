@@ -32,11 +32,6 @@ class Varlen:
         of every document, in order (what fla's `prepare_chunk_indices` computes), built on the host."""
         return copy_to_device(chunk_indices(self.cu_seqlens_cpu), self.cu_seqlens.device)
 
-    @functools.cached_property
-    def fixed(self) -> "FixedLayout":
-        """The same documents in fixed shapes (`fixed_layout`), on the host."""
-        return fixed_layout(self.cu_seqlens_cpu)
-
 
 def chunk_indices(cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
     """[blocks, 2] int64 on the host: (document, block within it) of every FLA_CHUNK-token block of every
@@ -47,38 +42,44 @@ def chunk_indices(cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
     return torch.stack([doc, torch.arange(len(doc)) - first[doc]], dim=1)
 
 
-DOC_BUCKET = 64  # fixed layouts are made for a document count rounded up to a multiple of this
+DOC_BUCKET = 64  # document buckets: powers of two up to this, then its multiples
+
+
+def doc_bucket(docs: int) -> int:
+    """The smallest document bucket that holds `docs` documents."""
+    if docs <= DOC_BUCKET:
+        return 1 << max(0, docs - 1).bit_length()
+    return -(-docs // DOC_BUCKET) * DOC_BUCKET
 
 
 @dataclass(frozen=True)
 class FixedLayout:
     """A packed stream's documents with padding appended so that its shapes depend only on the stream's length
-    and its document count rounded up to a DOC_BUCKET multiple (`bucket`): `tokens` (the stream and `pad` pad
-    tokens after it), `cu_seqlens` (int64 offsets: the real documents, pad documents over the pad tokens, then
-    empty documents up to a fixed count) and `chunk_indices` (as `chunk_indices`, of a fixed length). fla's
-    kernels size their grids from those shapes alone, so one CUDA graph serves every batch of a bucket; the pad
-    documents restart the conv and the recurrent state, so the real tokens' outputs are unchanged."""
+    and a document bucket (`bucket`, at least the document count): `tokens` (the stream and `pad` pad tokens
+    after it), `cu_seqlens` (int64 offsets: the real documents, pad documents over the pad tokens, then empty
+    documents up to a fixed count) and `chunk_indices` (as `chunk_indices`, of a fixed length). fla's kernels
+    size their grids from those shapes alone, so one CUDA graph serves every batch laid out in one bucket; the
+    pad documents restart the conv and the recurrent state, so the real tokens' outputs are unchanged."""
     tokens: int
     pad: int
     bucket: int
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.tokens, self.bucket
 
-
-def fixed_layout(cu_seqlens_cpu: torch.Tensor) -> FixedLayout:
-    """`FixedLayout` of the host offsets `cu_seqlens_cpu` (S tokens in N documents).
+def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None) -> FixedLayout:
+    """`FixedLayout` of the host offsets `cu_seqlens_cpu` (S tokens in N documents) for `bucket` >= N documents
+    (default `doc_bucket(N)`).
 
     With N <= B (the bucket) the stream has at most ceil(S/C) + B - 1 blocks of C = FLA_CHUNK tokens (a split
-    adds at most one block). P = C*m pad tokens, m = ceil((B-1) / (C-1)), make up the difference to
+    adds at most one block). P = C*m pad tokens, m = max(1, ceil((B-1) / (C-1))), make up the difference to
     ceil(S/C) + B - 1 + m blocks: k blocks (m <= k <= B - 1 + m <= C*m) from k pad documents, k - m of one
     token and m of at most C tokens sharing the rest. Empty documents then fill the offsets up to 2B - 1 + m."""
     cu = cu_seqlens_cpu.to(torch.long)
     total, docs, C = int(cu[-1]), len(cu) - 1, FLA_CHUNK
-    bucket = max(1, -(-docs // DOC_BUCKET)) * DOC_BUCKET
+    bucket = doc_bucket(docs) if bucket is None else bucket
+    if bucket < docs:
+        raise ValueError(f"a layout for {bucket} documents cannot hold {docs}")
     m = max(1, -(-(bucket - 1) // (C - 1)))
     pad = C * m
     blocks = int(((cu.diff() + C - 1) // C).sum())
