@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|gpu_tests [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile or gpu_tests}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs or gpu_tests}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
@@ -103,11 +103,18 @@ for tp in 2 4; do
   bench fake_tp${tp}_compile 240 1 0 "--warmup 2 --fake-world $tp" train.max_steps=5 $bf16 \
     model.activation_checkpointing=false model.compile=true mesh.tp=$tp
 done ;;
+fake_tp_graphs)  # tensor parallel's target: one GPU compiled, then rank 0 of fake tp2 and tp4 worlds compiled with
+# CUDA graphs (fla's GatedDeltaNet kernels graphed too at tp > 1), bf16, AC off; per GPU = tokens/s against tp1's
+bench tp1_compile 260 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+for tp in 2 4; do
+  bench fake_tp${tp}_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
+    model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp
+done ;;
 gpu_tests)  # the GPU tier, one file at a time so a time limit loses only the file it cuts
 for f in test_cuda_model test_kernels test_packed_kernels; do
   timeout 280 python -m pytest -q -rA -p no:cacheprovider "tests/gpu/$f.py" > "$out/$f.log" 2>&1
   echo "=== $f rc=$? $(date +%T)"; tail -3 "$out/$f.log"
 done ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile or gpu_tests" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs or gpu_tests" >&2
    exit 2 ;;
 esac
