@@ -265,3 +265,30 @@ def test_a_fixed_layout_leaves_the_real_tokens_alone():
     assert rel_err(out, ref) < 1e-12
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < 1e-12
+
+
+def test_each_batch_takes_the_smallest_layout_bucket_in_use():
+    """The layout buffers fla's CUDA graphs read (`gdn_graph._load_layout`): a batch takes the smallest bucket in
+    use for its stream length that holds its documents, else its own (so a new pair of graphs is made only when
+    none fits); each bucket keeps its buffers (the graphs' addresses) and gets each new batch's layout copied in,
+    once per batch."""
+    from qwenft.models.qwen3_5 import gdn_graph
+    from qwenft.models.qwen3_5.varlen import fixed_layout, varlen_info
+
+    gdn_graph._LAYOUTS.clear()
+    cpu = torch.device("cpu")
+    seen = {}
+    try:
+        for docs, bucket in ((4, 4), (5, 8), (3, 4), (81, 128), (100, 128), (2, 4), (8, 8), (1, 4), (129, 192)):
+            bounds = torch.tensor([*range(0, 3 * (docs - 1) + 1, 3), 512])
+            info = varlen_info(bounds)
+            offsets, indices, pad = gdn_graph._load_layout(info, cpu)
+            expected = fixed_layout(bounds, bucket)
+            assert torch.equal(offsets, expected.cu_seqlens) and torch.equal(indices, expected.chunk_indices), docs
+            assert pad == expected.pad
+            assert seen.setdefault(bucket, (offsets, indices))[0] is offsets  # the bucket's buffers, refilled
+            again = gdn_graph._load_layout(info, cpu)  # the next layer of the same batch: nothing to copy
+            assert again[0] is offsets and torch.equal(again[0], expected.cu_seqlens)
+        assert sorted(b for _, _, b in gdn_graph._LAYOUTS) == [4, 8, 128, 192]
+    finally:
+        gdn_graph._LAYOUTS.clear()

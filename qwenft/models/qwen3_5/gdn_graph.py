@@ -74,8 +74,11 @@ def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
                                                      info, layout.pad]
     elif slot[2] is not info:
         layout = fixed_layout(info.cu_seqlens_cpu, bucket)
-        slot[0].copy_(layout.cu_seqlens.pin_memory(), non_blocking=True)
-        slot[1].copy_(layout.chunk_indices.pin_memory(), non_blocking=True)
+        for buffer, host in ((slot[0], layout.cu_seqlens), (slot[1], layout.chunk_indices)):
+            if buffer.is_cuda:
+                buffer.copy_(host.pin_memory(), non_blocking=True)
+            else:
+                buffer.copy_(host)
         slot[2] = info
     return slot[0], slot[1], slot[3]
 
