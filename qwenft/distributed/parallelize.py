@@ -20,6 +20,14 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool 
         compile_layer(layer, cuda_graphs, gdn_graphs)
 
 
+def gdn_graphs(cuda_graphs: bool, tp: int) -> bool:
+    """Whether fla's GatedDeltaNet kernels are replayed as CUDA graphs too: under model.cuda_graphs where the layer
+    is tensor-parallel. A shard's kernels are small and the host sets the pace there; a whole layer's keep the
+    GPU busy, and the graphs' fixed layouts add work and memory (docs/performance.md, "Tensor parallel's
+    ceiling")."""
+    return cuda_graphs and tp > 1
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: str | bool = False,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
@@ -50,10 +58,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if mode != "false":
         apply_activation_checkpointing(model, mode)
     if compile_layers:
-        # fla's kernels as graphs only where the layer is tensor-parallel: a shard's kernels are small and the host
-        # sets the pace there; a whole layer's keep the GPU busy, and the graphs' fixed layouts add work and memory
-        # (docs/performance.md, "CUDA graphs")
-        apply_compile(model, cuda_graphs, gdn_graphs=cuda_graphs and tp_mesh.size() > 1)
+        apply_compile(model, cuda_graphs, gdn_graphs(cuda_graphs, tp_mesh.size()))
     if not fsdp:
         if mesh["dp"].size() > 1:
             raise ValueError(f"FSDP2 left out on {mesh['dp'].size()} data-parallel ranks")

@@ -459,8 +459,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
                                 cfg.optim.eps, cfg.optim.fused, state_dtype=cfg.optim.state_dtype, seed=cfg.seed)
     fused = getattr(optimizer, "fused", None) or optimizer.defaults.get("fused")
+    from qwenft.distributed.parallelize import gdn_graphs
+
     gdn = resolve_gdn_kernel(cfg.model.kernels.gdn)
-    if gdn == "fla" and spec.parallel.cuda_graphs and spec.layout.tp > 1:  # parallelize's gdn_graphs
+    if gdn == "fla" and gdn_graphs(spec.parallel.cuda_graphs, spec.layout.tp):
         gdn += ", replayed as CUDA graphs (model.cuda_graphs, mesh.tp > 1)"
     log.info("kernels: GatedDeltaNet %s (model.kernels.gdn=%s); cross-entropy %s (model.kernels.ce=%s); optimizer "
              "%s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn, spec.parallel.ce_kernel, cfg.model.kernels.ce,

@@ -68,17 +68,15 @@ def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     in_use = [b for d, t, b in _LAYOUTS if d == device and t == total and b >= docs]
     bucket = min(in_use) if in_use else doc_bucket(docs)
     slot = _LAYOUTS.get((device, total, bucket))
+    if slot is not None and slot[2] is info:
+        return slot[0], slot[1], slot[3]
+    layout = fixed_layout(info.cu_seqlens_cpu, bucket)
     if slot is None:
-        layout = fixed_layout(info.cu_seqlens_cpu, bucket)
         slot = _LAYOUTS[(device, total, bucket)] = [layout.cu_seqlens.to(device), layout.chunk_indices.to(device),
                                                      info, layout.pad]
-    elif slot[2] is not info:
-        layout = fixed_layout(info.cu_seqlens_cpu, bucket)
+    else:
         for buffer, host in ((slot[0], layout.cu_seqlens), (slot[1], layout.chunk_indices)):
-            if buffer.is_cuda:
-                buffer.copy_(host.pin_memory(), non_blocking=True)
-            else:
-                buffer.copy_(host)
+            buffer.copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=buffer.is_cuda)
         slot[2] = info
     return slot[0], slot[1], slot[3]
 
