@@ -71,6 +71,90 @@ def test_compiled_layers_under_tp2_train_like_eager(tmp_path, eager):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule, graphs", [("1f1b", [3, 5]), ("zbv", [5, 3])])
+def test_compiled_layers_under_pp2_train_like_eager(tmp_path, eager, schedule, graphs):
+    """Two pipeline ranks with the knob on and activation checkpointing: 1F1B (the 27B recipes' schedule) and
+    ZBV, whose weight-gradient step differentiates the compiled layers a second time, towards their parameters.
+    Each rank compiles the graphs of its own layers (GatedDeltaNet's in/decay/out: 3; with the attention layer:
+    5; 1F1B puts layers 0-1 on rank 0, ZBV layers 0 and 3), which run inside the schedule's forward and
+    backward of each microbatch."""
+    results = run_distributed(_train, 2, _overrides(tmp_path, f"pp2-{schedule}", "model.compile=true", "mesh.pp=2",
+                                                    f"pipeline.schedule={schedule}",
+                                                    "pipeline.reduce_grad_per_microbatch=true",
+                                                    "model.activation_checkpointing=true"))
+    for result, _ in results:
+        assert_same_training(result, eager[0])
+    assert [compiled for _, compiled in results] == graphs
+
+
+def _vlm_overrides(tmp_path, name, *extra):
+    """tiny_vlm, 3 steps of 4 microbatches of one 256-token row (an image or two and text), lr 2e-4 as above."""
+    return ["recipe=tiny_vlm", "model.kernels.gdn=torch", "train.progress_bar=false", "train.max_steps=3",
+            "optim.lr=2e-4", "lr_scheduler.warmup_steps=0", "train.global_batch_size=4", "train.micro_batch_size=1",
+            "checkpoint.export_hf=false", f"run_dir={tmp_path / name}", *extra]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_vlm_trains_like_eager(tmp_path):
+    """tiny_vlm through the runner: the language model's layers compile as for text (5 graphs, no recompile over
+    12 microbatches of other images and documents), the vision tower stays eager; every step's loss within 1e-5
+    of eager. Parameters are compared as gradients (`test_compiled_vlm_gradients_equal_eager`): after AdamW steps,
+    rounding in near-zero gradient elements shows as parameter differences of up to 2.9e-5 (norm weights and
+    vision biases), as for the MoE model above."""
+    (eager,) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "vlm-eager"))
+    ((result, graphs),) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "vlm-compiled", "model.compile=true"))
+    assert len(result.losses) == len(eager[0].losses) == 3 and eager[0].losses[0] != eager[0].losses[-1]
+    for a, b in zip(result.losses, eager[0].losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (result.losses, eager[0].losses)
+    assert eager[1] == 0
+    assert graphs == 5, f"{graphs} graphs compiled; expected 5 (a recompile?)"
+
+
+def _vlm_gradients(rank, world_size):
+    """Per parameter, the relative difference between a compiled and an eager tiny VLM's gradients of one batch:
+    two rows of text and three images (merged into the token embeddings, M-RoPE positions from their grids)."""
+    from helpers import IMAGE, PATCH_DIM, tiny_vlm, vlm_row
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5.model import compile_layer
+
+    cfg = tiny_vlm()
+    eager = init_random_weights(build_model(cfg, kernels="torch"), seed=3, device="cpu")
+    compiled = init_random_weights(build_model(cfg, kernels="torch"), seed=3, device="cpu")
+    for layer in compiled.layers.values():
+        compile_layer(layer)
+    grid = torch.tensor([[1, 4, 4], [1, 2, 6], [1, 6, 2]])
+    ids = torch.tensor([vlm_row([3, (1, 4, 4), 5], 24), vlm_row([2, (1, 2, 6), 2, (1, 6, 2), 4], 24)])
+    assert (ids == IMAGE).any()
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_DIM, generator=gen)
+    labels = torch.randint(0, 400, ids.shape, generator=gen)
+    grads = []
+    for model in (eager, compiled):
+        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    return {n: ((grads[1][n] - g).norm() / g.norm()).item() for n, g in grads[0].items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_vlm_gradients_equal_eager():
+    """One image-and-text batch through the tiny VLM, eager and with its language model's layers compiled:
+    every parameter's gradient, the vision tower's and the projector's included, within 1e-5; GatedDeltaNet's
+    A_log and dt_bias within 1e-4 (their gradients sum over every token with heavy cancellation: fp32 eager
+    alone sits 2e-5..6e-5 from fp64, tests/test_model_vlm.py)."""
+    [errors] = run_distributed(_vlm_gradients, 1)
+    assert any(n.startswith("visual.") for n in errors)
+    decay = {n: e for n, e in errors.items() if n.endswith(("A_log", "dt_bias"))}
+    rest = {n: e for n, e in errors.items() if n not in decay}
+    assert decay and max(decay.values()) < 1e-4, decay
+    worst = max(rest, key=rest.get)
+    assert rest[worst] < 1e-5, (worst, rest[worst])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_moe_layers_train_like_eager(tmp_path):
     """tiny_moe: the shared expert compiles as the dense MLP does, the routing and the routed experts stay eager
     (`compile_layer`): 6 graphs (the output graphs stop before the MoE block, the shared expert is one more) and
@@ -249,3 +333,4 @@ def test_keep_grads_makes_the_layers_gradients_only():
             assert torch.equal(p.grad, torch.ones_like(p)), name
         else:
             assert p.grad is not None and not p.grad.any(), name
+

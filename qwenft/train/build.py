@@ -27,6 +27,7 @@ from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
+from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
 from qwenft.train import metrics as metrics_lib
@@ -110,6 +111,10 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
     from qwenft.distributed.parallelize import parallelize
 
     par = spec.parallel
+    if par.compile and par.schedule in SPLIT_BACKWARD:
+        # these schedules run a stage's backward twice (input gradients, then weight gradients, the graph
+        # retained between them): a compiled backward may not free its saved tensors in the first
+        torch._functorch.config.donated_buffer = False
     parallelize(module, mesh, param_dtype=spec.dtypes.compute, reduce_dtype=spec.dtypes.reduce,
                 activation_checkpointing=par.activation_checkpointing,
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
