@@ -15,8 +15,9 @@ set -u
 part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs or gpu_tests}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
+# eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
-      train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5"
+      train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5 model.compile=false"
 bf16="optim.master_dtype=bfloat16 optim.state_dtype=bfloat16"  # NeMo Automodel's numerics
 memory_options="optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024
                 pipeline.reduce_grad_per_microbatch=true"
@@ -96,7 +97,7 @@ done ;;
 lean)  # after side_by_side, warm: selective checkpointing, and the model group's defaults
 bench bf16_selective_compile 200 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 model.compile=true \
   model.activation_checkpointing=selective
-bench defaults 120 1 0 "--warmup 2 --plan" train.max_steps=5 ;;
+bench defaults 120 1 0 "--warmup 2 --plan" train.max_steps=5 model.compile=true ;;  # the model group's defaults
 fake_tp_compile)  # the same with model.compile=true (inductor's compile per layout on top of fla's: allow for it)
 bench tp1_compile 260 1 0 "--warmup 2" train.max_steps=5 $bf16 model.activation_checkpointing=false model.compile=true
 for tp in 2 4; do

@@ -334,3 +334,11 @@ def test_keep_grads_makes_the_layers_gradients_only():
         else:
             assert p.grad is not None and not p.grad.any(), name
 
+
+@pytest.mark.parametrize("model, compiled", [("tiny", False), ("qwen3_5_0_8b", True), ("qwen3_5_9b", True),
+                                             ("qwen3_5_27b", True), ("qwen3_5_35b_a3b", False)])
+def test_the_real_size_dense_model_groups_compile_by_default(model, compiled):
+    """The dense Qwen3.5 sizes train compiled unless told otherwise (model.compile=false); the tiny model (CPU
+    runs, where compiling costs more than it saves) and the MoE groups stay eager."""
+    assert compose(["recipe=tiny", f"model={model}"]).model.compile is compiled
+    assert compose(["recipe=tiny", f"model={model}", "model.compile=false"]).model.compile is False
