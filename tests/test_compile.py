@@ -26,6 +26,18 @@ def _overrides(tmp_path, name, *extra):
     return parity_overrides(tmp_path / name, "checkpoint.export_hf=false", "optim.lr=2e-4", *extra)
 
 
+def _assert_compiled_losses_equal_eager(eager_overrides, compiled_overrides, graphs):
+    """One process eager and one compiled, 3 steps each: every step's loss within 1e-5 of eager's (the eager loss
+    moved), `graphs` graphs compiled (no recompile), none in the eager run."""
+    ((eager, eager_graphs),) = run_distributed(_train, 1, eager_overrides)
+    ((result, compiled),) = run_distributed(_train, 1, compiled_overrides)
+    assert len(result.losses) == len(eager.losses) == 3 and eager.losses[0] != eager.losses[-1]
+    for a, b in zip(result.losses, eager.losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (result.losses, eager.losses)
+    assert eager_graphs == 0
+    assert compiled == graphs, f"{compiled} graphs compiled; expected {graphs} (a recompile?)"
+
+
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
     (result,) = run_distributed(_train, 1, _overrides(tmp_path_factory.mktemp("eager"), "eager"))
@@ -102,13 +114,8 @@ def test_compiled_vlm_trains_like_eager(tmp_path):
     of eager. Parameters are compared as gradients (`test_compiled_vlm_gradients_equal_eager`): after AdamW steps,
     rounding in near-zero gradient elements shows as parameter differences of up to 2.9e-5 (norm weights and
     vision biases), as for the MoE model above."""
-    (eager,) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "vlm-eager"))
-    ((result, graphs),) = run_distributed(_train, 1, _vlm_overrides(tmp_path, "vlm-compiled", "model.compile=true"))
-    assert len(result.losses) == len(eager[0].losses) == 3 and eager[0].losses[0] != eager[0].losses[-1]
-    for a, b in zip(result.losses, eager[0].losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (result.losses, eager[0].losses)
-    assert eager[1] == 0
-    assert graphs == 5, f"{graphs} graphs compiled; expected 5 (a recompile?)"
+    _assert_compiled_losses_equal_eager(_vlm_overrides(tmp_path, "vlm-eager"),
+                                        _vlm_overrides(tmp_path, "vlm-compiled", "model.compile=true"), graphs=5)
 
 
 def _vlm_gradients(rank, world_size):
@@ -165,13 +172,8 @@ def test_compiled_moe_layers_train_like_eager(tmp_path):
     tie that the rounding resolves the other way (a token's k-th and (k+1)-th expert within 1e-7) moves whole
     experts."""
     moe = ("model.name=tiny_moe", "model.kernels.moe=loop")
-    (eager,) = run_distributed(_train, 1, _overrides(tmp_path, "moe-eager", *moe))
-    ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "moe-compiled", *moe, "model.compile=true"))
-    assert len(result.losses) == len(eager[0].losses) == 3 and eager[0].losses[0] != eager[0].losses[-1]
-    for a, b in zip(result.losses, eager[0].losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (result.losses, eager[0].losses)
-    assert eager[1] == 0
-    assert graphs == 6, f"{graphs} graphs compiled; expected 6 (a recompile?)"
+    _assert_compiled_losses_equal_eager(_overrides(tmp_path, "moe-eager", *moe),
+                                        _overrides(tmp_path, "moe-compiled", *moe, "model.compile=true"), graphs=6)
 
 
 def _moe_gradients(rank, world_size):

@@ -25,6 +25,7 @@ eagerly.
 """
 
 import contextlib
+import dataclasses
 import os
 from typing import Callable
 
@@ -33,8 +34,18 @@ import torch
 from .varlen import doc_bucket, fixed_layout, varlen_info
 
 _POOL = []  # one memory pool for every layer's graphs: they run one at a time, on one stream
-# (device, stream length, bucket) -> [offsets buffer, chunk indices buffer, the Varlen loaded in them, pad tokens]
-_LAYOUTS: dict = {}
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One layout bucket's buffers, which every layer's graphs of that bucket read."""
+    offsets: torch.Tensor
+    chunk_indices: torch.Tensor
+    pad: int  # pad tokens after the stream
+    loaded: object  # the batch's Varlen whose layout the buffers hold
+
+
+_LAYOUTS: dict[tuple, _Slot] = {}  # (device, stream length, bucket) -> its buffers
 
 
 class GraphedMix:
@@ -68,17 +79,17 @@ def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     in_use = [b for d, t, b in _LAYOUTS if d == device and t == total and b >= docs]
     bucket = min(in_use) if in_use else doc_bucket(docs)
     slot = _LAYOUTS.get((device, total, bucket))
-    if slot is not None and slot[2] is info:
-        return slot[0], slot[1], slot[3]
+    if slot is not None and slot.loaded is info:
+        return slot.offsets, slot.chunk_indices, slot.pad
     layout = fixed_layout(info.cu_seqlens_cpu, bucket)
     if slot is None:
-        slot = _LAYOUTS[(device, total, bucket)] = [layout.cu_seqlens.to(device), layout.chunk_indices.to(device),
-                                                     info, layout.pad]
+        slot = _LAYOUTS[(device, total, bucket)] = _Slot(layout.cu_seqlens.to(device), layout.chunk_indices.to(device),
+                                                          layout.pad, info)
     else:
-        for buffer, host in ((slot[0], layout.cu_seqlens), (slot[1], layout.chunk_indices)):
+        for buffer, host in ((slot.offsets, layout.cu_seqlens), (slot.chunk_indices, layout.chunk_indices)):
             buffer.copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=buffer.is_cuda)
-        slot[2] = info
-    return slot[0], slot[1], slot[3]
+        slot.loaded = info
+    return slot.offsets, slot.chunk_indices, slot.pad
 
 
 def _pool():
