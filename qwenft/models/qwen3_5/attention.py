@@ -299,7 +299,13 @@ class GatedAttention(nn.Module):
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate_bthd.reshape(B, T, -1)
 
-    def mix(self, q_bhtd, k_bhtd, v_bhtd, cu_seqlens=None) -> torch.Tensor:
+    def mix(self, q_bhtd, k_bhtd, v_bhtd, cu_seqlens=None, cp=None) -> torch.Tensor:
+        """The attention kernel -> [B, T, H, D]; `cp`: this rank's `context_parallel.CPShard` when the stream is
+        split over context-parallel ranks (inputs [1, H, L, D])."""
+        if cp is not None:
+            from .context_parallel import attend as attend_cp
+
+            return attend_cp(q_bhtd, k_bhtd, v_bhtd, self.head_dim**-0.5, cp)
         return attend(q_bhtd, k_bhtd, v_bhtd, self.head_dim**-0.5, cu_seqlens, self.kernel)
 
     def output(self, out_bthd: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -101,8 +101,11 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def chunked_delta_rule(q, k, v, g, beta, chunk_size: int = 64) -> torch.Tensor:
-    """Gated delta rule over one sequence batch, fp32, state starting at zero.
+def chunked_delta_rule(q, k, v, g, beta, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+                       output_final_state: bool = False):
+    """Gated delta rule over one sequence batch, fp32, from `initial_state` [B, H, Dk, Dv] (default zero);
+    returns the output, or (output, the final state [B, H, Dk, Dv] in the compute dtype) with
+    `output_final_state`.
 
     q, k [B, T, H, Dk] (already one per value head), v [B, T, H, Dv], g (log decay) and beta [B, T, H].
     Recurrence per token: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, with q, k l2-normalised
@@ -137,14 +140,14 @@ def chunked_delta_rule(q, k, v, g, beta, chunk_size: int = 64) -> torch.Tensor:
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]
 
-    S = q.new_zeros(B, H, Dk, Dv)
+    S = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state.to(compute)
     outs = []
     for c in range(n):
         u = u_local[:, :, c] - w[:, :, c] @ S
         outs.append(q_decayed[:, :, c] @ S + attn_qk[:, :, c] @ u)
         S = S * G[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ u
-    out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T]
-    return out.transpose(1, 2).to(dtype)
+    out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T].transpose(1, 2).to(dtype)
+    return (out, S) if output_final_state else out
 
 
 def _torch_delta_rule(q, k, v, g, beta, cu_seqlens):
@@ -247,18 +250,18 @@ class GatedDeltaNet(nn.Module):
         return qkv, z, self.b_proj(x).sigmoid(), self.a_proj(x)
 
     def mix(self, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
-            cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """The decay, the causal conv and the delta rule -> [B, T, Hv, Dv]."""
+            cu_seqlens: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+        """The decay, the causal conv and the delta rule -> [B, T, Hv, Dv]. `cp`: this rank's
+        `context_parallel.CPShard` when the stream is split over context-parallel ranks (inputs [1, L, ...])."""
         B, T = qkv.shape[:2]
         kernel = resolve_kernel(self.kernels)
+        if cp is not None:
+            return self._cp_kernels(qkv, beta, self.decay(a), cp, kernel)
         if cu_seqlens is not None:  # documents index the flattened B*T stream: run it as one row
             qkv, beta, a = (t.reshape(1, B * T, *t.shape[2:]) for t in (qkv, beta, a))
         g = self.decay(a)
         # one depthwise conv over q|k|v's channels: one kernel launch (forward and backward) instead of three
-        weights = (self.conv_q, self.conv_k, self.conv_v)
-        weights = local_all(list(weights)) if isinstance(weights[0], DTensor) else weights
-        sizes = tuple(w.shape[0] for w in weights)
-        weight = torch.cat(weights)
+        weight, sizes = self._conv_weight()
         if kernel == "fla" and self.graphs is not None and torch.is_grad_enabled():
             out = self.graphs(qkv, beta, g, weight, sizes, cu_seqlens)
         elif kernel == "fla":
@@ -273,6 +276,21 @@ class GatedDeltaNet(nn.Module):
         cu_seqlens_cpu) keywords."""
         q, k, v = self._heads(_fla_conv(qkv, weight, varlen).split(sizes, dim=-1))
         return _fla_delta_rule(q, k, v, g, beta, varlen)
+
+    def _conv_weight(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """conv_q | conv_k | conv_v as one [channels, 1, kernel] weight (this rank's heads), and the sizes."""
+        weights = (self.conv_q, self.conv_k, self.conv_v)
+        weights = local_all(list(weights)) if isinstance(weights[0], DTensor) else weights
+        return torch.cat(weights), tuple(w.shape[0] for w in weights)
+
+    def _cp_kernels(self, qkv, beta, g, cp, kernel: str) -> torch.Tensor:
+        from . import context_parallel
+
+        weight, sizes = self._conv_weight()
+        if kernel == "fla":
+            raise ValueError("mesh.cp > 1 runs GatedDeltaNet on the torch kernels only so far; set "
+                             "model.kernels.gdn=torch")
+        return context_parallel.gdn_mix(qkv, beta, g, weight, sizes, self._heads, cp)
 
     def _torch_kernels(self, qkv, beta, g, weight, sizes, cu_seqlens) -> torch.Tensor:
         pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, qkv.shape[1])

@@ -37,11 +37,11 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
 
-    def forward(self, h, rope, cu_seqlens=None, router_mask=None):
+    def forward(self, h, rope, cu_seqlens=None, router_mask=None, cp=None):
         # three pieces: model.compile makes the first and the last one graph each (compile_layer); the mixer's
-        # kernels between them stay eager and are all that reads cu_seqlens
+        # kernels between them stay eager and are all that reads cu_seqlens (and `cp`, a CPShard)
         kernel_inputs, carry = self.mixer_input(h, rope)
-        out = self.mixer.mix(*kernel_inputs, cu_seqlens)
+        out = self.mixer.mix(*kernel_inputs, cu_seqlens, **({"cp": cp} if cp is not None else {}))
         if isinstance(self.mlp, MoE):
             h, x = self.mixer_output(h, out, carry)
             return h + self.mlp(x, router_mask)
@@ -180,6 +180,7 @@ class Qwen3_5Model(nn.Module):
             self.visual = build_vision(cfg)
         self.rotary = RotaryEmbedding(t)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels, attention_kernel, moe_kernel) for i in ids})
+        self.cp_group = None  # the context-parallel ranks' group (`context_parallel.apply_cp`), None: no split
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
         self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens, ce_kernel) if head else None
         self.tie_weights()
@@ -244,9 +245,18 @@ class Qwen3_5Model(nn.Module):
                 position_ids = torch.arange(T, device=h.device).expand(B, T)
             else:
                 position_ids = positions_in_document(cu_seqlens, B * T).view(B, T)
+        cp = None
+        if self.cp_group is not None:  # the seam: from here on this rank holds its span of the stream
+            from .context_parallel import cp_shard
+
+            cp = cp_shard(cu_seqlens, self.cp_group)
+            if self.embed_tokens is not None and hidden_states is None:
+                h = cp.split(h)
+            position_ids = cp.split(position_ids, lead=position_ids.ndim - 2)
+            router_mask = None if router_mask is None else cp.split(router_mask, fill=False)
         rope = self.rotary(position_ids, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, cu_seqlens, router_mask)
+            h = layer(h, rope, cu_seqlens, router_mask, **({"cp": cp} if cp is not None else {}))
         out = h if self.lm_head is None else self.lm_head(self.norm(h), labels=labels)
         if not return_routing:
             return out

@@ -1,0 +1,269 @@
+"""Context parallelism: a microbatch's packed stream split into contiguous spans, one per cp rank.
+
+Shape legend: T the padded stream (B x data.seq_len tokens flattened, then padded to a multiple of cp),
+L = T / cp the tokens of one span, C channels, H heads, Dk / Dv key / value head dims.
+
+Every cp rank receives the whole microbatch, embeds it (and runs the vision tower on all of its images), and
+computes positions and the global document offsets before the split (`CPShard.split` at one seam in
+`Qwen3_5Model.forward`); from there a rank holds only its span's hidden states. What crosses spans:
+
+- GatedDeltaNet's causal conv reads the previous span's last kernel-1 rows (`gdn_mix`), masked at document
+  starts by the global positions in document, so a document starting at a span edge reads nothing before it.
+- GatedDeltaNet's recurrent state. The delta rule maps a span's incoming state S to M S + E (M [Dk, Dk], the
+  product of the decays and Householder factors; E [Dk, Dv], the end state from zero). One all-gather of the
+  (M, E) pairs and a fold over the earlier spans give a span's incoming state. Pairs compose associatively,
+  (M2, E2) o (M1, E1) = (M2 M1, M2 E1 + E2), so the fold is exact. A span whose last document starts inside it
+  has M = 0: no state reaches its end from before. A document that starts inside a span never sees an incoming
+  state.
+- Full attention: keys and values are all-gathered over cp, each span's queries attend causally within their
+  own document over the gathered keys; the gather's backward returns dK, dV to their owners.
+
+The backward mirrors each exchange through autograd (`_Gather`). Every rank takes part in each exchange's
+backward: where a rank's output does not read what was gathered (the first span reads no incoming state),
+`_tie` makes it depend on it anyway, so no rank waits on a collective the others never start.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from qwenft.constants import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class CPShard:
+    """This cp rank's span of one microbatch's packed stream, and the stream's documents.
+
+    `cu_seqlens_cpu`: the document offsets of the padded stream on the host (a pad document over the padding,
+    when there is any); built before the split, the same on every cp rank."""
+    group: object  # the cp ranks' ProcessGroup
+    rank: int
+    size: int
+    tokens: int  # B x T before padding
+    cu_seqlens_cpu: torch.Tensor  # int64
+    device: torch.device
+
+    @property
+    def total(self) -> int:
+        return int(self.cu_seqlens_cpu[-1])
+
+    @property
+    def length(self) -> int:
+        return self.total // self.size
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.length
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @functools.cached_property
+    def segments(self) -> list[int]:
+        """Offsets, relative to the span's start, of the pieces of documents inside the span: 0, the documents
+        starting inside it, L."""
+        inside = [int(c) - self.start for c in self.cu_seqlens_cpu.tolist() if self.start < c < self.end]
+        return [0, *inside, self.length]
+
+    @functools.cached_property
+    def continues(self) -> bool:
+        """Whether the span's first token continues a document started on an earlier rank."""
+        return self.start not in set(self.cu_seqlens_cpu.tolist())
+
+    @functools.cached_property
+    def local_cu_seqlens(self) -> torch.Tensor:
+        """`segments` as int64 offsets on the stream's device (the span's own packed layout)."""
+        return torch.tensor(self.segments, dtype=torch.long, device=self.device)
+
+    def positions_in_document(self, before: int = 0) -> torch.Tensor:
+        """[before + L] offset of each token in its document, for the span and the `before` tokens ahead of it
+        (0 where they fall before the stream)."""
+        cu = self.cu_seqlens_cpu
+        flat = torch.arange(self.start - before, self.end).clamp(min=0)
+        doc = torch.searchsorted(cu, flat, right=True) - 1
+        return (flat - cu[doc]).to(self.device)
+
+    def document_ids(self, first: int, last: int) -> torch.Tensor:
+        """[last - first] the document of each stream token in [first, last)."""
+        flat = torch.arange(first, last)
+        return (torch.searchsorted(self.cu_seqlens_cpu, flat, right=True) - 1).to(self.device)
+
+    def split(self, x: torch.Tensor, lead: int = 0, fill=0) -> torch.Tensor:
+        """The span of `x` [*lead dims, B, T, *rest] (`lead` dims before B: 1 for M-RoPE's [3, B, T]): (B, T)
+        flattened to the stream, padded with `fill` to its length and cut -> [*lead dims, 1, L, *rest]."""
+        flat = x.flatten(lead, lead + 1)
+        pad = self.total - self.tokens
+        if pad:
+            shape = list(flat.shape)
+            shape[lead] = pad
+            flat = torch.cat([flat, flat.new_full(shape, fill)], dim=lead)
+        return flat.narrow(lead, self.start, self.length).unsqueeze(lead)
+
+
+def cp_shard(cu_seqlens: torch.Tensor, group) -> CPShard:
+    """This rank's `CPShard` of a microbatch whose documents are `cu_seqlens` (offsets into the flattened B x T
+    stream, ending at B x T); the stream is padded to a multiple of the cp size with one pad document."""
+    from .varlen import varlen_info
+
+    if cu_seqlens is None:
+        raise ValueError("context parallelism splits packed microbatches: cu_seqlens is required")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    cu = varlen_info(cu_seqlens).cu_seqlens_cpu.to(torch.long)
+    tokens = int(cu[-1])
+    padded = -(-tokens // size) * size
+    if padded != tokens:
+        cu = torch.cat([cu, torch.tensor([padded])])
+    return CPShard(group, rank, size, tokens, cu, cu_seqlens.device)
+
+
+def split_labels(labels: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This cp rank's span of a microbatch's labels [B, T] -> [1, L]: padding labelled IGNORE_INDEX, as
+    `CPShard.split` pads the stream."""
+    flat = labels.reshape(-1)
+    pad = -flat.numel() % size
+    if pad:
+        flat = torch.cat([flat, flat.new_full((pad,), IGNORE_INDEX)])
+    length = flat.numel() // size
+    return flat[rank * length:(rank + 1) * length].unsqueeze(0)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather over the cp group -> [cp, *x.shape]; the backward sums each rank's gradient of the gathered
+    tensor and hands every rank its own slice (a reduce-scatter where the backend has one)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty(dist.get_world_size(group), *x.shape)
+        dist.all_gather_into_tensor(out.flatten(0, 1), x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        grad = grad.contiguous()
+        if dist.get_backend(group) == "nccl":
+            out = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(out, grad.flatten(0, 1), group=group)
+            return out, None
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)  # gloo has no reduce-scatter
+        return grad[dist.get_rank(group)], None
+
+
+def gather(x: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    return _Gather.apply(x, shard.group)
+
+
+class _Tie(torch.autograd.Function):
+    """`x` unchanged, made to depend on `others` (their gradient: zeros), so the backward of the collectives
+    that produced them runs on this rank too."""
+
+    @staticmethod
+    def forward(ctx, x, *others):
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in others]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
+
+
+def _tie(x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    return _Tie.apply(x, *others) if torch.is_grad_enabled() else x
+
+
+# ---------------------------------------------------------------- GatedDeltaNet
+
+def conv_with_halo(qkv_1lc: torch.Tensor, weight_c1k: torch.Tensor, shard: CPShard) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+    """The causal conv (+ SiLU) over the span, reading the previous span's last kernel-1 rows; taps never reach
+    into an earlier document. -> (conv output [1, L, C], the gathered tails, for `_tie`)."""
+    from .gdn import causal_conv
+
+    halo = weight_c1k.shape[-1] - 1
+    if shard.length < halo:
+        raise ValueError(f"a context-parallel span of {shard.length} tokens is shorter than the conv's "
+                         f"{halo}-token reach; lower mesh.cp or raise data.seq_len")
+    tails = gather(qkv_1lc[:, shard.length - halo:], shard)  # [cp, 1, halo, C]
+    before = tails[shard.rank - 1] if shard.rank > 0 else torch.zeros_like(tails[0])
+    x = torch.cat([before, qkv_1lc], dim=1)
+    out = causal_conv(x, weight_c1k, shard.positions_in_document(halo))
+    return out[:, halo:], tails
+
+
+def _delta_rule(q, k, v, g, beta, initial_state=None):
+    from .gdn import chunked_delta_rule
+
+    return chunked_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+
+
+def delta_rule(q, k, v, g, beta, shard: CPShard, tails: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated delta rule over this span (q, k [1, L, H, Dk] one per value head, v [1, L, H, Dv], g, beta
+    [1, L, H]) with the state carried in from the earlier spans -> [1, L, H, Dv]. `tails`: the conv's gathered
+    tensor, tied to the output with the summaries (`_tie`)."""
+    bounds = shard.segments
+    Dk, Dv = k.shape[-1], v.shape[-1]
+    pieces = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    outs, carried, end_state, end_map = [], None, None, None
+    for i, (s, e) in enumerate(pieces):
+        seg = [t[:, s:e] for t in (q, k, v, g, beta)]
+        if i == 0 and shard.continues:
+            # run with values [v | 0] from the state [0 | I]: outputs and end state from zero in the first Dv
+            # columns, q^T M_t and the span's map M in the last Dk (the recurrence is linear in them)
+            v_ext = F.pad(seg[2], (0, Dk))
+            eye = torch.eye(Dk, dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
+            init = F.pad(eye, (Dv, 0)).expand(1, v.shape[2], Dk, Dv + Dk)
+            o_ext, state = _delta_rule(*seg[:2], v_ext, *seg[3:], initial_state=init)
+            outs.append(o_ext[..., :Dv])
+            carried = o_ext[..., Dv:]  # [1, l, H, Dk]: q_t^T M_t, to be multiplied by the incoming state
+            end_state, end_map = state[..., :Dv], state[..., Dv:]
+        else:
+            o, end_state = _delta_rule(*seg)
+            end_map = None
+            outs.append(o)
+    if end_map is None:  # the span's last document starts inside it
+        end_map = end_state.new_zeros(*end_state.shape[:-1], Dk)
+    # [cp, 1, H, Dk, Dk + Dv], in the delta rule's compute dtype (fp32, or fp64 when given fp64)
+    summaries = gather(torch.cat([end_map, end_state], dim=-1), shard)
+    state = None
+    for j in range(shard.rank):  # fold the earlier spans' maps: S <- M_j S + E_j, in fp32
+        m, e = summaries[j][..., :Dk], summaries[j][..., Dk:]
+        state = e if state is None else m @ state + e
+    if carried is not None:
+        outs[0] = outs[0] + torch.einsum("blhk,bhkv->blhv", carried, state.to(carried.dtype)).to(outs[0].dtype)
+    out = torch.cat(outs, dim=1)
+    return _tie(out, summaries, *(() if tails is None else (tails,)))
+
+
+def gdn_mix(qkv_1lc, beta, g, weight_c1k, sizes, heads, shard: CPShard) -> torch.Tensor:
+    """GatedDeltaNet's conv and delta rule over this span, in torch (fp32; the reference path): `heads` splits
+    the conv output into q, k, v heads ([1, L, heads, dim] each) -> [1, L, Hv, Dv]."""
+    conv, tails = conv_with_halo(qkv_1lc, weight_c1k, shard)
+    q, k, v = heads(conv.split(sizes, dim=-1))
+    rep = v.shape[2] // q.shape[2]  # each key head serves `rep` consecutive value heads
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return delta_rule(q, k, v, g, beta, shard, tails)
+
+
+# ---------------------------------------------------------------- full attention
+
+def attend(q_bhld, k_bhld, v_bhld, scale: float, shard: CPShard) -> torch.Tensor:
+    """Causal attention of this span's queries over every span's keys and values, within documents ->
+    [1, L, H, D]. Keys and values are all-gathered (their gradients go back to their owners)."""
+    keys, values = (gather(t, shard) for t in (k_bhld, v_bhld))  # [cp, 1, Hkv, L, D]
+    keys, values = (t.permute(1, 2, 0, 3, 4).flatten(2, 3) for t in (keys, values))  # [1, Hkv, T, D]
+    seen = shard.end  # no query of this span sees a key after it
+    keys, values = keys[:, :, :seen], values[:, :, :seen]
+    q_doc = shard.document_ids(shard.start, shard.end)
+    k_doc = shard.document_ids(0, seen)
+    q_pos = torch.arange(shard.start, shard.end, device=q_doc.device)
+    k_pos = torch.arange(seen, device=q_doc.device)
+    mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # [L, seen]
+    out = F.scaled_dot_product_attention(q_bhld, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)

@@ -1,0 +1,141 @@
+"""Context parallelism (mesh.cp): a packed stream split into contiguous spans over gloo ranks gives one process's
+loss and gradients.
+
+The model tests run in fp64 on the torch kernels: the reference and the split runs differ only by the order of
+sums (the fold over spans, the gradients summed over ranks), a few ulps of fp64 (observed: 1e-13 relative), so
+a bound of 1e-10 relative on every gradient is far above rounding and far below any real mistake (a lost state
+or a conv reset at a span edge moves outputs at the 1e-2 level; the summaries rounded to fp32 alone gave 1e-8).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from qwenft.constants import IGNORE_INDEX
+
+pytestmark = pytest.mark.distributed
+
+T = 96  # stream tokens: spans of 48 (cp2) and 24 (cp4)
+
+# documents (lengths) of one packed stream of T tokens, each a case the split must get right
+LAYOUTS = {
+    "straddling": [30, 40, 26],  # 30 | 40 crosses 48 (cp2) and 24, 48, 72 (cp4)
+    "three_ranks": [5, 80, 11],  # one document over spans 0..3 at cp4
+    "edge": [24, 24, 48],  # boundaries exactly at the span edges of cp4 (and 48: cp2)
+    "tiny_at_edge": [23, 2, 22, 1, 24, 24],  # 1-2 token documents at span edges
+    "many_short": [7, 5, 9, 3, 8, 6, 4, 10, 5, 7, 9, 3, 8, 12],
+    "single": [96],
+}
+
+
+def _model(seed: int = 0, slow_decay: bool = False):
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5.configs import named_config
+
+    cfg = named_config("tiny")
+    cfg.text.vocab_size = 128
+    model = build_model(cfg, kernels="torch", device="meta", dtype=torch.float64)
+    init_random_weights(model, seed=seed, device="cpu", dtype=torch.float64)
+    if slow_decay:  # decay close to 1: a state leaking across documents would carry far
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.data.fill_(-8.0)
+    return model
+
+
+def _batch(lengths: list[int], rows: int = 1, seed: int = 0) -> dict:
+    """A microbatch of `rows` rows, each packed with documents of `lengths` (the last row's last document cut
+    to fit: rows x T tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths) * rows
+    ids = torch.randint(0, 128, (total,), generator=g)
+    labels = torch.randint(0, 128, (total,), generator=g)
+    labels[torch.rand(total, generator=g) < 0.2] = IGNORE_INDEX
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0)
+    cu = torch.cat([cu[:-1] + r * sum(lengths) for r in range(rows)] + [cu[-1:] * rows]).to(torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths] * rows)
+    seq = total // rows
+    return {"input_ids": ids.view(rows, seq), "labels": labels.view(rows, seq), "position_ids": pos.view(rows, seq),
+            "cu_seqlens": cu}
+
+
+def _loss_and_grads(model, batch: dict, labels: torch.Tensor):
+    from qwenft.models.loss import token_ce_sum
+
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"])
+    loss = token_ce_sum(logits, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _reference(batch: dict, slow_decay: bool = False):
+    return _loss_and_grads(_model(slow_decay=slow_decay), batch, batch["labels"])
+
+
+def _cp_rank(rank, world_size, batch):
+    """This cp rank's loss and gradients, summed over the cp ranks."""
+    from qwenft.models.qwen3_5.context_parallel import split_labels
+
+    model = _model()
+    model.cp_group = dist.group.WORLD
+    loss, grads = _loss_and_grads(model, batch, split_labels(batch["labels"], rank, world_size))
+    dist.all_reduce(loss)
+    for g in grads.values():
+        dist.all_reduce(g)
+    return loss, grads
+
+
+def _assert_close(got, want):
+    loss, grads = got
+    ref_loss, ref_grads = want
+    # the CE is summed in fp32 (token_ce_sum), over the spans in another order: rounding of ~100 terms at
+    # 6e-8 each; the per-token CE gradients are elementwise, the same fp32 values in both runs
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0), (loss.item(), ref_loss.item())
+    for name, ref in ref_grads.items():
+        err = (grads[name] - ref).abs().max() / ref.abs().max().clamp(min=1e-30)
+        assert err < 1e-10, f"{name}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cp_equals_one_process(layout, cp):
+    batch = _batch(LAYOUTS[layout])
+    want = _reference(batch)
+    for got in run_distributed(_cp_rank, cp, batch):
+        _assert_close(got, want)
+
+
+def test_cp_pads_rows_and_splits_across_them():
+    """Two rows of 47 tokens at cp4: the 94-token stream is padded to 96 with an ignored pad document, and the
+    span edges fall inside rows."""
+    batch = _batch([20, 19, 8], rows=2)
+    want = _reference(batch)
+    for got in run_distributed(_cp_rank, 4, batch):
+        _assert_close(got, want)
+
+
+def _cp_logits(rank, world_size, batches):
+    model = _model(slow_decay=True)
+    model.cp_group = dist.group.WORLD
+    with torch.no_grad():
+        return [model(input_ids=b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"])
+                for b in batches]
+
+
+def test_no_state_leaks_across_documents():
+    """Changing the tail of a document that straddles a span edge leaves the next document's outputs
+    bit-identical on every rank, with the decay slowed so that a leaked state would show."""
+    lengths = [40, 30, 26]  # document 0 ends at 40, inside span 1 of cp4 (24..48); document 1 crosses 48
+    batch = _batch(lengths)
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][0, 30:40] = (changed["input_ids"][0, 30:40] + 1) % 128
+    per_rank = run_distributed(_cp_logits, 4, [batch, changed])
+    logits = [torch.cat([r[i] for r in per_rank], dim=1) for i in range(2)]  # [1, T, V] in stream order
+    assert torch.equal(logits[0][:, 40:], logits[1][:, 40:])
+    assert not torch.equal(logits[0][:, 30:40], logits[1][:, 30:40])
+    # and the split stream is the unsplit one
+    with torch.no_grad():
+        ref = _model(slow_decay=True)(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                      cu_seqlens=batch["cu_seqlens"])
+    assert torch.allclose(logits[0], ref, rtol=1e-10, atol=1e-12)
