@@ -61,12 +61,12 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
 
 def _gather_on_rank0(modules: list[torch.nn.Module], mesh, dtype: torch.dtype, keep=lambda name: True) -> dict:
     """Full CPU copies (in `dtype`, GDN's decay in fp32) of the parameters `keep(name)` selects, of every stage, on
-    global rank 0 (collective; empty elsewhere). Each stage's parameters are gathered over its dp x tp ranks; only
-    the stage's (dp 0, tp 0) rank keeps them, and those ranks (one pp group) send them to rank 0, so no rank holds
+    global rank 0 (collective; empty elsewhere). Each stage's parameters are gathered over its dp x cp x tp ranks; only
+    the stage's (dp 0, cp 0, tp 0) rank keeps them, and those ranks (one pp group) send them to rank 0, so no rank holds
     more than one stage on the CPU except rank 0."""
     from qwenft.models.qwen3_5.gdn import param_dtype
 
-    leader = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    leader = mesh["dp_cp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     state = {}
     for module in modules:
         for name, p in module.named_parameters():

@@ -15,10 +15,13 @@ from typing import Any, Optional
 class MeshOptions:
     tp: int = 1  # tensor parallel degree
     pp: int = 1  # pipeline parallel degree
-    dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp)
+    dp: int = -1  # data parallel degree (FSDP2); -1 = world size / (tp * pp * cp)
     # expert parallel degree (MoE models): each group of ep data-parallel ranks shares out the routed experts,
     # tokens travel to their experts by all-to-all; must divide mesh.dp and the number of experts
     ep: int = 1
+    # context parallel degree: each microbatch's packed stream split into cp contiguous spans, one per rank, for
+    # sequences longer than one rank's activations hold (docs/parallelism.md, "Context parallel")
+    cp: int = 1
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
     sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence

@@ -1,9 +1,11 @@
-"""Process group and the (pp, dp, tp) DeviceMesh.
+"""Process group and the (pp, dp, cp, tp) DeviceMesh.
 
 tp is the innermost dimension (neighbouring ranks, so the most frequent collectives stay on NVLink within
-a node), pp the outermost. With expert parallelism (ep > 1) dp is split into ("dp_outer", "ep"), ep inner (the
-all-to-all of every MoE layer stays among neighbouring ranks), and "dp" is their flattening: the mesh is
-(pp, dp_outer, ep, tp) and mesh["dp"] names the same ranks as without ep.
+a node), then cp (context parallel: a few exchanges per layer), pp the outermost. With expert parallelism
+(ep > 1) dp is split into ("dp_outer", "ep"), ep inner (the all-to-all of every MoE layer stays among
+neighbouring ranks), and "dp" is their flattening: the mesh is (pp, dp_outer, ep, cp, tp) and mesh["dp"] names
+the same ranks as without ep. "dp_cp" flattens dp and cp: the ranks that hold different tokens of a step, over
+which FSDP2 shards and reduces and the loss is summed (`batch_mesh`).
 """
 
 import datetime
@@ -43,15 +45,25 @@ def init_process_group(backend: str = "auto") -> None:
 
 
 def build_mesh(layout: Layout, device: str | None = None) -> DeviceMesh:
-    """The (pp, dp, tp) mesh on `device` (default: cuda when available, else cpu); with layout.ep > 1 the
-    (pp, dp_outer, ep, tp) mesh with "dp" flattened from (dp_outer, ep)."""
-    if layout.ep == 1:
-        return init_device_mesh(device or device_type(), (layout.pp, layout.dp, layout.tp),
-                                mesh_dim_names=("pp", "dp", "tp"))
-    mesh = init_device_mesh(device or device_type(), (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
-                            mesh_dim_names=("pp", "dp_outer", "ep", "tp"))
-    mesh["dp_outer", "ep"]._flatten("dp")  # no public flatten yet (torch 2.13); torchtitan uses it the same way
-    # torch 2.13 warns at every mesh["dp"] that slicing a flattened dim from the root "will be deprecated"; it
-    # works, and every user of the mesh reads "dp" by name, with or without ep
+    """The (pp, dp, cp, tp) mesh on `device` (default: cuda when available, else cpu); with layout.ep > 1 the
+    (pp, dp_outer, ep, cp, tp) mesh with "dp" flattened from (dp_outer, ep). "dp_cp" flattens dp and cp."""
+    # torch 2.13 warns at every slice of a flattened dim from the root that it "will be deprecated"; it works,
+    # and every user of the mesh reads "dp" and "dp_cp" by name
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    if layout.ep == 1:
+        mesh = init_device_mesh(device or device_type(), (layout.pp, layout.dp, layout.cp, layout.tp),
+                                mesh_dim_names=("pp", "dp", "cp", "tp"))
+        mesh["dp", "cp"]._flatten("dp_cp")  # no public flatten yet (torch 2.13); torchtitan uses it the same way
+        return mesh
+    mesh = init_device_mesh(device or device_type(),
+                            (layout.pp, layout.dp // layout.ep, layout.ep, layout.cp, layout.tp),
+                            mesh_dim_names=("pp", "dp_outer", "ep", "cp", "tp"))
+    mesh["dp_outer", "ep"]._flatten("dp")
+    mesh["dp_outer", "ep", "cp"]._flatten("dp_cp")
     return mesh
+
+
+def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that hold different tokens of a step (dp x cp): FSDP2 shards over them, gradients and the loss
+    are summed over them."""
+    return mesh["dp_cp"]

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
 from qwenft.distributed.expert_parallel import apply_ep
 from qwenft.distributed.fsdp import apply_fsdp
+from qwenft.distributed.mesh import batch_mesh
 from qwenft.distributed.tensor_parallel import apply_tp
 
 
@@ -18,6 +19,15 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool 
 
     for layer in model.layers.values():
         compile_layer(layer, cuda_graphs, gdn_graphs)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Context parallel over `cp_mesh` (when its size > 1): the model splits each microbatch's stream into spans
+    after the embedding (`Qwen3_5Model.forward`), and its layers exchange what crosses spans over this group
+    (qwenft.models.qwen3_5.context_parallel). Parameters stay whole on the cp ranks; FSDP2 shards them over dp x
+    cp, which also sums their gradients over the spans."""
+    if cp_mesh.size() > 1:
+        model.cp_group = cp_mesh.get_group()
 
 
 def gdn_graphs(cuda_graphs: bool, tp: int) -> bool:
@@ -35,10 +45,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 fsdp: bool = True,
                 fsdp_prefetch: int = 0) -> nn.Module:
     """TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
-    activation checkpointing, then (compile_layers) per-layer torch.compile (`cuda_graphs`: replayed as CUDA
-    graphs, which `qwenft.train.spec.check_cuda_graphs` allows), then (`fsdp`, see
-    `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp"] (the experts over mesh["dp_outer"]), with
-    `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
+    context parallel over mesh["cp"] (`apply_cp`), then activation checkpointing, then (compile_layers)
+    per-layer torch.compile (`cuda_graphs`: replayed as CUDA graphs, which `qwenft.train.spec.check_cuda_graphs`
+    allows), then (`fsdp`, see `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp_cp"] (the experts over
+    mesh["dp_outer"]), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
     stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters
     (their hook casts them to the input's dtype).
 
@@ -53,6 +63,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if "ep" in (mesh.mesh_dim_names or ()):
         apply_ep(model, mesh["ep"])
         expert_mesh = mesh["dp_outer"]
+    apply_cp(model, mesh["cp"])
     # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
     mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)
     if mode != "false":
@@ -60,9 +71,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if compile_layers:
         apply_compile(model, cuda_graphs, gdn_graphs(cuda_graphs, tp_mesh.size()))
     if not fsdp:
-        if mesh["dp"].size() > 1:
-            raise ValueError(f"FSDP2 left out on {mesh['dp'].size()} data-parallel ranks")
+        if batch_mesh(mesh).size() > 1:
+            raise ValueError(f"FSDP2 left out on {batch_mesh(mesh).size()} data- and context-parallel ranks")
         return model
-    apply_fsdp(model, mesh["dp"], param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
+    apply_fsdp(model, batch_mesh(mesh), param_dtype, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
                prefetch=fsdp_prefetch, expert_mesh=expert_mesh)
     return model

@@ -46,7 +46,7 @@ def check(cfg: "Config") -> int:
     per_node = (f"launcher.gpus_per_node={procs}" if launcher.gpus_per_node
                 else f"launcher.nproc_per_node={procs}")
     resolve_layout(mesh.tp, mesh.pp, mesh.dp, world,
-                   ranks=f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks", ep=mesh.ep)
+                   ranks=f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks", ep=mesh.ep, cp=mesh.cp)
     return world
 
 

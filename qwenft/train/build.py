@@ -26,7 +26,7 @@ from qwenft.checkpoint import dcp as ckpt_lib
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
-from qwenft.distributed.mesh import build_mesh, device_type, init_process_group
+from qwenft.distributed.mesh import batch_mesh, build_mesh, device_type, init_process_group
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
@@ -207,6 +207,17 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
 
 # ---------------------------------------------------------------- the step and validation
 
+def span_labels(mb: dict, mesh) -> dict:
+    """The microbatch with its labels cut to this rank's span of the stream under context parallel (the model
+    cuts everything else after its embedding, `context_parallel.CPShard`); as it is at mesh.cp=1."""
+    cp = mesh["cp"]
+    if cp.size() == 1:
+        return mb
+    from qwenft.models.qwen3_5.context_parallel import split_labels
+
+    return {**mb, "labels": split_labels(mb["labels"], cp.get_local_rank(), cp.size())}
+
+
 StepFn = Callable[[list[dict], torch.Tensor], torch.Tensor]
 
 
@@ -246,11 +257,11 @@ def _token_loss(spec: RunSpec, model_cfg):
     return TokenCE(ce_in_model=spec.parallel.ce_in_model, aux_weight=aux_weight)
 
 
-def _accumulation_step(model: nn.Module, spec: RunSpec, loss_fn, dp_group, device) -> StepFn:
+def _accumulation_step(model: nn.Module, spec: RunSpec, loss_fn, loss_group, device) -> StepFn:
     def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
         loss = accumulate(model, micro_batches, label_tokens, device, spec.parallel.reduce_grad_per_microbatch,
                           spec.parallel.ce_in_model, loss_fn)
-        dist.all_reduce(loss, group=dp_group)
+        dist.all_reduce(loss, group=loss_group)
         return loss
     return step
 
@@ -267,7 +278,7 @@ def moe_step_metrics(job: "Job") -> dict:
     if loss_fn.aux_sum is not None:  # the rank that computed the loss (the last pipeline stage's)
         totals[0] = loss_fn.aux_sum
         totals[1:] = loss_fn.load_le.flatten()
-    dist.all_reduce(totals, group=job.dp_group)
+    dist.all_reduce(totals, group=job.loss_group)
     if job.spec.layout.pp > 1:
         dist.all_reduce(totals, group=job.pp_group)
     load_le = totals[1:].view(t.num_hidden_layers, t.num_experts)
@@ -296,11 +307,11 @@ def _pipeline_step(stages: list, spec: RunSpec, loss_fn, mesh, device) -> StepFn
     except ValueError as e:
         raise ValueError(f"pipeline.schedule={name} with {n} microbatches per step and {spec.parallel.num_stages} "
                          f"stages: {str(e).splitlines()[0]}") from None
-    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+    loss_group, pp_group = batch_mesh(mesh).get_group(), mesh["pp"].get_group()
 
     def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
         batch = pp_schedule.PipelineBatch.from_microbatches(micro_batches, device)
-        return pp_schedule.train_step(schedule, stages, batch, loss_fn, label_tokens, dp_group, pp_group)
+        return pp_schedule.train_step(schedule, stages, batch, loss_fn, label_tokens, loss_group, pp_group)
     return step
 
 
@@ -313,20 +324,20 @@ def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: li
     size, n = spec.batching.microbatch_size, spec.batching.num_microbatches
     val_path = VAL_PATH if cfg.eval.dataset == "tiny" else cfg.eval.dataset
     _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp, path=val_path)
-    val_batches = val_micro_batches(val_data, cfg.eval.max_batches)
+    val_batches = [span_labels(mb, mesh) for mb in val_micro_batches(val_data, cfg.eval.max_batches)]
     log.info("validation: %s, %d micro batches of %d per rank every %d steps",
              cfg.eval.dataset, len(val_batches), size, cfg.eval.every_steps)
-    dp_group, ce_in_model = mesh["dp"].get_group(), spec.parallel.ce_in_model
+    loss_group, ce_in_model = batch_mesh(mesh).get_group(), spec.parallel.ce_in_model
     if spec.layout.pp == 1:
         [model] = modules
         if spec.parallel.cuda_graphs:
-            return lambda: _eager_validation(model, val_batches, device, dp_group, ce_in_model)
-        return lambda: eval_loss_unpipelined(model, val_batches, device, dp_group, ce_in_model)
+            return lambda: _eager_validation(model, val_batches, device, loss_group, ce_in_model)
+        return lambda: eval_loss_unpipelined(model, val_batches, device, loss_group, ce_in_model)
     pp_group = mesh["pp"].get_group()
     stage_ids = spec.stage_ids(mesh["pp"].get_local_rank())
     eval_schedule = build_eval_schedule(list(zip(stage_ids, modules)), spec.parallel.num_stages,
                                         spec.parallel.schedule, n, ce_in_model, device, pp_group)
-    return lambda: eval_loss_pipelined(eval_schedule, val_batches, n, device, dp_group, pp_group, ce_in_model)
+    return lambda: eval_loss_pipelined(eval_schedule, val_batches, n, device, loss_group, pp_group, ce_in_model)
 
 
 def _eager_validation(*args) -> float:
@@ -367,8 +378,9 @@ class Job:
     peak_flops: float | None  # of this device, for MFU
 
     @property
-    def dp_group(self):
-        return self.mesh["dp"].get_group()
+    def loss_group(self):
+        """The ranks over which the loss and the label count are summed: dp x cp (`mesh.batch_mesh`)."""
+        return batch_mesh(self.mesh).get_group()
 
     @property
     def pp_group(self):
@@ -382,7 +394,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     run dir (qwenft.launch.run_lock) until `cleanup` closes, or else until the process exits."""
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world, ep=cfg.mesh.ep)
+    layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world, ep=cfg.mesh.ep, cp=cfg.mesh.cp)
     batching = resolve_batching(cfg, layout.dp)
     check_mesh_keys(cfg, layout)
     mesh = build_mesh(layout)
@@ -395,8 +407,9 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     on_rank0(is_main, lambda: make_run_dir(run_dir, cleanup))
     dist.barrier()
     setup_logging(run_dir, is_main, cfg.train.progress_bar)
-    log.info("run dir %s | world %d = pp %d x dp %d x tp %d | %d microbatches of %d per step",
-             run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
+    log.info("run dir %s | world %d = pp %d x dp %d x cp %d x tp %d | %d microbatches of %d per step",
+             run_dir, world, layout.pp, layout.dp, layout.cp, layout.tp, batching.num_microbatches,
+             batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
     resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
     if device.type == "cpu":
@@ -455,7 +468,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     if layout.pp > 1:
         step = _pipeline_step(_pipeline_stages(parts, spec, mesh, device), spec, loss_fn, mesh, device)
     else:
-        step = _accumulation_step(modules[0], spec, loss_fn, mesh["dp"].get_group(), device)
+        step = _accumulation_step(modules[0], spec, loss_fn, batch_mesh(mesh).get_group(), device)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,

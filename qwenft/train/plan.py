@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from qwenft.conf.schema import Config
+from qwenft.models.qwen3_5.configs import FULL_ATTENTION
 from qwenft.train.activations import (layer_activation_bytes, layer_matmul_output_bytes, logits_bytes,
                                       microbatches_in_flight, vision_activation_bytes)
 from qwenft.train.spec import RunSpec
@@ -152,7 +153,8 @@ class _Context:
 
     @property
     def tokens(self) -> int:
-        return self.spec.batching.microbatch_size * self.cfg.data.seq_len
+        """A microbatch's tokens on one rank: its span of the stream under context parallel."""
+        return -(-self.spec.batching.microbatch_size * self.cfg.data.seq_len // self.layout.cp)
 
 
 def ac_mode(cfg: Config) -> str:
@@ -167,9 +169,11 @@ def _stage_activations(ctx: _Context, module) -> tuple[float, float, float]:
     mode, tokens = ac_mode(ctx.cfg), ctx.tokens
     layer_input = c * t.hidden_size / (tp if sp else 1)  # what a checkpointed layer keeps
     off = on = recompute = 0.0
+    # context parallel: a full-attention layer keeps the keys and values it gathered from the other spans
+    gathered = 2 * c * t.num_key_value_heads // tp * t.head_dim * tokens * (ctx.layout.cp - 1)
     for layer in module.layers.values():
         kind = layer.layer_type
-        full = layer_activation_bytes(t, kind, tp, c, sp) * tokens
+        full = layer_activation_bytes(t, kind, tp, c, sp) * tokens + (gathered if kind == FULL_ATTENTION else 0)
         off += full
         if mode == "selective":
             on += (layer_input + layer_matmul_output_bytes(t, kind, tp, c)) * tokens
@@ -332,7 +336,8 @@ def resolve_plan_layout(cfg: Config):
     from qwenft.conf.layout import resolve_layout
 
     dp = cfg.mesh.ep if cfg.mesh.dp == -1 else cfg.mesh.dp
-    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * dp, ep=cfg.mesh.ep)
+    return resolve_layout(cfg.mesh.tp, cfg.mesh.pp, dp, cfg.mesh.tp * cfg.mesh.pp * cfg.mesh.cp * dp, ep=cfg.mesh.ep,
+                          cp=cfg.mesh.cp)
 
 
 def predict(cfg: Config) -> list[RankPlan]:
@@ -398,7 +403,7 @@ def format_table(plans: list[RankPlan], cfg: Config) -> str:
     dp_note = " (mesh.dp=-1 planned as 1)" if cfg.mesh.dp == -1 else ""
     lines = [
         f"qwenft plan {cfg.recipe}: {layout.world_size} rank{'s' if layout.world_size > 1 else ''} = "
-        f"pp {layout.pp} x dp {layout.dp} x tp {layout.tp}"
+        f"pp {layout.pp} x dp {layout.dp}{f' x cp {layout.cp}' if layout.cp > 1 else ''} x tp {layout.tp}"
         f"{dp_note}; {'schedule ' + cfg.pipeline.schedule + ', ' if layout.pp > 1 else ''}{n} microbatches of "
         f"{microbatch_size} x {cfg.data.seq_len} tokens per step",
         f"{dtypes}; pipeline.reduce_grad_per_microbatch={knob == 'knob_on'}, "
@@ -442,7 +447,7 @@ def to_json(plans: list[RankPlan], cfg: Config) -> dict:
     layout = resolve_plan_layout(cfg)
     knob, ac = _settings(cfg)
     return {"recipe": cfg.recipe, "world_size": layout.world_size,
-            "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
+            "layout": {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp},
             "settings": {"reduce_grad_per_microbatch": knob == "knob_on",
                          "activation_checkpointing": cfg.model.activation_checkpointing, "ac_on_mode": ac_mode(cfg)},
             "gpu_memory_gib": cfg.plan.gpu_memory_gib,

@@ -16,7 +16,7 @@ from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
-from qwenft.train.build import Job, build_job, lora_config, moe_step_metrics
+from qwenft.train.build import Job, build_job, lora_config, moe_step_metrics, span_labels
 from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
 
@@ -104,8 +104,9 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     """Forward + backward of one step's microbatches, gradient clipping, then the optimizer and lr steps unless
     the loss or grad norm is not finite (train.on_nonfinite)."""
     cfg = job.cfg
+    micro_batches = [span_labels(mb, job.mesh) for mb in micro_batches]
     label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(job.device)
-    dist.all_reduce(label_tokens, group=job.dp_group)
+    dist.all_reduce(label_tokens, group=job.loss_group)
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)
     step_loss = job.step(micro_batches, label_tokens)

@@ -176,11 +176,33 @@ def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
 
     With peft=lora the frozen base is stored in the compute dtype and the adapters cast themselves
     (lora._add_adapter), so only trained embeddings or head (`peft` options) need FSDP's cast."""
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:  # with context parallel, FSDP2 also sums the gradients over the spans
         return True
     if peft.method == "lora":
         return dtypes.master != dtypes.compute and (peft.train_embeddings or peft.train_head)
     return dtypes.master != dtypes.compute
+
+
+def check_cp(cfg: Config, layout: Layout, model_cfg, device: str) -> None:
+    """mesh.cp > 1 with what context parallel does not run with yet; raised before anything is built."""
+    if layout.cp == 1:
+        return
+    from qwenft.models.qwen3_5.gdn import resolve_kernel
+
+    why = None
+    if layout.pp > 1:
+        why = f"mesh.pp={layout.pp}: pipeline stages are not split over context-parallel ranks yet; set mesh.pp=1"
+    elif model_cfg.text.is_moe:
+        why = "an MoE model: its router statistics are not summed over the spans yet; use a dense model"
+    elif model_cfg.vision is not None:
+        why = "a vision-language model is not tested with context parallel yet; use a text model"
+    elif cfg.mesh.sequence_parallel:
+        why = "mesh.sequence_parallel=true splits the same tokens again over tp; set it to false"
+    elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda":
+        why = ("GatedDeltaNet's fla kernels do not carry state across spans here yet; set model.kernels.gdn=torch "
+               "(the reference kernels, slower)")
+    if why is not None:
+        raise ValueError(f"mesh.cp={layout.cp} with {why} (or mesh.cp=1)")
 
 
 def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str,
@@ -191,6 +213,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
 
     validate_tp(model_cfg.text, layout.tp, cfg.mesh.sequence_parallel)
     validate_ep(model_cfg.text, layout.ep)
+    check_cp(cfg, layout, model_cfg, device)
     name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
     num_layers = model_cfg.text.num_hidden_layers
     virtual, layers = 1, [list(range(num_layers))]
@@ -228,8 +251,9 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
         why = f"it needs CUDA, and this run is on {device}"
     elif fsdp:
         compute = str(dtypes.compute).removeprefix("torch.")
-        if layout.dp > 1:
-            cause = f"mesh.dp={layout.dp} shards them; set mesh.dp=1"
+        if layout.dp * layout.cp > 1:
+            cause = (f"mesh.dp={layout.dp} x mesh.cp={layout.cp} shard them; set mesh.dp=1 and mesh.cp=1"
+                     if layout.cp > 1 else f"mesh.dp={layout.dp} shards them; set mesh.dp=1")
         elif cfg.peft.method == "lora":
             cause = (f"peft.train_embeddings / peft.train_head with optim.master_dtype={cfg.optim.master_dtype} "
                      f"need its cast to {compute}; set optim.master_dtype={compute} or train neither")
