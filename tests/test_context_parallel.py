@@ -168,10 +168,10 @@ def assert_same_run(result, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    ["mesh.cp=2"], ["mesh.cp=4"], ["mesh.cp=2", "mesh.tp=2"],
+    ["mesh.cp=4"], ["mesh.cp=2", "mesh.tp=2"], ["mesh.cp=2", "model.compile=true"],
     # the exchanges run again, in the same order on every rank, when the backward recomputes a layer
     ["mesh.cp=2", "mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"],
-], ids=["cp2", "cp4", "cp2-tp2", "cp2-dp2-knob-ac"])
+], ids=["cp4", "cp2-tp2", "cp2-compile", "cp2-dp2-knob-ac"])
 def test_training_equals_one_process(tmp_path, reference, extra):
     world = 1
     for key in extra:
@@ -180,3 +180,26 @@ def test_training_equals_one_process(tmp_path, reference, extra):
     results = run_distributed(train_with_grads, world, parity_overrides(tmp_path / "run", *extra))
     for result in results:
         assert_same_run(result, reference)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
+    (["mesh.cp=2", "mesh.pp=2"], "mesh.cp=2 with mesh.pp=2: pipeline stages are not split"),
+    (["mesh.cp=2", "model.name=tiny_moe"], "mesh.cp=2 with an MoE model"),
+    (["mesh.cp=2", "recipe=tiny_vlm"], "mesh.cp=2 with a vision-language model"),
+    (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
+    (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with GatedDeltaNet's fla kernels"),
+])
+def test_unsupported_combinations_fail_in_one_line(tmp_path, extra, message):
+    """Refused before anything is built (the spec a run and `qwenft plan` resolve), as on a CUDA machine."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.spec import resolve_spec
+
+    from helpers import compose, model_config
+
+    cfg = compose(parity_overrides(tmp_path, *extra))
+    with pytest.raises(ValueError) as info:
+        m = cfg.mesh
+        layout = resolve_layout(m.tp, m.pp, 1, m.tp * m.pp * max(m.cp, 1), ep=m.ep, cp=m.cp)
+        resolve_spec(cfg, layout, model_config(cfg), "cuda")
+    assert len(str(info.value).splitlines()) == 1 and message in str(info.value), str(info.value)

@@ -137,7 +137,9 @@ def test_base_frozen_in_compute_dtype(tmp_path):
     (2, ["mesh.pp=2", "pipeline.schedule=interleaved_zb"]),
     (4, ["mesh.tp=2", "mesh.pp=2"]),
     (2, ["mesh.tp=2", "model.compile=true"]),
-], ids=["tp2", "pp2", "pp2-interleaved-knob", "pp2-gpipe", "pp2-zbv", "pp2-interleaved-zb", "tp2xpp2", "tp2-compile"])
+    (2, ["mesh.cp=2"]),
+], ids=["tp2", "pp2", "pp2-interleaved-knob", "pp2-gpipe", "pp2-zbv", "pp2-interleaved-zb", "tp2xpp2", "tp2-compile",
+        "cp2"])
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_mesh_equals_one_process(tmp_path, reference, world_size, mesh):

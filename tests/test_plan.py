@@ -421,7 +421,7 @@ def test_cli_plan_table_json_and_over_flag(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "8 ranks = pp 2 x dp 2 x tp 2" in table and "OVER" in table
     report = json.loads(out.read_text())
-    assert report["layout"] == {"pp": 2, "dp": 2, "tp": 2} and report["over"] == list(range(8))
+    assert report["layout"] == {"pp": 2, "dp": 2, "cp": 1, "tp": 2} and report["over"] == list(range(8))
     assert main(["plan", "recipe=tiny_3d", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["over"] == []
 
