@@ -433,6 +433,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
                  f"; {' and '.join(moot)} {'change' if len(moot) > 1 else 'changes'} nothing" if moot else "")
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
+    if cfg.checkpoint.export_hf != "false":  # a bad source generation_config.json fails now, not after training
+        from qwenft.checkpoint.hf_export import generation_config
+
+        generation_config(tokenizer, cfg.model.path)
     if resume_from is not None:
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
                                     peft=peft_meta(cfg))
