@@ -1,7 +1,7 @@
 """The trained model in HF layout: consolidated safetensors + index + config.json + tokenizer/processor files.
 
-    export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16, source_dir)   # end of training
-    write_hf(state, model_cfg, preprocessors, out_dir, source_dir)   # `qwenft export`: a state loaded from a DCP checkpoint
+    export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16, source_dir)  # end of training
+    write_hf(state, model_cfg, preprocessors, out_dir, source_dir)  # `qwenft export`: a DCP checkpoint's state
     write_peft_adapter(state, model_cfg, lora, base, out_dir)  # `qwenft export` of a LoRA run's checkpoint
     merge_into_base(trained, model_cfg, lora, base_dir, seed, dtype)  # ... merged=true: then write_hf
     export_peft_adapter(modules, model_cfg, lora, base, run_dir / "adapter", mesh, torch.float32)   # peft=lora
