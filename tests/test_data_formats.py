@@ -213,3 +213,4 @@ def test_training_on_a_sharegpt_file_logs_the_format(tmp_path):
     line = next(line for line in (run_dir / "train.log").read_text().splitlines() if " data: " in line)
     assert f"data: sharegpt rows (data.format=auto, found by their columns); {len(rows) - 1} documents," in line
     assert line.endswith("skipped rows: {'format': 1}"), line
+
