@@ -13,9 +13,12 @@ from qwenft.data.formats import as_messages_row, resolve_format
 from qwenft.data.loader import build_sft_data
 from qwenft.data.tokenizer import load_tokenizer
 
-# A Qwen3-style template with tool turns: calls as <tool_call> JSON after the content, tool results inside a
-# user turn.
+# A Qwen3-style template with tool turns: the tool schemas in a first system turn, calls as <tool_call> JSON
+# after the content, tool results inside a user turn.
 TOOL_TEMPLATE = """
+{%- if tools %}
+{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson + '\\n' }}{%- endfor %}{{- '<|im_end|>\\n' }}
+{%- endif %}
 {%- for m in messages %}
 {%- if m.role == 'tool' %}
 {{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}
@@ -45,7 +48,9 @@ SHAREGPT_MESSAGES = [
     {"role": "user", "content": "Reverse the word cat."},
     {"role": "assistant", "content": "tac"}]
 
-TOOL_ROW = {"conversations": [
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_ROW = {"tools": json.dumps(TOOLS), "conversations": [
     {"from": "system", "value": "You may call get_weather."},
     {"from": "human", "value": "How warm is Paris?"},
     {"from": "function_call", "value": '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'},
@@ -110,10 +115,11 @@ def test_sharegpt_role_names():
 def test_sharegpt_tool_turns_are_learned_as_the_template_renders_them(tool_tok):
     """function_call -> an assistant tool call (arguments given as JSON text become an object), observation ->
     a tool turn; the rendered call and the final answer are learned, the tool's answer is not."""
-    assert as_messages_row(TOOL_ROW, "sharegpt") == {"messages": TOOL_MESSAGES}
-    (doc,), skipped = tokenize_rows([TOOL_ROW], tool_tok, seq_len=256, data_format="sharegpt")
+    assert as_messages_row(TOOL_ROW, "sharegpt") == {"messages": TOOL_MESSAGES, "tools": json.dumps(TOOLS)}
+    (doc,), skipped = tokenize_rows([TOOL_ROW], tool_tok, seq_len=1024, data_format="sharegpt")
     assert not skipped
-    assert doc.input_ids == tool_tok.apply_chat_template(TOOL_MESSAGES, tokenize=True)["input_ids"]
+    assert doc.input_ids == tool_tok.apply_chat_template(TOOL_MESSAGES, tools=TOOLS, tokenize=True)["input_ids"]
+    assert "# Tools" in tool_tok.decode(doc.input_ids)  # the schemas are in the prompt, and not learned
     assert labelled_text(doc, tool_tok) == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                                             '</tool_call><|im_end|>It is 21 degrees.<|im_end|>')
     # a list of calls in one turn; a template without tool support is a `template` row, never a silent empty turn
@@ -177,6 +183,8 @@ BAD_ROWS = [
      "bad_tool_call"),
     ({"conversations": [{"from": "human", "value": "x"}]}, "no_assistant"),
     ({"instruction": "x", "input": "", "output": "y", "messages": None, "conversations": None}, "format"),
+    ({**SHAREGPT, "tools": "[{oops"}, "bad_tool_call"),
+    ({**SHAREGPT, "tools": '{"name": "f"}'}, "bad_tool_call"),
 ]
 
 

@@ -48,8 +48,7 @@ def _greedy_until_end(model, ids, end_ids):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tiny_export_generates_until_im_end(tmp_path):
-    """40 steps of recipe=tiny teach the model to close its replies (at 30, loss ~2.8, it says "A sheep says baa."
-    to most prompts). Greedy `generate` on the export, with nothing but the export's own files, returns exactly
+    """40 steps of recipe=tiny teach the model to close its replies, if not yet to answer right. Greedy `generate` on the export, with nothing but the export's own files, returns exactly
     the reference greedy tokens cut after the first end id, and on every prompt that end is `<|im_end|>`,
     well before MAX_NEW_TOKENS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -65,7 +64,7 @@ def test_tiny_export_generates_until_im_end(tmp_path):
         "eos_token_id": [im_end, end_of_text], "pad_token_id": end_of_text}
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     model.eval()
-    rows = [json.loads(line) for line in VAL_PATH.read_text().splitlines()[:6]]
+    rows = [json.loads(line) for line in VAL_PATH.read_text().splitlines()[:4]]
     for row in rows:
         prompt = row["messages"][:next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")]
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)

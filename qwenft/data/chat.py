@@ -123,23 +123,43 @@ def _content_text(content, i: int) -> str:
     return "".join(texts)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def row_tools(row) -> list[dict] | None:
+    """The row's `tools` column (the tool schemas the template lists in the prompt): a list of objects, or JSON
+    text of one; None when the row has none."""
+    tools = row.get("tools") if isinstance(row, dict) else None
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRow("bad_tool_call", f"column 'tools' is not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("bad_tool_call", f"column 'tools' is {str(tools)[:60]!r}; expected a list of tool schemas "
+                                      "(JSON objects)")
+    return tools
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja's raise_exception() in the template, e.g. "No user query found"
         raise BadRow("template", f"the chat template rejected the conversation: {e}") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans of its assistant replies."""
-    text = _render(tokenizer, messages, add_generation_prompt=False)
+def assistant_spans(tokenizer, messages: list[dict],
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (with `tools` listed, as the template does) and the [start, end) character
+    spans of its assistant replies."""
+    text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     # Base Qwen checkpoints set eos_token to <|endoftext|>, yet chat turns still close with <|im_end|>.
     turn_ends = [m for m in ("<|im_end|>", tokenizer.eos_token) if m]
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
         shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
         content = message["content"]
         at = text.find(content, max(cursor, shared))
@@ -162,9 +182,10 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     return text, spans
 
 
-def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant",
+                      tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it is a training target."""
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = assistant_spans(tokenizer, messages, tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if train_on == "all":
@@ -208,7 +229,8 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     from qwenft.data.formats import as_messages_row  # here: formats imports this module
 
     def tokenize(row):
-        return tokenize_messages(tokenizer, normalize_messages(as_messages_row(row, data_format)), train_on)
+        row = as_messages_row(row, data_format)
+        return tokenize_messages(tokenizer, normalize_messages(row), train_on, row_tools(row))
 
     for ids, is_target in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:

@@ -5,9 +5,12 @@
 
 messages:  {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
 sharegpt:  {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}],
-            "system": "..." (optional)}
+            "system": "..." (optional), "tools": "[{...tool schema...}]" (optional)}
 alpaca:    {"instruction": "...", "input": "..." (optional), "output": "...", "system": "..." (optional),
             "history": [["earlier instruction", "earlier output"], ...] (optional)}
+
+Every format may have a `tools` column (JSON text or a list of tool schemas), which the chat template lists in
+the prompt (`chat.row_tools`).
 
 A row is of a format when it has that format's columns (a column whose value is null, as Parquet writes a
 column a row lacks, is absent): `messages`; `conversations`; `instruction` and `output`. ShareGPT's `from`
@@ -72,7 +75,7 @@ def as_messages_row(row, data_format: str):
     system = row.get("system")
     if system is not None and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system})
-    return {"messages": messages}
+    return {"messages": messages, **({"tools": row["tools"]} if _has(row, "tools") else {})}
 
 
 def _sharegpt(row: dict) -> list[dict]:

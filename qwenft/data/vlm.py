@@ -205,6 +205,8 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
         raise BadRow("unreadable", row.problem)
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         raise BadRow("no_messages", "row has no non-empty 'messages' list")
+    if row.get("tools"):
+        raise BadRow("bad_tool_call", "row has a 'tools' column; the image pipeline trains text and image turns only")
     column = row.get("images") or []
     column = column if isinstance(column, list) else [column]
     messages, sources, from_column = [], [], 0
