@@ -171,7 +171,12 @@ def _export(args: list[str]) -> int:
                                           getattr(torch, dtype))
     else:
         state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype))
-    hf_export.write_hf(state, model_cfg, preprocessors, out)
+    source_dir = cfg.model.path if cfg.model.path and Path(cfg.model.path).is_dir() else None
+    if cfg.model.path and source_dir is None:
+        print(f"note: model.path={cfg.model.path} (from {run_dir / 'config.yaml'}) does not exist; the export's "
+              f"generation_config.json has the tokenizer's end ids but not the base model's sampling defaults",
+              file=sys.stderr)
+    hf_export.write_hf(state, model_cfg, preprocessors, out, source_dir)
     print(f"exported {path} ({dtype}{', adapters merged into ' + cfg.model.path if merged else ''}) to {out}")
     return 0
 

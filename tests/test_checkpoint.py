@@ -312,6 +312,22 @@ def _fake_run(tmp_path, source_run, **config):
     return run_dir
 
 
+@pytest.mark.distributed
+def test_export_says_when_model_path_has_moved(tmp_path, uninterrupted_run, capsys):
+    """`qwenft export` of a run whose model.path is gone: one note line, and the export is written with the
+    tokenizer's end ids (no source generation_config.json to carry over)."""
+    from qwenft.cli import main
+
+    moved, out = tmp_path / "moved", tmp_path / "hf"
+    run_dir = _fake_run(tmp_path, uninterrupted_run, **{"model.path": str(moved), "data.tokenizer": "tiny"})
+    assert main(["export", f"run_dir={run_dir}", f"out={out}"]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"note: model.path={moved} (from {run_dir / 'config.yaml'}) does not exist; the export's "
+                   f"generation_config.json has the tokenizer's end ids but not the base model's sampling "
+                   f"defaults\n"), err
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [2, 0], "pad_token_id": 0}
+
+
 EXPORT_ERRORS = {
     "out_not_empty": "out={out} exists and is not empty; give a new or empty directory",
     "no_tokenizer": "data.tokenizer={tokenizer} (from {run_dir}/config.yaml) has no tokenizer files (tokenizer.json, "

@@ -162,13 +162,19 @@ def test_truncation_policies(tok):
 
 
 BAD_ROWS = [
-    ({"text": "hello"}, "no_messages"),
+    ({"text": "hello"}, "format"),
+    ({"messages": []}, "no_messages"),
     ({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}, "bad_role"),
     ({"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}, "bad_role"),
     ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "y"}]}, "empty_content"),
     ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}, "bad_content"),
     ({"messages": [{"role": "user", "content": "bad \ud800"}, {"role": "assistant", "content": "y"}]}, "undecodable"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"name": ""}]}]},
+     "bad_tool_call"),
+    # the tiny template has no tool branch: the call would vanish from the rendering
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"name": "f", "arguments": {}}]}]}, "template"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]},
                    {"role": "assistant", "content": "y"}]}, "image_content"),
 ]
@@ -187,7 +193,7 @@ def test_bad_rows_are_skipped_and_counted(tok):
 
 
 def test_bad_row_error_mode_names_the_row(tok):
-    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION}, BAD_ROWS[1][0]]
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION}, BAD_ROWS[2][0]]
     with pytest.raises(ValueError) as err:
         tokenize_rows(rows, tok, seq_len=256, on_bad_row="error")
     message = str(err.value)

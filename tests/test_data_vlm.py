@@ -257,6 +257,17 @@ def test_bad_images_are_skipped_and_counted(proc, files):
     assert len(docs) == 1 and skipped == {reason: 1 for reason, _, _ in BAD} | {"image_count": 1}
 
 
+def test_sharegpt_rows_read_as_their_messages(proc):
+    """data.format applies to the image pipeline too (tests/test_data_formats.py has the formats); a tool call
+    is text-only: a bad row here."""
+    from test_data_formats import ALPACA, SHAREGPT, SHAREGPT_MESSAGES, TOOL_ROW
+
+    data = build_vlm_data([SHAREGPT, ALPACA[0][0], TOOL_ROW], proc, seq_len=256, micro_batch_size=1)
+    assert data.format == "sharegpt" and data.skipped == {"format": 1, "bad_tool_call": 1}
+    reference = build_vlm_data([{"messages": SHAREGPT_MESSAGES}], proc, seq_len=256, micro_batch_size=1)
+    assert data.docs == reference.docs and reference.format == "messages"
+
+
 def test_more_image_parts_than_placeholders(proc, files):
     """A template that drops image parts renders no placeholder: the row is bad, not silently misaligned."""
     tok = proc.tokenizer

@@ -66,6 +66,18 @@ def test_model_path_empty_dir(tmp_path):
 
 
 @pytest.mark.slow
+def test_model_path_bad_generation_config(tmp_path, hf_dir):
+    """Refused at start, before training, when the run will export (the export carries the file over)."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    (model / "generation_config.json").write_text('{"eos_token_id": [2, 0],')
+    run = tmp_path / "run"
+    line = one_line_error(qwenft("train", f"model.path={model}", f"run_dir={run}", *FAST, "checkpoint.export_hf=true"),
+                          f"model.path={model}: generation_config.json is not valid JSON (", "fix or remove it")
+    assert not (run / "metrics.jsonl").exists(), line
+
+
+@pytest.mark.slow
 def test_model_path_shard_missing(tmp_path, hf_dir):
     model = tmp_path / "model"
     shutil.copytree(hf_dir, model)

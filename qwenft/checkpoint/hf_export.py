@@ -1,7 +1,7 @@
 """The trained model in HF layout: consolidated safetensors + index + config.json + tokenizer/processor files.
 
-    export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16)   # end of training
-    write_hf(state, model_cfg, preprocessors, out_dir)       # `qwenft export`: a state loaded from a DCP checkpoint
+    export_hf(modules, model_cfg, preprocessors, run_dir / "hf", mesh, torch.bfloat16, source_dir)  # end of training
+    write_hf(state, model_cfg, preprocessors, out_dir, source_dir)  # `qwenft export`: a DCP checkpoint's state
     write_peft_adapter(state, model_cfg, lora, base, out_dir)  # `qwenft export` of a LoRA run's checkpoint
     merge_into_base(trained, model_cfg, lora, base_dir, seed, dtype)  # ... merged=true: then write_hf
     export_peft_adapter(modules, model_cfg, lora, base, run_dir / "adapter", mesh, torch.float32)   # peft=lora
@@ -9,8 +9,14 @@
 
 All end in `write_hf_checkpoint`, so a run's own export and an offline export of its checkpoint are the same
 files. Reading an HF checkpoint is qwenft.models.loader's.
+
+A model export can generate on its own: config.json carries the tokenizer's eos and pad ids, and
+generation_config.json lists every id that ends a reply (`<|im_end|>`, `<|endoftext|>`, the tokenizer's eos),
+merged into the source checkpoint's generation_config.json (`source_dir`, the run's model.path), whose other
+keys (the recommended sampling) are kept as written.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,9 +43,72 @@ def check_out_dir(out_dir: Path, key: str = "out") -> None:
                          f"(an export never overwrites files)")
 
 
-def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out_dir: Path,
+END_OF_TURN, END_OF_TEXT = "<|im_end|>", "<|endoftext|>"
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """The ids that end a reply, those the tokenizer has, in this order: `<|im_end|>` (a chat turn's end),
+    `<|endoftext|>` (a document's end), the tokenizer's eos (one of those two in Qwen's tokenizers)."""
+    vocab = tokenizer.get_vocab()
+    ids = (vocab.get(END_OF_TURN), vocab.get(END_OF_TEXT), tokenizer.eos_token_id)
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def generation_config(tokenizer, source_dir=None) -> dict:
+    """generation_config.json's content: the source checkpoint's (`source_dir`/generation_config.json, when
+    there is one) with its keys kept as written, its eos ids followed by `end_token_ids(tokenizer)` (each
+    once), and the tokenizer's pad / bos id where the source sets none."""
+    out = {}
+    path = Path(source_dir) / "generation_config.json" if source_dir else None
+    if path is not None and path.is_file():
+        try:
+            out = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"model.path={source_dir}: generation_config.json is not valid JSON ({e}); fix or "
+                             f"remove it") from None
+        if not isinstance(out, dict):
+            raise ValueError(f"model.path={source_dir}: generation_config.json holds a {type(out).__name__}, not "
+                             f"a JSON object; fix or remove it")
+    eos = out.get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    out["eos_token_id"] = list(dict.fromkeys(eos + end_token_ids(tokenizer)))
+    for key in ("pad_token_id", "bos_token_id"):
+        if out.get(key) is None and getattr(tokenizer, key) is not None:
+            out[key] = getattr(tokenizer, key)
+    return out
+
+
+def _with_token_ids(model_cfg, tokenizer):
+    """`model_cfg` with the tokenizer's eos and pad ids where the config has none (a random-init model's),
+    so config.json names them as Qwen's own checkpoints do."""
+    text = model_cfg.text
+    ids = {key: getattr(tokenizer, key) for key in ("eos_token_id", "pad_token_id") if getattr(text, key) is None}
+    return dataclasses.replace(model_cfg, text=dataclasses.replace(text, **ids))
+
+
+def _umask() -> int:
+    try:  # Linux names it without changing it
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def same_file_modes(directory: Path) -> None:
+    """Give every file under `directory` the mode a plain `open` gives (0666 less the umask): safetensors
+    writes its files through a private temp file (0600), the other writers get 0644 under the usual umask."""
+    mode = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
+
+
+def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out_dir: Path, source_dir=None,
              replace: bool = False) -> None:
-    """Write native parameters `state` (already in the export dtype) as an HF checkpoint + preprocessor files.
+    """Write native parameters `state` (already in the export dtype) as an HF checkpoint + preprocessor files
+    (the first is the tokenizer) + generation_config.json (merged with `source_dir`'s, see `generation_config`).
 
     Written to a temp dir next to `out_dir` and renamed, so `out_dir` is never half written. `replace=True`
     (the run's own <run_dir>/hf, e.g. after a requeue) swaps an earlier export out whole; otherwise an existing
@@ -48,12 +117,16 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
 
     if not replace:
         check_out_dir(out_dir)
+    tokenizer = preprocessors[0]
+    generation = generation_config(tokenizer, source_dir)  # a bad source file fails before anything is written
     prefix = adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     write_hf_checkpoint(adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings),
-                        model_cfg, tmp)
+                        _with_token_ids(model_cfg, tokenizer), tmp)
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     for item in preprocessors:
         item.save_pretrained(str(tmp))
+    same_file_modes(tmp)
     if out_dir.exists():  # replace=True, or an empty dir
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -84,17 +157,17 @@ def _gather_on_rank0(modules: list[torch.nn.Module], mesh, dtype: torch.dtype, k
 
 
 def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, out_dir: Path, mesh,
-              dtype: torch.dtype) -> None:
+              dtype: torch.dtype, source_dir=None) -> None:
     """Write the trained model as an HF checkpoint + tokenizer files (collective; global rank 0 writes). An
     earlier export in `out_dir` is replaced whole."""
     state = _gather_on_rank0(modules, mesh, dtype)
     if dist.get_rank() == 0:
-        write_hf(state, model_cfg, preprocessors, out_dir, replace=True)
+        write_hf(state, model_cfg, preprocessors, out_dir, source_dir, replace=True)
     dist.barrier()
 
 
 def export_merged_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, lora, out_dir: Path, mesh,
-                     dtype: torch.dtype) -> None:
+                     dtype: torch.dtype, source_dir=None) -> None:
     """Write the base with its LoRA adapters merged in (W + alpha / r B A, computed in fp32) as an HF checkpoint,
     as `export_hf` does for a fully finetuned model (collective; global rank 0 writes)."""
     from qwenft.models.lora import merge_adapters
@@ -104,7 +177,7 @@ def export_merged_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: l
     if dist.get_rank() == 0:
         state = {k: v.to(param_dtype(k.rsplit(".", 1)[-1], dtype))
                  for k, v in merge_adapters(state, model_cfg, lora.scaling).items()}
-        write_hf(state, model_cfg, preprocessors, out_dir, replace=True)
+        write_hf(state, model_cfg, preprocessors, out_dir, source_dir, replace=True)
     dist.barrier()
 
 
@@ -125,6 +198,7 @@ def write_peft_adapter(state: dict[str, torch.Tensor], model_cfg, lora, base_mod
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = peft_adapter_config(model_cfg, lora, base_model)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    same_file_modes(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

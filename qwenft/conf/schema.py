@@ -86,6 +86,7 @@ class DataOptions:
     train_on: str = "assistant"  # labels on assistant turns, or on all tokens
     truncation: str = "truncate_right"  # documents longer than seq_len: cut, or drop them
     on_bad_row: str = "skip"  # skip (and count) bad rows, or error on the first
+    format: str = "auto"  # rows as messages, sharegpt or alpaca; auto = the format of most rows, by their columns
     image: ImageOptions = field(default_factory=ImageOptions)
 
 
@@ -251,6 +252,7 @@ CHOICES = {
     "data.train_on": ("assistant", "all"),
     "data.truncation": ("truncate_right", "drop"),
     "data.on_bad_row": ("skip", "error"),
+    "data.format": ("auto", "messages", "sharegpt", "alpaca"),
     "optim.fused": ("auto", "true", "false"),
     "optim.state_dtype": ("float32", "bfloat16"),
     "optim.master_dtype": ("float32", "bfloat16"),

@@ -15,13 +15,14 @@ Labels come out pre-shifted: `labels[t]` is the target for the logits at positio
 token `t + 1` when that token is a target, else IGNORE_INDEX; a document's last position is always IGNORE_INDEX.
 """
 
+import json
 import os
 from collections import Counter
 from dataclasses import dataclass
 
 from qwenft.constants import IGNORE_INDEX
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "all")
 TRUNCATION = ("drop", "truncate_right")
 ON_BAD_ROW = ("skip", "error")
@@ -63,17 +64,43 @@ def normalize_messages(row) -> list[dict]:
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise BadRow("bad_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
-        content = _content_text(message.get("content"), i)
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if calls is not None and not isinstance(calls, list):
+            raise BadRow("bad_tool_call", f"message {i} tool_calls is {type(calls).__name__}; expected a list")
+        calls = tool_calls(calls, f"message {i}") if calls else None
+        content = message.get("content")
+        content = _content_text("" if content is None and calls else content, i)
         try:
             content.encode("utf-8")
         except UnicodeEncodeError as e:
             raise BadRow("undecodable", f"message {i} content is not valid text ({e.reason})") from None
-        if not content.strip():
+        if not content.strip() and not calls:
             raise BadRow("empty_content", f"message {i} ({role}) has empty content")
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {})})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant", "conversation has no assistant turn to learn from")
     return messages
+
+
+def tool_calls(calls: list, where: str) -> list[dict]:
+    """Tool calls as chat templates take them, `{"type": "function", "function": {"name", "arguments"}}` with
+    the arguments an object (Qwen3.5's template iterates them), from that layout or a bare `{"name",
+    "arguments"}`; arguments given as JSON text are parsed."""
+    out = []
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+            raise BadRow("bad_tool_call", f"{where} has a tool call {str(call)[:60]!r}; expected "
+                                          "{\"name\": str, \"arguments\": {...}}")
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+    return out
 
 
 def _content_text(content, i: int) -> str:
@@ -96,23 +123,43 @@ def _content_text(content, i: int) -> str:
     return "".join(texts)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def row_tools(row) -> list[dict] | None:
+    """The row's `tools` column (the tool schemas the template lists in the prompt): a list of objects, or JSON
+    text of one; None when the row has none."""
+    tools = row.get("tools") if isinstance(row, dict) else None
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRow("bad_tool_call", f"column 'tools' is not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("bad_tool_call", f"column 'tools' is {str(tools)[:60]!r}; expected a list of tool schemas "
+                                      "(JSON objects)")
+    return tools
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja's raise_exception() in the template, e.g. "No user query found"
         raise BadRow("template", f"the chat template rejected the conversation: {e}") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans of its assistant replies."""
-    text = _render(tokenizer, messages, add_generation_prompt=False)
+def assistant_spans(tokenizer, messages: list[dict],
+                    tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation (with `tools` listed, as the template does) and the [start, end) character
+    spans of its assistant replies."""
+    text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     # Base Qwen checkpoints set eos_token to <|endoftext|>, yet chat turns still close with <|im_end|>.
     turn_ends = [m for m in ("<|im_end|>", tokenizer.eos_token) if m]
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
         shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
         content = message["content"]
         at = text.find(content, max(cursor, shared))
@@ -123,15 +170,22 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
         start = shared if i and cursor <= shared <= at else at
         end = at + len(content)
+        if message.get("tool_calls"):  # rendered after the content, up to the turn's end
+            stop = min((e for e in (text.find(m, end) for m in turn_ends) if e >= 0), default=-1)
+            if stop < 0 or not all(c["function"]["name"] in text[end:stop] for c in message["tool_calls"]):
+                raise BadRow("template", f"the chat template does not render the tool calls of assistant "
+                                         f"message {i}")
+            end = stop
         end += next((len(m) for m in turn_ends if text.startswith(m, end)), 0)
         spans.append((start, end))
         cursor = end
     return text, spans
 
 
-def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant",
+                      tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it is a training target."""
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = assistant_spans(tokenizer, messages, tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if train_on == "all":
@@ -157,12 +211,14 @@ def parse_rows(rows, parse, on_bad_row: str, skipped: Counter):
 
 
 def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
-                  truncation: str = "truncate_right", on_bad_row: str = "skip") -> tuple[list[Document], Counter]:
-    """Documents for every usable row, and how many rows were skipped per reason.
+                  truncation: str = "truncate_right", on_bad_row: str = "skip",
+                  data_format: str = "messages") -> tuple[list[Document], Counter]:
+    """Documents for every usable row, read as `data_format` (`formats.as_messages_row`), and how many rows
+    were skipped per reason.
 
-    Skip reasons: the `BadRow.reason` keys (`unreadable`, `no_messages`, `bad_role`, `bad_content`,
-    `image_content`, `undecodable`, `empty_content`, `no_assistant`, `template`), `too_long` (dropped by
-    `truncation=drop`) and `no_target_left` (truncation cut away every assistant token). With
+    Skip reasons: the `BadRow.reason` keys (`unreadable`, `format`, `no_messages`, `bad_role`, `bad_content`,
+    `bad_tool_call`, `image_content`, `undecodable`, `empty_content`, `no_assistant`, `template`), `too_long`
+    (dropped by `truncation=drop`) and `no_target_left` (truncation cut away every assistant token). With
     `on_bad_row=error` the first bad row raises a one-line ValueError naming its index; overlong rows
     follow `truncation`, not `on_bad_row`.
     """
@@ -170,7 +226,12 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
     docs, skipped = [], Counter()
-    tokenize = lambda row: tokenize_messages(tokenizer, normalize_messages(row), train_on)  # noqa: E731
+    from qwenft.data.formats import as_messages_row  # here: formats imports this module
+
+    def tokenize(row):
+        row = as_messages_row(row, data_format)
+        return tokenize_messages(tokenizer, normalize_messages(row), train_on, row_tools(row))
+
     for ids, is_target in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":

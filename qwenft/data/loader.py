@@ -4,7 +4,7 @@ API (what the runner uses):
 
     data = build_sft_data(path, tokenizer, seq_len, micro_batch_size, dp_rank=0, dp_size=1, seed=0,
                           packing="pack", train_on="assistant", truncation="truncate_right",
-                          on_bad_row="skip")            # -> SFTData
+                          on_bad_row="skip", data_format="auto")   # -> SFTData
     batch = next(data)       # infinite over epochs; `for batch in data:` works too
     batch["input_ids"]       # [B, T] long          B = micro_batch_size, T = seq_len
     batch["labels"]          # [B, T] long, IGNORE_INDEX = ignored, PRE-SHIFTED: loss = CE(logits[:, t], labels[:, t])
@@ -13,6 +13,7 @@ API (what the runner uses):
     batch["padding_mask"]    # [B, T] bool, true on each row's padding tail (no document's token)
     data.epoch, data.epoch_progress   # epoch of the next row; epochs done as a float, for logging
     data.skipped             # {reason: count} of rows not trained on (log it once at start)
+    data.format              # the rows' format (formats.FORMATS), data_format or what `auto` found
     data.num_documents, data.rows_in_epoch(e)
     data.state_dict() / data.load_state_dict(sd)   # resume continues exactly (same for every rank)
     data.eval_batches()      # one finite pass (for validation), last micro batch padded with empty rows
@@ -36,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 from qwenft.data.chat import Document, UnreadableRow, check_choice, tokenize_rows
+from qwenft.data.formats import resolve_format
 from qwenft.data.packing import PACKING, build_row, collate, pack_documents
 
 
@@ -183,11 +185,15 @@ class SFTData:
 
 def build_sft_data(path_or_rows, tokenizer, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
                    dp_size: int = 1, seed: int = 0, packing: str = "pack", train_on: str = "assistant",
-                   truncation: str = "truncate_right", on_bad_row: str = "skip") -> SFTData:
+                   truncation: str = "truncate_right", on_bad_row: str = "skip",
+                   data_format: str = "auto") -> SFTData:
     """Read (a path, or rows already in memory), tokenize through the chat template, and stream."""
     rows = load_rows(path_or_rows) if isinstance(path_or_rows, (str, os.PathLike)) else path_or_rows
-    docs, skipped = tokenize_rows(rows, tokenizer, seq_len, train_on, truncation, on_bad_row)
+    data_format, _ = resolve_format(rows, data_format)
+    docs, skipped = tokenize_rows(rows, tokenizer, seq_len, train_on, truncation, on_bad_row, data_format)
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set one (Qwen's is <|endoftext|>)")
-    return SFTData(docs, seq_len, micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_size, seed,
+    data = SFTData(docs, seq_len, micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_size, seed,
                    packing, skipped)
+    data.format = data_format
+    return data

@@ -5,7 +5,7 @@ API (what the runner uses for a model with a vision tower):
     processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
                                min_pixels=..., max_pixels=...)          # -> VLMProcessor
     data = build_vlm_data(path, processor, seq_len, micro_batch_size, dp_rank, dp_size, seed, packing,
-                          train_on, truncation, on_bad_row, max_image_bytes=...)   # -> VLMData (an SFTData)
+                          train_on, truncation, on_bad_row, max_image_bytes=..., data_format="auto")   # -> VLMData
     batch = next(data)   # input_ids, labels [B, T]; position_ids [3, B, T] (M-RoPE, per document);
                          # cu_seqlens; padding_mask [B, T]; pixel_values [n_patches, C*t*p*p] float32;
                          # image_grid_thw [n_images, 3]
@@ -41,6 +41,7 @@ from PIL import Image
 from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
                               UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
+from qwenft.data.formats import as_messages_row, resolve_format
 from qwenft.data.loader import SFTData, load_rows
 from qwenft.data.packing import build_row, cu_seqlens_from_position_ids, padding_mask
 from qwenft.mrope import document_mrope_position_ids
@@ -204,6 +205,8 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
         raise BadRow("unreadable", row.problem)
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         raise BadRow("no_messages", "row has no non-empty 'messages' list")
+    if row.get("tools"):
+        raise BadRow("bad_tool_call", "row has a 'tools' column; the image pipeline trains text and image turns only")
     column = row.get("images") or []
     column = column if isinstance(column, list) else [column]
     messages, sources, from_column = [], [], 0
@@ -211,6 +214,9 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise BadRow("bad_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        if message.get("tool_calls"):
+            raise BadRow("bad_tool_call", f"message {i} has tool_calls; the image pipeline trains text and image "
+                                          "turns only")
         content = message.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list):
@@ -312,14 +318,18 @@ def tokenize_vlm_row(row, processor: VLMProcessor, base_dir: Path, train_on: str
 
 def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Path, train_on: str = "assistant",
                       truncation: str = "truncate_right", on_bad_row: str = "skip",
-                      max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> tuple[list[VLMDocument], Counter]:
+                      max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+                      data_format: str = "messages") -> tuple[list[VLMDocument], Counter]:
     """Documents for every usable row and the skip counts, as `chat.tokenize_rows`; extra reasons:
     `image_missing`, `image_undecodable`, `image_too_large`, `image_source`, `image_count`."""
     check_choice("data.train_on", train_on, TRAIN_ON)
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
     docs, skipped = [], Counter()
-    tokenize = lambda row: tokenize_vlm_row(row, processor, base_dir, train_on, max_image_bytes)  # noqa: E731
+
+    def tokenize(row):
+        return tokenize_vlm_row(as_messages_row(row, data_format), processor, base_dir, train_on, max_image_bytes)
+
     for ids, is_target, images, grids in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":
@@ -418,7 +428,7 @@ def split_microbatches(batch: dict, num_microbatches: int, image_token_id: int, 
 def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
                    dp_size: int = 1, seed: int = 0, packing: str = "pack", train_on: str = "assistant",
                    truncation: str = "truncate_right", on_bad_row: str = "skip",
-                   max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, base_dir=None) -> VLMData:
+                   max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, base_dir=None, data_format: str = "auto") -> VLMData:
     """Read (a path, `"tiny_vlm"`, or rows in memory), tokenize through the chat template, stream with images.
 
     Relative image paths resolve against the dataset file's directory (a `datasets` dir itself), or
@@ -436,9 +446,12 @@ def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_ba
         rows, base_dir = path_or_rows, Path(base_dir or os.getcwd())
     if max_image_bytes < 1:
         raise ValueError(f"data.image.max_image_bytes={max_image_bytes} must be >= 1")
+    data_format, _ = resolve_format(rows, data_format)
     docs, skipped = tokenize_vlm_rows(rows, processor, seq_len, base_dir, train_on, truncation, on_bad_row,
-                                      max_image_bytes)
+                                      max_image_bytes, data_format)
     pad_id = processor.tokenizer.pad_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has no pad token; set one (Qwen's is <|endoftext|>)")
-    return VLMData(docs, processor, seq_len, micro_batch_size, pad_id, dp_rank, dp_size, seed, packing, skipped)
+    data = VLMData(docs, processor, seq_len, micro_batch_size, pad_id, dp_rank, dp_size, seed, packing, skipped)
+    data.format = data_format
+    return data

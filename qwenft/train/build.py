@@ -192,7 +192,7 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
     path = path or (TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path)
     common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
                   seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
-                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
+                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row, data_format=cfg.data.format)
     tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
     if processor is not None:
         from qwenft.data.vlm import build_vlm_data
@@ -325,8 +325,8 @@ def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: li
     val_path = VAL_PATH if cfg.eval.dataset == "tiny" else cfg.eval.dataset
     _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp, path=val_path)
     val_batches = [span_labels(mb, mesh) for mb in val_micro_batches(val_data, cfg.eval.max_batches)]
-    log.info("validation: %s, %d micro batches of %d per rank every %d steps",
-             cfg.eval.dataset, len(val_batches), size, cfg.eval.every_steps)
+    log.info("validation: %s (%s rows), %d micro batches of %d per rank every %d steps",
+             cfg.eval.dataset, val_data.format, len(val_batches), size, cfg.eval.every_steps)
     loss_group, ce_in_model = batch_mesh(mesh).get_group(), spec.parallel.ce_in_model
     if spec.layout.pp == 1:
         [model] = modules
@@ -446,6 +446,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
                  f"; {' and '.join(moot)} {'change' if len(moot) > 1 else 'changes'} nothing" if moot else "")
     tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
+    if cfg.checkpoint.export_hf != "false":  # a bad source generation_config.json fails now, not after training
+        from qwenft.checkpoint.hf_export import generation_config
+
+        generation_config(tokenizer, cfg.model.path)
     if resume_from is not None:
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
                                     peft=peft_meta(cfg))
@@ -454,7 +458,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
-    log.info("data: %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s",
+    log.info("data: %s rows%s; %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s",
+             data.format, " (data.format=auto, found by their columns)" if cfg.data.format == "auto" else "",
              data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
 
     if layout.pp > 1:

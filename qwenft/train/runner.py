@@ -213,11 +213,12 @@ def finish(job: Job, result: RunResult, return_state: bool) -> None:
                             job.run_dir / "adapter", job.mesh, dtype)
         log.info("exported the LoRA adapters (peft format) to %s", job.run_dir / "adapter")
     elif lora is not None and export == "merged":
-        export_merged_hf(job.model_parts, job.model_cfg, job.preprocessors, lora, job.run_dir / "hf", job.mesh, dtype)
+        export_merged_hf(job.model_parts, job.model_cfg, job.preprocessors, lora, job.run_dir / "hf", job.mesh, dtype,
+                         cfg.model.path)
         log.info("exported the model with the LoRA adapters merged (HF layout) to %s", job.run_dir / "hf")
     elif export != "false":
-        export_hf(job.model_parts, job.model_cfg, job.preprocessors, job.run_dir / "hf", job.mesh,
-                  getattr(torch, cfg.checkpoint.export_dtype))
+        export_hf(job.model_parts, job.model_cfg, job.preprocessors, job.run_dir / "hf", job.mesh, dtype,
+                  cfg.model.path)
         log.info("exported the trained model (HF layout) to %s", job.run_dir / "hf")
     if return_state:
         result.state_dict = full_state_dict(job.model_parts, job.pp_group)
