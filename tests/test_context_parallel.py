@@ -186,7 +186,6 @@ def test_training_equals_one_process(tmp_path, reference, extra):
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
     (["mesh.cp=2", "mesh.pp=2"], "mesh.cp=2 with mesh.pp=2: pipeline stages are not split"),
     (["mesh.cp=2", "model.name=tiny_moe"], "mesh.cp=2 with an MoE model"),
-    (["mesh.cp=2", "recipe=tiny_vlm"], "mesh.cp=2 with a vision-language model"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with GatedDeltaNet's fla kernels"),
 ])
@@ -203,3 +202,40 @@ def test_unsupported_combinations_fail_in_one_line(tmp_path, extra, message):
         layout = resolve_layout(m.tp, m.pp, 1, m.tp * m.pp * max(m.cp, 1), ep=m.ep, cp=m.cp)
         resolve_spec(cfg, layout, model_config(cfg), "cuda")
     assert len(str(info.value).splitlines()) == 1 and message in str(info.value), str(info.value)
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_on_another_cp(tmp_path):
+    """Saved at step 2 by cp2, resumed by cp4: steps 3 and 4 train the losses of one process that never
+    stopped (DCP reshards the FSDP shards over dp x cp; every cp rank reads the same data position)."""
+    from helpers import logged_losses, train
+
+    def overrides(run_dir, max_steps, *extra):
+        # warmup over all 4 steps with a constant tail: the 2-step and the 4-step runs follow one schedule
+        return parity_overrides(run_dir, f"train.max_steps={max_steps}", "checkpoint.export_hf=false",
+                                "lr_scheduler.warmup_steps=4", "lr_scheduler.decay=constant",
+                                "checkpoint.every_steps=2", *extra)
+
+    run_distributed(train, 1, overrides(tmp_path / "alone", 4))
+    uninterrupted = logged_losses(tmp_path / "alone")
+    run_distributed(train, 2, overrides(tmp_path / "cp", 2, "mesh.cp=2"))
+    (result, *_) = run_distributed(train, 4, overrides(tmp_path / "cp", 4, "mesh.cp=4"))
+    for got, step in zip(result.losses, (3, 4), strict=True):
+        assert abs(got - uninterrupted[step]) <= GRAD_RTOL * abs(uninterrupted[step]), (step, got)
+
+
+@pytest.mark.slow
+def test_vlm_equals_one_process(tmp_path):
+    """The tiny VLM at cp2: every cp rank runs the vision tower on all of the microbatch's images (the split comes
+    after the image features are scattered into the embeddings, so an image crossing a span edge is whole), and
+    its gradients come from each span's loss, summed over the spans."""
+    def overrides(name, *extra):
+        return ["recipe=tiny_vlm", "train.max_steps=2", "data.seq_len=256", "model.kernels.gdn=torch",
+                "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
+                "checkpoint.export_hf=false", "train.global_batch_size=2", "train.micro_batch_size=1",
+                f"run_dir={tmp_path / name}", *extra]
+
+    (reference,) = run_distributed(train_with_grads, 1, overrides("alone"))
+    assert any(name.startswith("visual.") for name in reference.grads)
+    for result in run_distributed(train_with_grads, 2, overrides("cp2", "mesh.cp=2")):
+        assert_same_run(result, reference)
