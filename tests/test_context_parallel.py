@@ -185,7 +185,6 @@ def test_training_equals_one_process(tmp_path, reference, extra):
 @pytest.mark.parametrize("extra, message", [
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
     (["mesh.cp=2", "mesh.pp=2"], "mesh.cp=2 with mesh.pp=2: pipeline stages are not split"),
-    (["mesh.cp=2", "model.name=tiny_moe"], "mesh.cp=2 with an MoE model"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with GatedDeltaNet's fla kernels"),
 ])
@@ -239,3 +238,36 @@ def test_vlm_equals_one_process(tmp_path):
     assert any(name.startswith("visual.") for name in reference.grads)
     for result in run_distributed(train_with_grads, 2, overrides("cp2", "mesh.cp=2")):
         assert_same_run(result, reference)
+
+
+def _first_step(rank, world_size, overrides):
+    """Every step's loss and the first step's gradients (before clipping is applied to them: clipping scales by
+    the norm, the same on every mesh up to rounding) of a training run on this rank."""
+    import types
+
+    from helpers import train_recording_grads
+
+    _, losses, grads, _ = train_recording_grads(overrides)
+    return types.SimpleNamespace(losses=losses, grads={k: v.float().cpu() for k, v in grads[0].items()})
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("moe") / "ref"
+    (result,) = run_distributed(_first_step, 1, parity_overrides(run_dir, "model.name=tiny_moe"))
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["mesh.cp=2"], ["mesh.cp=2", "mesh.dp=2", "mesh.ep=2"]], ids=["cp2", "cp2-ep2"])
+def test_moe_equals_one_process(tmp_path, moe_reference, extra):
+    """The MoE model: each span routes its own tokens, and the router's statistics (probabilities, loads, token
+    counts) are summed over the spans before the aux loss, as one process pools them; with ep the all-to-all runs
+    within each span's ep group and the experts' FSDP2 unit sums over dp_outer x cp. The first step's gradients
+    are compared (taken at equal parameters): at later steps the parameters differ at the rounding level
+    AdamW amplifies, and a near-tied top-k choice may then flip (observed 3e-4 on GatedDeltaNet's decay at
+    step 2); every step's loss within 1e-5."""
+    world = 4 if "mesh.dp=2" in extra else 2
+    results = run_distributed(_first_step, world, parity_overrides(tmp_path / "run", "model.name=tiny_moe", *extra))
+    for result in results:
+        assert_same_run(result, moe_reference)

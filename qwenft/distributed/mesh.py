@@ -3,7 +3,7 @@
 tp is the innermost dimension (neighbouring ranks, so the most frequent collectives stay on NVLink within
 a node), then cp (context parallel: a few exchanges per layer), pp the outermost. With expert parallelism
 (ep > 1) dp is split into ("dp_outer", "ep"), ep inner (the all-to-all of every MoE layer stays among
-neighbouring ranks), and "dp" is their flattening: the mesh is (pp, dp_outer, ep, cp, tp) and mesh["dp"] names
+neighbouring ranks), and "dp" is their flattening: the mesh is (pp, dp_outer, cp, ep, tp) and mesh["dp"] names
 the same ranks as without ep. "dp_cp" flattens dp and cp: the ranks that hold different tokens of a step, over
 which FSDP2 shards and reduces and the loss is summed (`batch_mesh`).
 """
@@ -46,7 +46,8 @@ def init_process_group(backend: str = "auto") -> None:
 
 def build_mesh(layout: Layout, device: str | None = None) -> DeviceMesh:
     """The (pp, dp, cp, tp) mesh on `device` (default: cuda when available, else cpu); with layout.ep > 1 the
-    (pp, dp_outer, ep, cp, tp) mesh with "dp" flattened from (dp_outer, ep). "dp_cp" flattens dp and cp."""
+    (pp, dp_outer, cp, ep, tp) mesh with "dp" flattened from (dp_outer, ep), and "dp_outer_cp" from (dp_outer,
+    cp). "dp_cp" flattens dp and cp."""
     # torch 2.13 warns at every slice of a flattened dim from the root that it "will be deprecated"; it works,
     # and every user of the mesh reads "dp" and "dp_cp" by name
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
@@ -55,11 +56,14 @@ def build_mesh(layout: Layout, device: str | None = None) -> DeviceMesh:
                                 mesh_dim_names=("pp", "dp", "cp", "tp"))
         mesh["dp", "cp"]._flatten("dp_cp")  # no public flatten yet (torch 2.13); torchtitan uses it the same way
         return mesh
+    # cp outside ep: the experts' FSDP2 mesh (dp_outer x cp, the ranks holding the same experts) then comes
+    # before ep in the mesh, as a 2-D (FSDP, ep) placement needs
     mesh = init_device_mesh(device or device_type(),
-                            (layout.pp, layout.dp // layout.ep, layout.ep, layout.cp, layout.tp),
-                            mesh_dim_names=("pp", "dp_outer", "ep", "cp", "tp"))
+                            (layout.pp, layout.dp // layout.ep, layout.cp, layout.ep, layout.tp),
+                            mesh_dim_names=("pp", "dp_outer", "cp", "ep", "tp"))
     mesh["dp_outer", "ep"]._flatten("dp")
-    mesh["dp_outer", "ep", "cp"]._flatten("dp_cp")
+    mesh["dp_outer", "cp", "ep"]._flatten("dp_cp")
+    mesh["dp_outer", "cp"]._flatten("dp_outer_cp")
     return mesh
 
 

@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     context parallel over mesh["cp"] (`apply_cp`), then activation checkpointing, then (compile_layers)
     per-layer torch.compile (`cuda_graphs`: replayed as CUDA graphs, which `qwenft.train.spec.check_cuda_graphs`
     allows), then (`fsdp`, see `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp_cp"] (the experts over
-    mesh["dp_outer"]), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
+    mesh["dp_outer_cp"], the ranks with the same experts), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be
     stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters
     (their hook casts them to the input's dtype).
 
@@ -62,7 +62,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     expert_mesh = None
     if "ep" in (mesh.mesh_dim_names or ()):
         apply_ep(model, mesh["ep"])
-        expert_mesh = mesh["dp_outer"]
+        expert_mesh = mesh["dp_outer_cp"]
     apply_cp(model, mesh["cp"])
     # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
     mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)

@@ -253,7 +253,10 @@ def _token_loss(spec: RunSpec, model_cfg):
     from qwenft.distributed.pipeline.schedule import TokenCE
 
     t, b = model_cfg.text, spec.batching
-    aux_weight = t.router_aux_loss_coef / (b.num_microbatches * spec.layout.dp) if t.is_moe else 0.0
+    # every cp rank computes the aux loss of the whole stream's routing (summed over the spans), so a cp rank's
+    # share is 1/cp of it
+    layout = spec.layout
+    aux_weight = t.router_aux_loss_coef / (b.num_microbatches * layout.dp * layout.cp) if t.is_moe else 0.0
     return TokenCE(ce_in_model=spec.parallel.ce_in_model, aux_weight=aux_weight)
 
 
@@ -283,7 +286,8 @@ def moe_step_metrics(job: "Job") -> dict:
         dist.all_reduce(totals, group=job.pp_group)
     load_le = totals[1:].view(t.num_hidden_layers, t.num_experts)
     ratio = load_le.amax(dim=1) / load_le.mean(dim=1).clamp(min=1)
-    microbatches = job.spec.batching.num_microbatches * job.spec.layout.dp
+    # summed over dp x cp: each cp rank holds its microbatches' whole routing (model.forward sums it over cp)
+    microbatches = job.spec.batching.num_microbatches * job.spec.layout.dp * job.spec.layout.cp
     return {"aux_loss": totals[0].item() / microbatches,
             "expert_load_max_over_mean": [round(r, 3) for r in ratio.tolist()]}
 

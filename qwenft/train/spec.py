@@ -192,8 +192,6 @@ def check_cp(cfg: Config, layout: Layout, model_cfg, device: str) -> None:
     why = None
     if layout.pp > 1:
         why = f"mesh.pp={layout.pp}: pipeline stages are not split over context-parallel ranks yet; set mesh.pp=1"
-    elif model_cfg.text.is_moe:
-        why = "an MoE model: its router statistics are not summed over the spans yet; use a dense model"
     elif cfg.mesh.sequence_parallel:
         why = "mesh.sequence_parallel=true splits the same tokens again over tp; set it to false"
     elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda":

@@ -160,6 +160,27 @@ def gather(x: torch.Tensor, shard: CPShard) -> torch.Tensor:
     return _Gather.apply(x, shard.group)
 
 
+class _AllReduce(torch.autograd.Function):
+    """Sum over the cp group; the backward sums the gradients too (every rank's loss reads the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(x: torch.Tensor, shard: CPShard) -> torch.Tensor:
+    return _AllReduce.apply(x, shard.group)
+
+
 class _Tie(torch.autograd.Function):
     """`x` unchanged, made to depend on `others` (their gradient: zeros), so the backward of the collectives
     that produced them runs on this rank too."""

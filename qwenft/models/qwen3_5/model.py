@@ -262,4 +262,8 @@ class Qwen3_5Model(nn.Module):
             return out
         t = self.cfg.text
         own = routing_rows(self.router_stats(), t.num_hidden_layers, t.num_experts, h)
+        if cp is not None:  # the whole stream's routing on every span, as one process counts it
+            from .context_parallel import all_reduce
+
+            own = all_reduce(own, cp)
         return out, own if routing is None else routing + own
