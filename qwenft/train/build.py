@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qwenft.checkpoint import dcp as ckpt_lib
+from qwenft.conf.compose import as_written
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
@@ -474,7 +475,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
              type(optimizer).__name__, "fused" if fused else "foreach", cfg.optim.fused)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)
-    wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None
+    wandb_config = as_written(cfg) if cfg.logger.wandb else None  # interpolated secrets by name, as in config.yaml
     metrics = MetricsLogger(run_dir, is_main, wandb_config, cfg.logger.wandb_project,
                             cfg.logger.wandb_mode, run_name=run_dir.name)
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
