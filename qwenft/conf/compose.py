@@ -113,8 +113,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake).
 
     missing_ok (for `show`): required keys left at ??? stay the string "???" instead of raising."""
-    from hydra import compose as hydra_compose, initialize_config_dir
     import yaml
+    from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
