@@ -62,8 +62,6 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
 
 def _slurm(args: list[str]) -> int:
     """`qwenft slurm`: run_dir/slurm.sh and run_dir/config.yaml, then sbatch; --dry-run only prints the script."""
-    import dataclasses
-
     from qwenft.launch import slurm
     from qwenft.train.rundir import default_run_dir
 
@@ -82,7 +80,7 @@ def _slurm(args: list[str]) -> int:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     script_path = Path(run_dir) / "slurm.sh"
     script_path.write_text(script)
-    (Path(run_dir) / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=run_dir)))
+    (Path(run_dir) / "config.yaml").write_text(to_yaml(cfg, run_dir=run_dir))
     job_id = slurm.submit(str(script_path))
     print(f"submitted job {job_id}: {script_path}, log {run_dir}/slurm-{job_id}.out")
     return 0
@@ -236,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, export, plan, recipes")
         cfg = compose(args, missing_ok=command == "show")
         if command == "show":
-            print(to_yaml(cfg), end="")
+            print(to_yaml(cfg, interpolations=False), end="")
             from omegaconf import OmegaConf
 
             missing = sorted(OmegaConf.missing_keys(OmegaConf.structured(cfg)))

@@ -156,6 +156,85 @@ def test_incompatible_checkpoint_is_refused_before_loading(tmp_path, uninterrupt
     _assert_unchanged(run_dir, before)
 
 
+def _other_data(tmp_path, change: str):
+    """A copy of the shipped chat set under its own name, with the same number of rows: `same_size` changes one
+    letter of the last row, `longer` adds one to the first."""
+    from qwenft.data.tiny_chat import TRAIN_PATH
+
+    lines = TRAIN_PATH.read_text().splitlines()
+    index = -1 if change == "same_size" else 0
+    row = json.loads(lines[index])
+    text = row["messages"][-1]["content"]
+    row["messages"][-1]["content"] = ("Z" + text[1:]) if change == "same_size" else text + "!"
+    edited = json.dumps(row)
+    assert len(edited) == len(lines[index]) + (change == "longer") and edited != lines[index]
+    lines[index] = edited
+    path = tmp_path / "data" / TRAIN_PATH.name
+    path.parent.mkdir()
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("change", ["train.global_batch_size=8", "data.seq_len=64", "seed=1", "same_size", "longer"])
+def test_resume_refuses_a_change_of_the_data_position(tmp_path, uninterrupted_run, change):
+    """A change that would move the data position (the batch size, seq_len, the shuffle's seed, the data files:
+    here another file with as many rows) is refused in one line naming the key, before anything is written: the
+    run dir, config.yaml included, stays as it was; train.log has each changed key."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, run_dir)
+    step4 = run_dir / "checkpoints" / "step-000004"
+    if "=" in change:
+        key, value = change.split("=")
+        saved = {"train.global_batch_size": "4", "data.seq_len": "128", "seed": "0"}[key]
+        override, expected = change, (f"checkpoint.resume=auto: {change}, but {step4} was saved with {key}={saved} (",
+                                      f"resume with {key}={saved}, or set checkpoint.resume=none")
+        changed_line = f"resume: {key}: {saved} -> {value}"
+    else:
+        data = _other_data(tmp_path, change)
+        what = "tiny_chat.jsonl: the same size, other first or last rows" if change == "same_size" else \
+            f"tiny_chat.jsonl: {_size_of_tiny()} bytes then, {data.stat().st_size} now"
+        override, expected = f"data.path={data}", (
+            f"checkpoint.resume=auto: data.path={data} holds other data than {step4} was trained on ({what}); "
+            f"resume with the data it was trained on, or set checkpoint.resume=none",)
+        changed_line = f"resume: data.path: tiny -> {data}"
+    before = _files(run_dir)
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(train, 1, _overrides(run_dir, 6, override))
+    line = raised_line(info)
+    assert all(part in line for part in expected), line
+    _assert_unchanged(run_dir, before)
+    log = (run_dir / "train.log").read_text()[len(before[run_dir / "train.log"]):]
+    assert changed_line in log and "resume: train.max_steps: 4 -> 6" in log, log
+
+
+def _size_of_tiny() -> int:
+    from qwenft.data.tiny_chat import TRAIN_PATH
+
+    return TRAIN_PATH.stat().st_size
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_logs_each_changed_key_and_takes_the_new_optimizer_options(tmp_path, uninterrupted_run):
+    """A resume may change what does not move the data position (the run dir too: this one is a copy); each change
+    is one line in train.log, and a new optim.lr is what the resumed steps train with (the
+    schedule is constant after its 4-step warm-up, so steps 5 and 6 run at optim.lr)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted_run, run_dir)
+    run_distributed(train, 1, _overrides(run_dir, 6, "optim.lr=2e-4", "optim.weight_decay=0.1",
+                                         "train.log_every=2", "checkpoint.keep=1"))
+    log = (run_dir / "train.log").read_text()
+    resumed = log[log.rindex("run dir "):]
+    changes = [line.split(" INFO ", 1)[1] for line in resumed.splitlines() if " INFO resume: " in line]
+    assert changes == [f"resume: run_dir: {uninterrupted_run} -> {run_dir}", "resume: optim.lr: 0.0005 -> 0.0002", "resume: optim.weight_decay: 0.0 -> 0.1",
+                       "resume: train.max_steps: 4 -> 6", "resume: train.log_every: 1 -> 2",
+                       "resume: checkpoint.keep: 2 -> 1"], changes
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "lr" in r}
+    assert rows[4]["lr"] == pytest.approx(5e-4) and rows[6]["lr"] == pytest.approx(2e-4)
+    assert "max_steps: 6" in (run_dir / "config.yaml").read_text()
+
+
 @pytest.mark.distributed
 def test_keep_best_keeps_the_lowest_val_loss_checkpoint(tmp_path):
     """A checkpoint every step, keep=1, keep_best: what is left is the last one and the one with the lowest

@@ -1,5 +1,6 @@
 """The CLI as a user types it: composition, overrides, errors, and real training runs."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -60,7 +61,7 @@ def test_unquoted_true_false_is_the_string_choice(value, capsys, tmp_path, monke
     """Hydra reads an unquoted optim.fused=true (and YAML `fused: true`) as a bool; a key whose valid values
     are the strings 'true'/'false' takes it as that string."""
     assert main(["show", "recipe=tiny", f"optim.fused={value}"]) == 0
-    assert f"  fused: '{value}'\n" in capsys.readouterr().out
+    assert f"  fused: {value}\n" in capsys.readouterr().out
     assert compose(["recipe=tiny", f"optim.fused={value}"]).optim.fused == value
     (tmp_path / "mine.yaml").write_text(f"# @package _global_\noptim:\n  fused: {value}\n")
     monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
@@ -68,6 +69,24 @@ def test_unquoted_true_false_is_the_string_choice(value, capsys, tmp_path, monke
     assert main(["show", "recipe=tiny", "optim.fused=yes"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "optim.fused='yes' is not valid; choose one of auto, true, false" in err, err
+
+
+def test_show_prints_booleans_as_yaml_booleans(capsys, tmp_path, monkeypatch):
+    """`show` prints a true/false choice (a str key whose valid values include 'true' and 'false') as YAML's
+    boolean, as a recipe writes it; saved as a recipe, the printed config composes to the same config."""
+    import yaml
+
+    overrides = ["recipe=tiny", "model.activation_checkpointing=false", "checkpoint.export_hf=true", "optim.fused=false"]
+    assert main(["show", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "'true'" not in out and "'false'" not in out, out
+    printed = yaml.safe_load(out)
+    assert printed["model"]["activation_checkpointing"] is False and printed["optim"]["fused"] is False
+    assert printed["checkpoint"]["export_hf"] is True and printed["train"]["progress_bar"] is True
+    assert printed["checkpoint"]["export_dtype"] == "bfloat16"  # other choices stay strings
+    (tmp_path / "shown.yaml").write_text(out.replace("recipe: tiny\n", ""))
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    assert compose(["recipe=shown"]) == dataclasses.replace(compose(overrides), recipe="shown")
 
 
 def test_cli_error_is_one_line_and_exit_code_2(capsys):
@@ -95,6 +114,40 @@ def test_user_recipe_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
     assert list_recipes()["mine"] == "my recipe"
     assert compose(["recipe=mine"]).train.max_steps == 3
+
+
+def test_user_recipe_without_package_header_sets_its_keys(tmp_path, monkeypatch):
+    """A recipe file without `# @package _global_` sets top-level keys as one with it does."""
+    (tmp_path / "plain.yaml").write_text("description: no header\ntrain:\n  max_steps: 2\ndata:\n  seq_len: 64\n"
+                                         "defaults:\n  - override /lr_scheduler: linear\n")
+    (tmp_path / "headed.yaml").write_text("# @package _global_\n" + (tmp_path / "plain.yaml").read_text())
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    plain, headed = compose(["recipe=plain"]), compose(["recipe=headed"])
+    assert (plain.train.max_steps, plain.data.seq_len, plain.lr_scheduler.decay, plain.description) == \
+        (2, 64, "linear", "no header")
+    assert dataclasses.replace(plain, recipe="headed") == headed
+    assert compose(["recipe=plain", "train.max_steps=5"]).train.max_steps == 5  # the command line still wins
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ("train:\n  max_steps: [1, 2\n", "line 3, column 1",
+     "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence that began at line 2, column 14)"),
+    ("train:\n  max_steps: 2\n   global_batch_size: 4\n", "line 3, column 21", "mapping values are not allowed here"),
+    ("train:\n\tmax_steps: 2\n", "line 2, column 1", "found character '\\t' that cannot start any token"),
+], ids=["unclosed_list", "bad_indent", "tab"])
+def test_user_recipe_yaml_error_is_one_line(tmp_path, monkeypatch, capsys, text, where, what):
+    (tmp_path / "broken.yaml").write_text(text)
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    assert main(["show", "recipe=broken"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"qwenft: error: {tmp_path / 'broken.yaml'}, {where}: YAML syntax error: {what}\n", err
+
+
+def test_unresolvable_interpolation_is_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("QWENFT_TEST_UNSET", raising=False)
+    assert main(["show", "logger.wandb_project=${oc.env:QWENFT_TEST_UNSET}"]) == 2
+    assert capsys.readouterr().err == ("qwenft: error: logger.wandb_project=${oc.env:QWENFT_TEST_UNSET} cannot be "
+                                       "resolved: \"Environment variable 'QWENFT_TEST_UNSET' not found\"\n")
 
 
 def test_impossible_mesh_fails_before_building(tmp_path):

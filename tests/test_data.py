@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import tokenize_rows
-from qwenft.data.loader import build_sft_data, load_rows
+from qwenft.data.loader import FINGERPRINT_BYTES, build_sft_data, fingerprint, load_rows
 from qwenft.data.tiny_chat import TRAIN_PATH, VAL_PATH
 from qwenft.data.tokenizer import load_tokenizer
 
@@ -306,3 +306,33 @@ def test_racing_ranks_build_one_tokenizer_cache(tmp_path):
     with multiprocessing.get_context("fork").Pool(4) as pool:
         assert pool.map(_load_tiny, [tmp_path] * 4) == [512] * 4
     assert [p.name.startswith("tiny-") for p in tmp_path.iterdir()] == [True]  # no temp dirs left behind
+
+
+def test_fingerprint_sees_names_sizes_and_both_ends(tmp_path):
+    """A data dir's fingerprint: each file's relative name and size, and a SHA-256 of its first and last 64 KiB
+    (checked against hashlib on the bytes themselves); moving the dir keeps it, an edit at either end or a
+    renamed file changes it, an edit in the middle of a large file (the documented blind spot) does not."""
+    import hashlib
+
+    data = tmp_path / "a" / "set"
+    (data / "part").mkdir(parents=True)
+    big = bytes(range(256)) * (3 * FINGERPRINT_BYTES // 256)
+    (data / "part" / "x.arrow").write_bytes(big)
+    (data / "state.json").write_text("{}")
+    found = fingerprint(data)
+    ends = big[:FINGERPRINT_BYTES] + big[-FINGERPRINT_BYTES:]
+    assert found == {"part/x.arrow": {"bytes": len(big), "ends_sha256": hashlib.sha256(ends).hexdigest()},
+                     "state.json": {"bytes": 2, "ends_sha256": hashlib.sha256(b"{}").hexdigest()}}
+    moved = tmp_path / "b"
+    (tmp_path / "a").rename(moved)
+    assert fingerprint(moved / "set") == found
+    for offset, seen in ((0, True), (len(big) - 1, True), (len(big) // 2, False)):
+        edited = bytearray(big)
+        edited[offset] ^= 1
+        (moved / "set" / "part" / "x.arrow").write_bytes(bytes(edited))
+        assert (fingerprint(moved / "set") != found) == seen, offset
+    (moved / "set" / "part" / "x.arrow").write_bytes(big)
+    (moved / "set" / "state.json").rename(moved / "set" / "info.json")
+    assert fingerprint(moved / "set").keys() == {"part/x.arrow", "info.json"}
+    single = moved / "set" / "info.json"
+    assert fingerprint(single) == {"info.json": found["state.json"]}

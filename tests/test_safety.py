@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
+from qwenft.conf import load_run_config
 
 SOURCES = sorted(p for d in ("qwenft", "scripts", "tests") for p in (REPO / d).rglob("*.py"))
 
@@ -67,11 +68,13 @@ SECRETS = {
 def test_no_secret_from_the_environment_reaches_the_run_dir(tmp_path):
     """`qwenft train recipe=tiny` with wandb (offline), a checkpoint per step and the HF export: no secret value
     of the environment appears in any file under the run dir (config.yaml, train.log, metrics.jsonl,
-    checkpoints, hf/, wandb/)."""
+    checkpoints, hf/, wandb/), one read into the config by `${oc.env:...}` included: config.yaml (and wandb's
+    config) hold the interpolation as written, which reading the run back resolves."""
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "qwenft", "train", "recipe=tiny", "train.max_steps=2", "data.seq_len=64",
-         "train.progress_bar=false", "logger=wandb", "checkpoint.every_steps=1", f"run_dir={run_dir}"],
+         "train.progress_bar=false", "logger=wandb", "checkpoint.every_steps=1", f"run_dir={run_dir}",
+         "launcher.job_name=${oc.env:SOME_SECRET}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, **SECRETS, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -81,3 +84,7 @@ def test_no_secret_from_the_environment_reaches_the_run_dir(tmp_path):
     leaks = [(str(p.relative_to(run_dir)), name) for p in files for name, value in SECRETS.items()
              if value.encode() in p.read_bytes()]
     assert leaks == []
+    assert "  job_name: ${oc.env:SOME_SECRET}\n" in (run_dir / "config.yaml").read_text()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SOME_SECRET", SECRETS["SOME_SECRET"])
+        assert load_run_config(run_dir).launcher.job_name == SECRETS["SOME_SECRET"]

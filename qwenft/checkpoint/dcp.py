@@ -3,7 +3,8 @@
 Layout under <run_dir>/checkpoints/:
     step-000010/        model + optimizer: one DCP shard file per rank plus `.metadata`;
                         extra.pt (rank 0): step, scheduler, data stream position, RNG state;
-                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export);
+                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export),
+                                         the global batch size, seq_len and data files' fingerprint (checked on resume);
                         manifest.json: every other file's size and CRC-32, checked before a resume loads
     latest              the name of the newest complete step dir, written last
     best                checkpoint.keep_best: the step dir with the lowest val_loss, never rotated away
@@ -237,11 +238,12 @@ class Checkpointer:
 
     def __init__(self, root: Path, modules: list[nn.Module], optimizer, scheduler, data, model_config,
                  keep: int, keep_best: bool = False, async_save: bool = False, optim_dtypes: dict | None = None,
-                 peft: dict | None = None):
+                 peft: dict | None = None, data_meta: dict | None = None):
         self.root, self.optimizer, self.scheduler, self.data = root, optimizer, scheduler, data
         self.model = _native_view(modules)
         self.model_config, self.optim_dtypes = model_config, optim_dtypes
         self.peft = peft  # what is trained (checked on resume): None = full finetuning
+        self.data_meta = data_meta  # what the data position depends on (checked on resume: qwenft.train.resume)
         self.options = _OPTIONS if peft is None else _TRAINABLE_OPTIONS
         self.keep, self.keep_best = keep, keep_best
         self.pending: _Pending | None = None
@@ -269,7 +271,7 @@ class Checkpointer:
             torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
                         "rng": _rng_state()}, tmp / EXTRA)
             meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config),
-                    "optim_dtypes": self.optim_dtypes, "peft": self.peft}
+                    "optim_dtypes": self.optim_dtypes, "peft": self.peft, "data": self.data_meta}
             (tmp / META).write_text(json.dumps(meta, indent=1))
         self.pending = _Pending(name, val_loss)
         if self.async_group is not None:

@@ -62,6 +62,19 @@ def _unknown_key_error(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+def _yaml_error(e) -> ConfigError:
+    """A YAML syntax error (PyYAML's MarkedYAMLError) as one line: the file, line and column where the parser
+    stopped, and what it found (with where the construct it was reading began)."""
+    problem, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    if problem is None:
+        return ConfigError(f"YAML syntax error: {' '.join(str(e).split())}")
+    what = e.problem or "invalid YAML"
+    if e.context and context is not None:
+        what = f"{what} ({e.context} that began at line {context.line + 1}, column {context.column + 1})"
+    return ConfigError(f"{problem.name}, line {problem.line + 1}, column {problem.column + 1}: YAML syntax error: "
+                       f"{what}")
+
+
 def _user_search_path(extra: Path) -> str:
     # Hydra finds groups as sub-folders of a search-path entry; give the user's flat dir a `recipe/` name.
     root = Path(tempfile.mkdtemp(prefix="qwenft-recipes-"))
@@ -100,6 +113,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     """Recipe YAML + overrides -> a validated `Config` (raises ConfigError with one line on any mistake).
 
     missing_ok (for `show`): required keys left at ??? stay the string "???" instead of raising."""
+    import yaml
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -112,7 +126,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             raise ConfigError(f"recipe={name!r} not found; available: {', '.join(recipes)}")
         if "=" not in o and not o.startswith("~"):
             raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to reset it)")
-    hydra_overrides = list(overrides)
+    # the defaults list places the recipe at the top level (`recipe@_global_`), and Hydra names its choice so
+    hydra_overrides = [f"recipe@_global_={o.split('=', 1)[1]}" if o.startswith("recipe=") else o for o in overrides]
     extra = os.environ.get(RECIPES_ENV)
     if extra:
         hydra_overrides.insert(0, _user_search_path(Path(extra).resolve()))
@@ -120,6 +135,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = hydra_compose("config", overrides=hydra_overrides)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e) from None
     except HydraException as e:
         override = re.search(r"Could not override '([^']+)'\.\nTo append", str(e))
         if override:
@@ -139,6 +156,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     raw_recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "tiny")
     OmegaConf.set_struct(raw, False)
     raw.recipe = raw_recipe
+    _check_interpolations(raw)
     _bool_choices_as_strings(raw)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
@@ -162,22 +180,92 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             node = getattr(node, part)
         setattr(node, leaf, "???")
     validate(cfg)
+    # what config.yaml writes for each interpolated value (see as_written); not a schema field, so a copy made
+    # by dataclasses.replace holds the resolved values alone
+    cfg._as_written = _interpolations(raw)
     return cfg
 
 
-def to_yaml(cfg: Config) -> str:
+def _interpolations(raw) -> dict[str, object]:
+    """Dotted key -> value as written, for every value of the composed (unresolved) config that holds an
+    interpolation (`${oc.env:WANDB_PROJECT}`, `${data.path}`); a list holding one is kept whole."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from walk(value, f"{prefix}{key}.")
+        elif "${" in str(node):
+            yield prefix[:-1], node
+
+    return dict(walk(OmegaConf.to_container(raw, resolve=False), ""))
+
+
+def as_written(cfg: Config, run_dir: str | None = None, interpolations: bool = True) -> dict:
+    """The config as a run dir's config.yaml holds it, a nested dict: interpolated values as the recipe or
+    override wrote them, not their values (a secret read from the environment stays there; `interpolations=False`
+    gives the values); keys whose valid values are the strings 'true' and 'false' as booleans (YAML's own, as a
+    recipe writes them); `run_dir` in place of cfg.run_dir when given."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(OmegaConf.structured(cfg))
+    if run_dir is not None:
+        container["run_dir"] = run_dir
+    for key, valid in CHOICES.items():
+        section, leaf = _parent(container, key)
+        if section[leaf] in ("true", "false") and {"true", "false"} <= set(valid):
+            section[leaf] = section[leaf] == "true"
+    for key, value in (getattr(cfg, "_as_written", {}) if interpolations else {}).items():
+        section, leaf = _parent(container, key)
+        section[leaf] = value
+    return container
+
+
+def _parent(container: dict, key: str) -> tuple[dict, str]:
+    """The dict that holds dotted `key` in a nested dict, and the key's last part."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        container = container[part]
+    return container, leaf
+
+
+def _check_interpolations(raw, where: str = "") -> None:
+    """Every interpolation of `raw` resolves; one that cannot (an unset environment variable, a missing key) is
+    one line naming the key and what it holds."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(raw, resolve=True)
+    except InterpolationResolutionError as e:
+        key = getattr(e, "full_key", None) or "?"
+        written = _interpolations(raw).get(key, "")
+        reason = str(e).splitlines()[0].removeprefix("KeyError raised while resolving interpolation: ")
+        raise ConfigError(f"{key}={written}{where} cannot be resolved: {reason}") from None
+
+
+def to_yaml(cfg: Config, run_dir: str | None = None, interpolations: bool = True) -> str:
+    """The config as YAML, as `as_written` gives it."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(as_written(cfg, run_dir, interpolations)))
 
 
 def load_run_config(run_dir: Path) -> Config:
-    """The resolved config a `qwenft train` run wrote to its run dir."""
+    """The config a `qwenft train` run wrote to its run dir, its interpolations resolved (and recorded as
+    written, as `compose` does)."""
+    import yaml
     from omegaconf import OmegaConf
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"run_dir={run_dir} has no config.yaml; give the run dir of a qwenft train run")
-    raw = OmegaConf.load(path)
-    _bool_choices_as_strings(raw)  # a run written when the key was a bool
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e) from None
+    _check_interpolations(raw, where=f" (in {path})")
+    _bool_choices_as_strings(raw)  # true/false of a key whose valid values are those strings
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    cfg._as_written = _interpolations(raw)
+    return cfg

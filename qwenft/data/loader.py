@@ -73,6 +73,31 @@ def load_rows(path: str | os.PathLike) -> list:
                      "file or a datasets.save_to_disk directory")
 
 
+FINGERPRINT_BYTES = 1 << 16
+
+
+def fingerprint(path: str | os.PathLike) -> dict[str, dict]:
+    """What a resume checks the data files against (qwenft.train.resume): each file's name (relative to the
+    data dir, or its own for a file), size, and a SHA-256 of its first and last 64 KiB, which hold its first
+    and last rows. Reads 128 KiB a file, so a large set costs little; a change inside a file that keeps its
+    size and both ends goes unseen."""
+    import hashlib
+
+    p = Path(path)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    found = {}
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as stream:
+            ends = stream.read(FINGERPRINT_BYTES)
+            if size > FINGERPRINT_BYTES:
+                stream.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+                ends += stream.read()
+        name = str(f.relative_to(p)) if p.is_dir() else f.name
+        found[name] = {"bytes": size, "ends_sha256": hashlib.sha256(ends).hexdigest()}
+    return found
+
+
 def _read_json_lines(path: Path) -> list:
     raw = path.read_bytes()
     if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
@@ -110,6 +135,7 @@ class SFTData:
         self.docs, self.seq_len, self.micro_batch_size, self.pad_id = docs, seq_len, micro_batch_size, pad_id
         self.dp_rank, self.dp_size, self.seed, self.packing = dp_rank, dp_size, seed, packing
         self.skipped = dict(skipped or {})
+        self.fingerprint: dict | None = None  # of the files read (`fingerprint`); None for rows given in memory
         self._epoch, self._row = 0, 0  # global position of the next unconsumed row
         self._rows_cache: tuple[int, list[list[int]]] | None = None
 
@@ -196,4 +222,6 @@ def build_sft_data(path_or_rows, tokenizer, seq_len: int, micro_batch_size: int,
     data = SFTData(docs, seq_len, micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_size, seed,
                    packing, skipped)
     data.format = data_format
+    if isinstance(path_or_rows, (str, os.PathLike)):
+        data.fingerprint = fingerprint(path_or_rows)
     return data

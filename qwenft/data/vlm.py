@@ -42,7 +42,7 @@ from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
                               UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
 from qwenft.data.formats import as_messages_row, resolve_format
-from qwenft.data.loader import SFTData, load_rows
+from qwenft.data.loader import SFTData, fingerprint, load_rows
 from qwenft.data.packing import build_row, cu_seqlens_from_position_ids, padding_mask
 from qwenft.mrope import document_mrope_position_ids
 
@@ -443,7 +443,7 @@ def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_ba
         rows = load_rows(path)
         base_dir = Path(base_dir) if base_dir is not None else (path if path.is_dir() else path.parent)
     else:
-        rows, base_dir = path_or_rows, Path(base_dir or os.getcwd())
+        rows, base_dir, path = path_or_rows, Path(base_dir or os.getcwd()), None
     if max_image_bytes < 1:
         raise ValueError(f"data.image.max_image_bytes={max_image_bytes} must be >= 1")
     data_format, _ = resolve_format(rows, data_format)
@@ -454,4 +454,6 @@ def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_ba
         raise ValueError("the tokenizer has no pad token; set one (Qwen's is <|endoftext|>)")
     data = VLMData(docs, processor, seq_len, micro_batch_size, pad_id, dp_rank, dp_size, seed, packing, skipped)
     data.format = data_format
+    if path is not None:
+        data.fingerprint = fingerprint(path)  # the rows' files; the images they name are not fingerprinted
     return data

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qwenft.checkpoint import dcp as ckpt_lib
+from qwenft.conf.compose import as_written
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
@@ -30,7 +31,7 @@ from qwenft.distributed.mesh import batch_mesh, build_mesh, device_type, init_pr
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
-from qwenft.train import metrics as metrics_lib
+from qwenft.train import metrics as metrics_lib, resume
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    device_batch, forward_batch, val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
@@ -420,6 +421,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         set_cpu_threads()
     for damaged in passed_over:
         log.warning("checkpoint.resume=auto: %s; resuming from %s instead", damaged, resume_from)
+    if resume_from is not None:
+        resume.log_config_changes(resume_from, cfg, run_dir)
     if is_main:
         signals.clear_marker(run_dir)
 
@@ -457,6 +460,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     if resume_from is not None:
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
                                     peft=peft_meta(cfg))
+        resume.check_data_position(resume_from, cfg, data)
     if is_main and save_config is not None:
         save_config(run_dir)
     max_steps = cfg.train.max_steps
@@ -496,16 +500,17 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
              type(optimizer).__name__, "fused" if fused else "foreach", cfg.optim.fused)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)
-    wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None
+    wandb_config = as_written(cfg) if cfg.logger.wandb else None  # interpolated secrets by name, as in config.yaml
     metrics = MetricsLogger(run_dir, is_main, wandb_config, cfg.logger.wandb_project,
                             cfg.logger.wandb_mode, run_name=run_dir.name)
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
                                          cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
                                          async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names,
-                                         peft=peft_meta(cfg))
+                                         peft=peft_meta(cfg), data_meta=resume.data_meta(cfg, data))
     start_step = 1
     if resume_from is not None:
         start_step = checkpointer.load(resume_from) + 1
+        resume.apply_optimizer_options(optimizer, scheduler, cfg)
         log.info("resumed from %s; continuing at step %d", resume_from, start_step)
 
     return Job(cfg=cfg, spec=spec, model_cfg=model_cfg, mesh=mesh, device=device, run_dir=run_dir, is_main=is_main,

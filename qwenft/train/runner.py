@@ -1,6 +1,5 @@
 """The training loop over a built `Job` (qwenft.train.build): step -> log -> validate -> checkpoint or stop."""
 
-import dataclasses
 import logging
 import math
 import os
@@ -52,7 +51,7 @@ def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
 def _save_config(cfg: Config, run_dir: Path) -> None:
     from qwenft.conf import to_yaml
 
-    (run_dir / "config.yaml").write_text(to_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))
+    (run_dir / "config.yaml").write_text(to_yaml(cfg, run_dir=str(run_dir)))
 
 
 def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_step=None) -> RunResult:
