@@ -169,13 +169,15 @@ def assert_same_run(result, reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     ["mesh.cp=4"], ["mesh.cp=2", "mesh.tp=2"], ["mesh.cp=2", "model.compile=true"],
+    # stages pass a span's hidden states; every stage cuts its positions from the whole microbatch's
+    ["mesh.cp=2", "mesh.pp=2", "pipeline.reduce_grad_per_microbatch=true"],
     # the exchanges run again, in the same order on every rank, when the backward recomputes a layer
     ["mesh.cp=2", "mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"],
-], ids=["cp4", "cp2-tp2", "cp2-compile", "cp2-dp2-knob-ac"])
+], ids=["cp4", "cp2-tp2", "cp2-compile", "cp2-pp2-knob", "cp2-dp2-knob-ac"])
 def test_training_equals_one_process(tmp_path, reference, extra):
     world = 1
     for key in extra:
-        if key.startswith(("mesh.cp=", "mesh.dp=", "mesh.tp=")):
+        if key.startswith(("mesh.cp=", "mesh.dp=", "mesh.tp=", "mesh.pp=")):
             world *= int(key.split("=")[1])
     results = run_distributed(train_with_grads, world, parity_overrides(tmp_path / "run", *extra))
     for result in results:
@@ -184,7 +186,6 @@ def test_training_equals_one_process(tmp_path, reference, extra):
 
 @pytest.mark.parametrize("extra, message", [
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
-    (["mesh.cp=2", "mesh.pp=2"], "mesh.cp=2 with mesh.pp=2: pipeline stages are not split"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with GatedDeltaNet's fla kernels"),
 ])

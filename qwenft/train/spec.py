@@ -190,9 +190,7 @@ def check_cp(cfg: Config, layout: Layout, model_cfg, device: str) -> None:
     from qwenft.models.qwen3_5.gdn import resolve_kernel
 
     why = None
-    if layout.pp > 1:
-        why = f"mesh.pp={layout.pp}: pipeline stages are not split over context-parallel ranks yet; set mesh.pp=1"
-    elif cfg.mesh.sequence_parallel:
+    if cfg.mesh.sequence_parallel:
         why = "mesh.sequence_parallel=true splits the same tokens again over tp; set it to false"
     elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda":
         why = ("GatedDeltaNet's fla kernels do not carry state across spans here yet; set model.kernels.gdn=torch "

@@ -131,6 +131,10 @@ def split_labels(labels: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return flat[rank * length:(rank + 1) * length].unsqueeze(0)
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older ones have only the first
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _Gather(torch.autograd.Function):
     """All-gather over the cp group -> [cp, *x.shape]; the backward sums each rank's gradient of the gathered
     tensor and hands every rank its own slice (a reduce-scatter where the backend has one)."""
@@ -140,7 +144,7 @@ class _Gather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty(dist.get_world_size(group), *x.shape)
-        dist.all_gather_into_tensor(out.flatten(0, 1), x, group=group)
+        _all_gather(out.flatten(0, 1), x, group=group)
         return out
 
     @staticmethod
