@@ -1,6 +1,7 @@
 """Per-step metrics: metrics.jsonl in the run dir (always) and Weights & Biases (logger.wandb=true)."""
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -14,6 +15,17 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def read_metrics_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl (none when there is no file); a torn line (a killed write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
 
 
 class MetricsLogger:
@@ -37,6 +49,19 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def cut_after(self, step: int) -> None:
+        """Resuming from `step`'s checkpoint: drop the rows of later steps, which the stopped run logged and this one
+        logs again, so metrics.jsonl holds each step once, in order."""
+        if self.file is None:
+            return
+        path = Path(self.file.name)
+        self.file.close()
+        kept = [row for row in read_metrics_rows(path) if row.get("step", 0) <= step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, path)
+        self.file = open(path, "a")
 
     def close(self) -> None:
         if self.file is not None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from qwenft.conf.schema import Config
 from qwenft.launch import run_lock
+from qwenft.train.metrics import read_metrics_rows
 
 log = logging.getLogger("qwenft")
 
@@ -102,6 +103,23 @@ def make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
     lock = run_lock.acquire(run_dir)
     if cleanup is not None:
         cleanup.callback(lock.release)
+
+
+def refuse_fresh_start_in_used_dir(run_dir: Path, resume_from: Path | None, resume: str) -> None:
+    """A run that would start afresh in a run dir an earlier run trained in is refused: its steps would follow the
+    earlier run's in metrics.jsonl, and its checkpoints would join (and be rotated against) the earlier ones. A run
+    that resumes cuts metrics.jsonl back to its checkpoint's step instead (MetricsLogger.cut_after)."""
+    if resume_from is not None:
+        return
+    steps = [row["step"] for row in read_metrics_rows(run_dir / "metrics.jsonl") if "step" in row]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
+    found = ([f"metrics.jsonl up to step {max(steps)}"] if steps else []) + (
+        [f"checkpoints {', '.join(checkpoints)}"] if checkpoints else [])
+    if found:
+        why = "found no checkpoint to resume" if resume == "auto" else "starts afresh"
+        raise ValueError(f"run_dir={run_dir} holds an earlier run ({'; '.join(found)}) and checkpoint.resume={resume} "
+                         f"{why}: the two runs' steps would mix there; give a new run_dir, or delete "
+                         f"{run_dir / 'metrics.jsonl'} and {run_dir / 'checkpoints'} to start over in it")
 
 
 def setup_logging(run_dir: Path, is_main: bool, progress_bar: bool) -> None:
