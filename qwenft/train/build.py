@@ -36,7 +36,7 @@ from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eva
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
-                                 refuse_fresh_start_in_used_dir, set_cpu_threads, setup_logging)
+                                 refuse_fresh_start_over_checkpoints, set_cpu_threads, setup_logging)
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
 
 log = logging.getLogger("qwenft")
@@ -399,7 +399,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
              run_dir, world, layout.pp, layout.dp, layout.tp, batching.num_microbatches, batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
     resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
-    on_rank0(is_main, lambda: refuse_fresh_start_in_used_dir(run_dir, resume_from, cfg.checkpoint.resume))
+    on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))
     if device.type == "cpu":
         set_cpu_threads()
     for damaged in passed_over:
@@ -477,7 +477,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
                                 cfg.lr_scheduler.min_lr_ratio)
     wandb_config = dataclasses.asdict(cfg) if cfg.logger.wandb else None
     metrics = MetricsLogger(run_dir, is_main, wandb_config, cfg.logger.wandb_project,
-                            cfg.logger.wandb_mode, run_name=run_dir.name)
+                            cfg.logger.wandb_mode, run_name=run_dir.name, fresh=resume_from is None)
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
                                          cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
                                          async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names,

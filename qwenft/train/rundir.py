@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from qwenft.conf.schema import Config
 from qwenft.launch import run_lock
-from qwenft.train.metrics import read_metrics_rows
 
 log = logging.getLogger("qwenft")
 
@@ -105,21 +104,17 @@ def make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
         cleanup.callback(lock.release)
 
 
-def refuse_fresh_start_in_used_dir(run_dir: Path, resume_from: Path | None, resume: str) -> None:
-    """A run that would start afresh in a run dir an earlier run trained in is refused: its steps would follow the
-    earlier run's in metrics.jsonl, and its checkpoints would join (and be rotated against) the earlier ones. A run
-    that resumes cuts metrics.jsonl back to its checkpoint's step instead (MetricsLogger.cut_after)."""
-    if resume_from is not None:
-        return
-    steps = [row["step"] for row in read_metrics_rows(run_dir / "metrics.jsonl") if "step" in row]
+def refuse_fresh_start_over_checkpoints(run_dir: Path, resume_from: Path | None, resume: str) -> None:
+    """checkpoint.resume=none in a run dir with checkpoints is refused: the new run's checkpoints would join the
+    earlier run's in checkpoints/, and `checkpoint.keep` would rotate them against each other (a step-000010 of the
+    new run goes before the earlier run's step-000100). An earlier run's metrics.jsonl alone is kept aside instead
+    (MetricsLogger), and a resumed run cuts it back to its checkpoint's step."""
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
-    found = ([f"metrics.jsonl up to step {max(steps)}"] if steps else []) + (
-        [f"checkpoints {', '.join(checkpoints)}"] if checkpoints else [])
-    if found:
-        why = "found no checkpoint to resume" if resume == "auto" else "starts afresh"
-        raise ValueError(f"run_dir={run_dir} holds an earlier run ({'; '.join(found)}) and checkpoint.resume={resume} "
-                         f"{why}: the two runs' steps would mix there; give a new run_dir, or delete "
-                         f"{run_dir / 'metrics.jsonl'} and {run_dir / 'checkpoints'} to start over in it")
+    if resume_from is None and checkpoints:
+        raise ValueError(f"run_dir={run_dir} holds an earlier run's checkpoints ({', '.join(checkpoints)}) and "
+                         f"checkpoint.resume={resume} starts afresh: the two runs' checkpoints would mix; resume with "
+                         f"checkpoint.resume=auto, give a new run_dir, or delete {run_dir / 'checkpoints'} to start "
+                         f"over in it")
 
 
 def setup_logging(run_dir: Path, is_main: bool, progress_bar: bool) -> None:
