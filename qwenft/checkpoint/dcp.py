@@ -258,6 +258,12 @@ def _on_rank0(fn: Callable[[], None]) -> None:
         raise error[0]
 
 
+def _interrupted(e: BaseException) -> bool:
+    """A Ctrl-C inside DCP's write, which DCP reports as a CheckpointException like a failure."""
+    return isinstance(e, CheckpointException) and any(isinstance(exc, KeyboardInterrupt)
+                                                      for exc, _ in e.failures.values())
+
+
 def _cause(e: BaseException) -> str:
     """The write failure in a few words: DCP's first failing rank's error, a file fault with its file."""
     if isinstance(e, CheckpointException):
@@ -367,6 +373,8 @@ class Checkpointer:
             else:
                 dcp.save(state, checkpoint_id=str(tmp))
         except _WRITE_ERRORS as e:
+            if _interrupted(e):
+                raise
             self._failed(name, e)
         if self.async_group is None:
             self.wait()
@@ -405,6 +413,8 @@ class Checkpointer:
             with self.guard():
                 _on_rank0(lambda: self._publish(pending.name, pending.val_loss))
         except _WRITE_ERRORS as e:
+            if _interrupted(e):
+                raise
             self._failed(pending.name, e)
         self.pending = None
 

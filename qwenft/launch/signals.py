@@ -65,6 +65,8 @@ class StopOnSignal:
 
     def _ctrl_c(self, signum, frame) -> None:
         now = time.monotonic()
+        if self.interrupted:  # stopping already: the cleanup (removing a temp dir) is not cut short
+            return
         if self.first_ctrl_c is None:
             self.first_ctrl_c, self.signum = now, signum
             _say("Ctrl-C: stopping at the end of this step, after a checkpoint; press Ctrl-C again to stop at once "
