@@ -50,8 +50,8 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     signals.clear_marker(Path(run_dir))
     proc = subprocess.Popen(cmd)
     # SIGTERM/SIGUSR1 here reach the workers as SIGTERM through torchrun (it forwards SIGTERM, not SIGUSR1). A
-    # terminal's Ctrl-C reaches the workers themselves (one process group), and this process and torchrun wait for
-    # them: a Python handler, not SIG_IGN, which torchrun would hand down to the workers.
+    # terminal's Ctrl-C reaches this process and torchrun (one process group), which passes it to the workers; this
+    # one waits for them (a Python handler: SIG_IGN would be handed down to torchrun and its workers).
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signal.SIGTERM)) for s in signals.SIGNALS}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:

@@ -28,8 +28,9 @@ EXIT_INTERRUPTED = 130
 # In the run dir: written (rank 0) after the preemption checkpoint is complete, removed when a run starts.
 MARKER = "preempted"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# A terminal's Ctrl-C reaches every process of its group; under plain torchrun a worker gets it twice, from the
-# terminal and forwarded by torchrun a few milliseconds later. SIGINTs this soon after the first are that one.
+# One Ctrl-C can reach a process twice: from the terminal and again from a launcher in the same process group that
+# passes it on (srun; torchrun versions that keep their workers in the terminal's group). SIGINTs this soon after
+# the first are that one.
 SAME_CTRL_C_S = 1.0
 
 _active: "StopOnSignal | None" = None  # the StopOnSignal entered in this process, for `uninterruptible`

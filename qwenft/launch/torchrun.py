@@ -9,10 +9,10 @@ handle SIGUSR1 by default, so the signal would kill it (and then its workers); t
 short (torch 2.11 has the 30 s fixed; 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Ignored here, the workers
 (which inherit SIG_IGN and install their own handler when training starts) save at their pace and exit.
 
-A terminal's Ctrl-C reaches every process of its group, the workers included. torchrun would forward it as a
-second SIGINT (which a worker must tell from the user's second Ctrl-C) and SIGKILL them 30 s later: here it is left
-out of torchrun's handled signals and caught by a handler that does nothing (a handler, not SIG_IGN: the workers
-start with Python's own, so a Ctrl-C before training starts still stops them).
+torchrun starts each worker in a session of its own, so a terminal's Ctrl-C reaches torchrun alone. torchrun would
+forward it and SIGKILL the workers 30 s later, and a second Ctrl-C would end torchrun in its shutdown without
+reaching them. Here SIGINT is left out of torchrun's handled signals, and each one is passed to the workers as it
+comes: the first makes them save and stop, a second makes them stop at once (qwenft.launch.signals).
 """
 
 import logging
@@ -35,9 +35,29 @@ class _QuietUserErrors(logging.Filter):
         return not any(f"exitcode: {code})" in message for code in _PASSED_ON) and "closing signal" not in message
 
 
+def _children() -> list[int]:
+    """The pids of this process's children (torchrun's workers), from /proc (Linux; none elsewhere)."""
+    me, found = os.getpid(), []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
+        try:  # /proc/PID/stat: "PID (command) STATE PPID ...", the command may hold spaces and parentheses
+            if entry.name.isdigit() and int(open(f"{entry.path}/stat").read().rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # it has just exited
+            pass
+    return found
+
+
+def _pass_to_workers(signum, frame) -> None:
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, _pass_to_workers)
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGHUP,SIGQUIT")  # torchrun's default less SIGINT
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
