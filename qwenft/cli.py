@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # a second Ctrl-C in training (signals.Interrupted: its line), or one before it
         from qwenft.launch.signals import EXIT_INTERRUPTED
 
-        message = str(e) or "stopped by Ctrl-C before training started; no checkpoint was saved"
+        message = str(e) or ("stopped by Ctrl-C before training started; no checkpoint was saved"
+                             if command == "train" else "stopped by Ctrl-C")
         if os.environ.get("RANK", "0") == "0":
             print(f"qwenft: {message}", file=sys.stderr)
         _log_to_file(logging.WARNING, message)

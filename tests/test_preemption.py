@@ -1,6 +1,6 @@
-"""Preemption and kill/resume on real runs: `qwenft train` killed with SIGKILL or stopped with SIGTERM resumes to
-the losses of a run that never stopped, bit for bit (fp32, CPU); a signal to one of two ranks stops both at
-the same step with a complete checkpoint."""
+"""Preemption and kill/resume on real runs: `qwenft train` killed with SIGKILL or stopped with SIGTERM or Ctrl-C
+resumes to the losses of a run that never stopped, bit for bit (fp32, CPU); a signal to one of two ranks stops
+both at the same step with a complete checkpoint."""
 
 import os
 import signal
@@ -185,8 +185,9 @@ def test_ctrl_c_in_the_terminal_of_self_launched_workers(tmp_path):
     one step and save, and the command exits 75 with one Ctrl-C line (rank 0's), the stop line, and no traceback."""
     run_dir = tmp_path / "run"
     log = open(run_dir.parent / f"{run_dir.name}.out", "a")
-    proc = subprocess.Popen([sys.executable, "-m", "qwenft", "train", *_overrides(run_dir, "launcher.nproc_per_node=2")],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    command = [sys.executable, "-m", "qwenft", "train", *_overrides(run_dir, "launcher.nproc_per_node=2")]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
                             start_new_session=True)  # a process group of its own, as a terminal's job
     _wait_for_checkpoint(proc, run_dir, timeout=120)
     os.killpg(proc.pid, signal.SIGINT)
