@@ -267,7 +267,7 @@ def _interrupted(e: BaseException) -> bool:
 def _cause(e: BaseException) -> str:
     """The write failure in a few words: DCP's first failing rank's error, a file fault with its file."""
     if isinstance(e, CheckpointException):
-        rank, (e, _) = min(e.failures.items())
+        _, (e, _) = min(e.failures.items())
     if isinstance(e, OSError):
         return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

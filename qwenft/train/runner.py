@@ -60,8 +60,7 @@ def run(cfg: Config, return_state: bool = False, on_step=None, command_args: lis
             raise signals.Interrupted(
                 "stopped at once by a second Ctrl-C, without a checkpoint of this step (nothing half-written kept); "
                 + (f"the newest complete checkpoint is {latest}; resume with: {stop.resume_command(job.run_dir)}"
-                   if latest else f"there is no checkpoint to resume: give a new run_dir, or delete {job.run_dir}, "
-                                  f"to start again")) from e
+                   if latest else "there is no checkpoint to resume (the same command starts afresh)")) from e
 
 
 def _save_config(cfg: Config, run_dir: Path) -> None:
