@@ -215,6 +215,20 @@ def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, sav
 
 
 @pytest.mark.slow
+def test_fresh_start_over_checkpoints_is_one_line_and_leaves_the_run_dir(tmp_path, saved_run):
+    """checkpoint.resume=none where an earlier run saved checkpoints: refused before anything is rewritten (its
+    checkpoints would be rotated against the new run's)."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    before = _files(run)
+    one_line_error(qwenft("train", "train.max_steps=2", "checkpoint.resume=none", f"run_dir={run}", *FAST, *CKPT),
+                   f"run_dir={run} holds an earlier run's checkpoints (step-000001, step-000002, step-000003) and "
+                   f"checkpoint.resume=none starts afresh", "resume with checkpoint.resume=auto, give a new run_dir, "
+                   f"or delete {run / 'checkpoints'}")
+    _assert_unchanged(run, before)
+
+
+@pytest.mark.slow
 def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
@@ -253,6 +267,9 @@ def test_second_run_into_a_run_dir_fails_at_once_and_a_dead_holder_frees_it(tmp_
     out = qwenft("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", *FAST, "checkpoint.resume=none")
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (run / ".lock").exists()  # released at the end of the run
+    # the killed run's rows kept aside, the new run's steps alone in metrics.jsonl
+    assert (run / "metrics.1.jsonl").read_text().startswith('{"step": 1,')
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 # ---------------------------------------------------------------- configs transformers writes
