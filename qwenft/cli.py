@@ -49,15 +49,19 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
            f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train", *args]
     signals.clear_marker(Path(run_dir))
     proc = subprocess.Popen(cmd)
-    # SIGTERM/SIGUSR1 here reach the workers as SIGTERM through torchrun (it forwards SIGTERM, not SIGUSR1)
+    # SIGTERM/SIGUSR1 here reach the workers as SIGTERM through torchrun (it forwards SIGTERM, not SIGUSR1). A
+    # terminal's Ctrl-C reaches this process and torchrun (one process group), which passes it to the workers; this
+    # one waits for them (a Python handler: SIG_IGN would be handed down to torchrun and its workers).
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signal.SIGTERM)) for s in signals.SIGNALS}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
         code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    # torchrun exits 1 whatever its workers' exit code; the marker says they stopped on a signal
-    return signals.EXIT_PREEMPTED if code and signals.preempted(Path(run_dir)) else code
+    # the wrapper passes the workers' 75 and 130 on; on SIGTERM torchrun exits 1, and the marker says they stopped
+    stopped = code not in (0, signals.EXIT_INTERRUPTED) and signals.preempted(Path(run_dir))
+    return signals.EXIT_PREEMPTED if stopped else code
 
 
 def _slurm(args: list[str]) -> int:
@@ -197,12 +201,13 @@ def _plan(args: list[str]) -> int:
 
 def entry() -> None:
     """The `qwenft` command (and `python -m qwenft`): `main`, then exit with its code. A training process that
-    stops on a user fault (exit code 2) after joining a process group leaves at once, without the interpreter's
+    stops on a user fault (exit code 2) or a Ctrl-C (130) after joining a process group leaves at once, without the
+    interpreter's
     teardown: its line is printed, train.log flushed and the group destroyed, and letting the interpreter free
     the rest of the run (the exception's frames hold the mesh) has aborted in gloo's C++ teardown
     ("terminate called without an active exception") now and then under load."""
     code = main()
-    if code == 2 and "torch.distributed" in sys.modules:
+    if code in (2, 130) and "torch.distributed" in sys.modules:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -249,11 +254,20 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         try:
-            result = run(cfg)
+            result = run(cfg, command_args=args)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
         return signals.EXIT_PREEMPTED if result.preempted else 0
+    except KeyboardInterrupt as e:  # a second Ctrl-C in training (signals.Interrupted: its line), or one before it
+        from qwenft.launch.signals import EXIT_INTERRUPTED
+
+        message = str(e) or ("stopped by Ctrl-C before training started; no checkpoint was saved"
+                             if command == "train" else "stopped by Ctrl-C")
+        if os.environ.get("RANK", "0") == "0":
+            print(f"qwenft: {message}", file=sys.stderr)
+        _log_to_file(logging.WARNING, message)
+        return EXIT_INTERRUPTED
     except ValueError as e:  # ConfigError, and user mistakes found while building (mesh, data, checkpoints)
         return _fail(e, str(e))
     except OSError as e:  # a file fault not caught closer to its key: name the file
@@ -277,10 +291,14 @@ def _fail(e: BaseException, message: str) -> int:
 
 def _log_traceback(e: BaseException) -> None:
     """The traceback into train.log only (the console shows the one line), when this rank has train.log open."""
+    _log_to_file(logging.ERROR, "qwenft: error: %s", e, exc_info=(type(e), e, e.__traceback__))
+
+
+def _log_to_file(level: int, message: str, *args, exc_info=None) -> None:
+    """A record into train.log only, when this rank has it open; then closes it (the run is over)."""
     log = logging.getLogger("qwenft")
     files = [h for h in log.handlers if isinstance(h, logging.FileHandler)]
-    record = logging.LogRecord("qwenft", logging.ERROR, __file__, 0, "qwenft: error: %s", (e,),
-                               (type(e), e, e.__traceback__))
+    record = logging.LogRecord("qwenft", level, __file__, 0, message, args, exc_info)
     for handler in files:
         handler.handle(record)
         handler.close()  # the run is over; a later run in this process (tests) opens its own

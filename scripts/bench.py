@@ -29,13 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from qwenft.conf import compose  # noqa: E402
 from qwenft.distributed.fake_pg import init_fake_process_group  # noqa: E402
+from qwenft.train.metrics import read_metrics_rows  # noqa: E402
 from qwenft.train.runner import run  # noqa: E402
-
-
-def metrics_lines(run_dir: Path) -> list[str]:
-    """The lines of run_dir's metrics.jsonl; none before a run wrote it."""
-    path = run_dir / "metrics.jsonl"
-    return path.read_text().splitlines() if path.exists() else []
 
 
 def summarize(rows: list[dict], warmup: int, peaks_gib: list[float]) -> dict:
@@ -175,9 +170,6 @@ def main():
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
-    # a reused run_dir's metrics.jsonl appends: skip its earlier lines (counted, not parsed: a killed run may
-    # leave half a line)
-    earlier = len(metrics_lines(Path(cfg.run_dir))) if cfg.run_dir else 0
     if args.profile:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
         result, averages, profiled = profiled_run(cfg, args.warmup, trace)
@@ -197,7 +189,10 @@ def main():
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
     if dist.get_rank() == 0:
-        rows = [json.loads(line) for line in metrics_lines(result.run_dir)[earlier:]]
+        # metrics.jsonl holds each step once (a fresh run keeps an earlier run's rows aside, a resumed one cuts them
+        # at its checkpoint): this run's steps are its last rows
+        steps = [r for r in read_metrics_rows(result.run_dir / "metrics.jsonl") if "step_time_s" in r]
+        rows = steps[len(steps) - len(result.losses):]
         report = {"overrides": overrides, "world_size": dist.get_world_size(),
                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "torch": torch.__version__,

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -73,14 +74,31 @@ def train_alone(overrides, return_state=False):
     process group the run made is destroyed after it and the rendezvous variables put back, so a later run
     makes its own group on a fresh port. The GPU tier trains this way: a process forked after its parent
     initialised CUDA (run_distributed's ranks) cannot use CUDA."""
+    from qwenft.train.runner import run
+
+    with _alone():
+        return run(compose(overrides), return_state=return_state)
+
+
+def qwenft_alone(*args) -> int:
+    """`qwenft ARGS` (qwenft.cli.main) in this process, as train_alone runs a lone rank; its exit code. What it
+    prints goes to this process's stderr (capfd reads it)."""
+    from qwenft.cli import main
+
+    with _alone():
+        return main(list(args))
+
+
+@contextmanager
+def _alone():
+    """A process group made inside is destroyed after it and the rendezvous variables put back."""
     import torch.distributed as dist
 
     from qwenft.distributed.fake_pg import forget_meshes
-    from qwenft.train.runner import run
 
     saved = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
     try:
-        return run(compose(overrides), return_state=return_state)
+        yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -78,8 +78,8 @@ def test_profile_records_the_steps_after_the_warmup(tmp_path):
 
 @pytest.mark.slow
 def test_bench_reports_a_cpu_run(tmp_path):
-    """Twice into one run_dir: the second report times its own steps only, not the rows the first run left in
-    metrics.jsonl (a reused run_dir would otherwise report more timed steps than the run made)."""
+    """Twice into one run_dir: the second report times its own steps only; the first run's rows are kept aside in
+    metrics.1.jsonl (a run starting at step 1 over an earlier run's metrics.jsonl)."""
     for run in range(2):
         out = tmp_path / f"bench{run}.json"
         subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--json", str(out),
@@ -89,7 +89,8 @@ def test_bench_reports_a_cpu_run(tmp_path):
         assert report["world_size"] == 1 and report["steps_timed"] == 1, report
         assert report["tokens_per_sec_per_gpu"] > 0 and report["step_time_s"] > 0
         assert len(report["planned_peak_gib_per_rank"]) == 1
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 4
+    for name in ("metrics.jsonl", "metrics.1.jsonl"):
+        assert [json.loads(line)["step"] for line in (tmp_path / "run" / name).read_text().splitlines()] == [1, 2]
 
 
 def test_host_time_runs_tensor_parallel(tmp_path):

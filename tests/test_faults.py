@@ -227,6 +227,20 @@ def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, sav
 
 
 @pytest.mark.slow
+def test_fresh_start_over_checkpoints_is_one_line_and_leaves_the_run_dir(tmp_path, saved_run):
+    """checkpoint.resume=none where an earlier run saved checkpoints: refused before anything is rewritten (its
+    checkpoints would be rotated against the new run's)."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    before = _files(run)
+    one_line_error(qwenft("train", "train.max_steps=2", "checkpoint.resume=none", f"run_dir={run}", *FAST, *CKPT),
+                   f"run_dir={run} holds an earlier run's checkpoints (step-000001, step-000002, step-000003) and "
+                   f"checkpoint.resume=none starts afresh", "resume with checkpoint.resume=auto, give a new run_dir, "
+                   f"or delete {run / 'checkpoints'}")
+    _assert_unchanged(run, before)
+
+
+@pytest.mark.slow
 def test_explicit_damaged_checkpoint_is_refused(tmp_path, saved_run):
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
@@ -265,6 +279,9 @@ def test_second_run_into_a_run_dir_fails_at_once_and_a_dead_holder_frees_it(tmp_
     out = qwenft("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", *FAST, "checkpoint.resume=none")
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (run / ".lock").exists()  # released at the end of the run
+    # the killed run's rows kept aside, the new run's steps alone in metrics.jsonl
+    assert (run / "metrics.1.jsonl").read_text().startswith('{"step": 1,')
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 # ---------------------------------------------------------------- configs transformers writes
@@ -371,3 +388,81 @@ def test_nonfinite_loss_is_its_own_line_and_in_train_log(tmp_path):
     assert line.startswith("qwenft: error:"), line  # on a line of its own, after the closed bar
     log = (run / "train.log").read_text()
     assert "non-finite loss/grad norm at step" in log and "Traceback" in log
+
+
+# ---------------------------------------------------------------- checkpoint writes that fail
+
+def _small_files(limit: int):
+    """No file of this process may grow past `limit` bytes (RLIMIT_FSIZE, as a quota would stop it): a write beyond
+    fails with EFBIG (SIGXFSZ ignored, so the write returns the error instead of ending the process)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def _bytes(text: str) -> float:
+    """A size as qwenft.checkpoint.dcp.size_text writes it, in bytes."""
+    value, unit = text.split()
+    return float(value) * {"bytes": 1, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+
+
+@pytest.mark.slow
+def test_failed_checkpoint_write_is_one_line_and_keeps_latest(tmp_path, saved_run):
+    """A real write failure: files may not grow past 1 MiB, so the next checkpoint's 4.9 MB shard file fails in
+    torch's writer. One line names the checkpoint, the cause, about one checkpoint's size (within 2% of the last
+    one saved) and the free space; the temp dir is gone, `latest` still names step-000003, train.log has the line
+    and its traceback."""
+    import re
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    ckpt = run / "checkpoints"
+    saved = sum(p.stat().st_size for p in (ckpt / "step-000003").iterdir())
+    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=4", f"run_dir={run}", *FAST, *CKPT],
+                         cwd=REPO, capture_output=True, text=True, env=ENV, timeout=600,
+                         preexec_fn=lambda: _small_files(2**20))
+    line = one_line_error(out, f"checkpoint {ckpt / 'step-000004'} could not be written (",
+                          "the partial save was removed and `latest` still names step-000003", "rerun to resume")
+    sizes = re.search(r"a checkpoint needs about ([\d.]+ \w+), ([\d.]+ \w+) free there", line)
+    assert sizes, line
+    assert abs(_bytes(sizes.group(1)) - saved) < 0.02 * saved, (sizes.group(1), saved)
+    assert abs(_bytes(sizes.group(2)) - shutil.disk_usage(run).free) < 2**30  # others write on this disk too
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-000001", "step-000002", "step-000003"]
+    assert (ckpt / "latest").read_text().strip() == "step-000003"
+    log = (run / "train.log").read_text()
+    assert line.removeprefix("qwenft: error: ") in log and "Traceback" in log
+
+
+def _train_with_small_files_on_rank_0(rank, world_size, overrides):
+    from helpers import train
+
+    if rank == 0:
+        _small_files(2**20)
+    try:
+        train(rank, world_size, overrides)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_checkpoint_write_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """Rank 0's shard file cannot be written, rank 1's can: both ranks stop with the same line (no rank waits for
+    the other in a collective; rank 0 prints it), and nothing of the save is left."""
+    from distributed import run_distributed
+    from helpers import tiny_overrides
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, "train.max_steps=1", "checkpoint.every_steps=1", "checkpoint.export_hf=false",
+                               "train.global_batch_size=4")
+    import re
+
+    lines = run_distributed(_train_with_small_files_on_rank_0, 2, overrides, timeout=240)
+    free = r"[\d.]+ \w+ free there"  # each rank's own look at the disk, a moment apart
+    assert re.sub(free, "", lines[0]) == re.sub(free, "", lines[1]), lines
+    assert lines[0].startswith(f"checkpoint {run / 'checkpoints' / 'step-000001'} could not be written (")
+    assert "the partial save was removed and there is no earlier checkpoint" in lines[0]
+    assert list((run / "checkpoints").iterdir()) == []

@@ -1,6 +1,6 @@
-"""Preemption and kill/resume on real runs: `qwenft train` killed with SIGKILL or stopped with SIGTERM resumes to
-the losses of a run that never stopped, bit for bit (fp32, CPU); a signal to one of two ranks stops both at
-the same step with a complete checkpoint."""
+"""Preemption and kill/resume on real runs: `qwenft train` killed with SIGKILL or stopped with SIGTERM or Ctrl-C
+resumes to the losses of a run that never stopped, bit for bit (fp32, CPU); a signal to one of two ranks stops
+both at the same step with a complete checkpoint."""
 
 import os
 import signal
@@ -86,7 +86,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted):
     assert proc.wait(timeout=120) == 0, _output(run_dir)
     assert f"continuing at step {resumed_from + 1}" in (run_dir / "train.log").read_text()
     losses = logged_losses(run_dir)
-    assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+    # the steps the killed run logged after its checkpoint were cut on resume: each step once, in order
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, MAX_STEPS + 1))
     after = range(resumed_from + 1, MAX_STEPS + 1)
     assert [losses[s] for s in after] == [uninterrupted[s] for s in after]
 
@@ -109,6 +110,35 @@ def test_sigterm_saves_and_exits_75_then_resumes(tmp_path, uninterrupted):
     losses = logged_losses(run_dir)
     assert sorted(losses) == list(range(1, MAX_STEPS + 1))
     assert losses == uninterrupted  # before the stop: the same run; after: resumed exactly
+
+
+def test_ctrl_c_saves_exits_75_and_its_resume_command_finishes_the_run(tmp_path, uninterrupted):
+    """One Ctrl-C (SIGINT) mid-run: a checkpoint at the step it stopped at, exit 75, one line with the command that
+    resumes; that command, run as printed, finishes with every step once in metrics.jsonl and the losses of a run
+    that never stopped."""
+    import shlex
+
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    _wait_for_checkpoint(proc, run_dir)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == EXIT_PREEMPTED, _output(run_dir)
+    out = _output(run_dir)
+    stopped_at = max(logged_losses(run_dir))
+    assert stopped_at < MAX_STEPS and _checkpoint_step(run_dir) == stopped_at
+    assert (run_dir / MARKER).read_text().startswith(f"step {stopped_at}, SIGINT, checkpoint ")
+    assert out.count("qwenft: Ctrl-C: stopping at the end of this step, after a checkpoint; press Ctrl-C again to "
+                     "stop at once without one") == 1 and "Traceback" not in out
+    (line,) = [line for line in out.splitlines() if f"SIGINT: stopped after step {stopped_at} with checkpoint" in line]
+    command = shlex.split(line.split("; resume with: ")[1])
+    assert command[:2] == ["qwenft", "train"] and f"run_dir={run_dir}" in command
+
+    resumed = subprocess.run([sys.executable, "-m", "qwenft", *command[1:]], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"continuing at step {stopped_at + 1}" in resumed.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, MAX_STEPS + 1))
+    assert logged_losses(run_dir) == uninterrupted
 
 
 def test_signal_to_one_of_two_ranks_stops_both(tmp_path):
@@ -147,3 +177,26 @@ def test_sigterm_to_self_launched_torchrun(tmp_path):
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"} <= {p.name for p in step_dir.iterdir()}
     log = (run_dir / "train.log").read_text()
     assert "world 2" in log and f"SIGTERM: stopped after step {stopped_at}" in log
+
+
+def test_ctrl_c_in_the_terminal_of_self_launched_workers(tmp_path):
+    """`qwenft train launcher.nproc_per_node=2` and a terminal's Ctrl-C, which reaches the processes of its group:
+    the command and torchrun, which passes it to the workers (each in a session of its own). The workers agree on
+    one step and save, and the command exits 75 with one Ctrl-C line (rank 0's), the stop line, and no traceback."""
+    run_dir = tmp_path / "run"
+    log = open(run_dir.parent / f"{run_dir.name}.out", "a")
+    command = [sys.executable, "-m", "qwenft", "train", *_overrides(run_dir, "launcher.nproc_per_node=2")]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)  # a process group of its own, as a terminal's job
+    _wait_for_checkpoint(proc, run_dir, timeout=120)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=90) == EXIT_PREEMPTED, _output(run_dir)
+    stopped_at = max(logged_losses(run_dir))
+    assert stopped_at < MAX_STEPS and _checkpoint_step(run_dir) == stopped_at
+    step_dir = run_dir / "checkpoints" / f"step-{stopped_at:06d}"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"} <= {p.name for p in step_dir.iterdir()}
+    out = _output(run_dir)
+    assert out.count("qwenft: Ctrl-C: stopping at the end of this step") == 1, out
+    assert f"SIGINT: stopped after step {stopped_at} with checkpoint {step_dir}" in out and "Traceback" not in out
+    assert (run_dir / MARKER).read_text().startswith(f"step {stopped_at}, SIGINT, ")

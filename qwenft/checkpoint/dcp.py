@@ -17,12 +17,14 @@ name. So a checkpoint saved on one mesh (tp2 x pp2, interleaved stages, ...) loa
 or the seed on resume.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -232,54 +235,163 @@ class _Pending:
     future: object = None  # dcp.async_save's future; None once a synchronous save returned
 
 
+class SaveError(ValueError):
+    """A checkpoint could not be written (disk full, quota, permissions): the line `qwenft train` ends with."""
+
+
+# What a failing write raises: OSError (ENOSPC, EDQUOT, EACCES, EFBIG), RuntimeError from torch's zip writer
+# ("[enforce fail at inline_container.cc:...] unexpected pos ..."), CheckpointException from DCP (every rank's).
+_WRITE_ERRORS = (OSError, RuntimeError, CheckpointException)
+
+
+def _on_rank0(fn: Callable[[], None]) -> None:
+    """fn on rank 0, its write failure raised on every rank (collective), so no rank waits in the save's next
+    collective for one that has stopped."""
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except _WRITE_ERRORS as e:
+            error = [e]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise error[0]
+
+
+def _interrupted(e: BaseException) -> bool:
+    """A Ctrl-C inside DCP's write, which DCP reports as a CheckpointException like a failure."""
+    return isinstance(e, CheckpointException) and any(isinstance(exc, KeyboardInterrupt)
+                                                      for exc, _ in e.failures.values())
+
+
+def _cause(e: BaseException) -> str:
+    """The write failure in a few words: DCP's first failing rank's error, a file fault with its file."""
+    if isinstance(e, CheckpointException):
+        _, (e, _) = min(e.failures.items())
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or would: its nearest existing parent)."""
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def size_text(n: int) -> str:
+    for unit, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB")):
+        if n >= unit:
+            return f"{n / unit:.2f} {name}"
+    return f"{n} bytes"
+
+
 class Checkpointer:
     """Saves and loads one run's train state; with `async_save`, a save's files are written in the background
-    while training goes on, and `latest` (and `best`) name it only once all of them are on disk."""
+    while training goes on, and `latest` (and `best`) name it only once all of them are on disk. `guard`: a context
+    manager around the renames and deletions that publish a checkpoint (the runner's defers a second Ctrl-C)."""
 
     def __init__(self, root: Path, modules: list[nn.Module], optimizer, scheduler, data, model_config,
                  keep: int, keep_best: bool = False, async_save: bool = False, optim_dtypes: dict | None = None,
-                 peft: dict | None = None, data_meta: dict | None = None):
+                 peft: dict | None = None, data_meta: dict | None = None, guard: Callable = contextlib.nullcontext):
         self.root, self.optimizer, self.scheduler, self.data = root, optimizer, scheduler, data
         self.model = _native_view(modules)
         self.model_config, self.optim_dtypes = model_config, optim_dtypes
         self.peft = peft  # what is trained (checked on resume): None = full finetuning
         self.data_meta = data_meta  # what the data position depends on (checked on resume: qwenft.train.resume)
         self.options = _OPTIONS if peft is None else _TRAINABLE_OPTIONS
-        self.keep, self.keep_best = keep, keep_best
+        self.keep, self.keep_best, self.guard = keep, keep_best, guard
         self.pending: _Pending | None = None
+        self._bytes: int | None = None
         # DCP's background writer runs collectives; on the training group they would interleave with the
         # training step's. A CPU group of its own also serves NCCL runs (async_save needs gloo).
         self.async_group = dist.new_group(backend="gloo") if async_save else None
+        if dist.get_rank() == 0:  # what a killed or failed save left: this run holds the run dir
+            self.abandon()
 
     def _state(self) -> dict:
         return {"model": get_model_state_dict(self.model, options=self.options),
                 "optim": get_optimizer_state_dict(self.model, self.optimizer, options=self.options)}
 
+    def bytes_needed(self) -> int:
+        """About the size of one checkpoint (collective the first time): the saved parameters in their dtype and
+        AdamW's two moments in optim.state_dtype, each tensor counted once over the ranks (by its model-wide
+        name), plus 26 KiB a trained tensor for what DCP writes beside it (its AdamW param-group entries, a small
+        pickle each, and its index entries: 1.77 MB beside the tiny model's 68 tensors, whose checkpoint is 5.20 MB
+        to this estimate's 5.23 MB). Known before the optimizer has state, for the warning at start."""
+        if self._bytes is None:
+            state = torch.empty((), dtype=getattr(torch, (self.optim_dtypes or {}).get("state_dtype", "float32")))
+            mine = {}
+            for name, p in self.model.named_parameters():
+                if p.requires_grad:
+                    mine[name] = p.numel() * (p.element_size() + 2 * state.element_size()) + 26 * 1024
+                elif self.peft is None:
+                    mine[name] = p.numel() * p.element_size() + 1024
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            self._bytes = sum({name: size for ranks in every for name, size in ranks.items()}.values())
+        return self._bytes
+
+    def latest(self) -> Path | None:
+        name = read_pointer(self.root, "latest")
+        return None if name is None else self.root / name
+
+    def abandon(self) -> None:
+        """Remove what an unfinished save writes (its temp dir, a pointer's temp file); not collective."""
+        for tmp in self.root.glob(".*.tmp"):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+    def _failed(self, name: str, e: BaseException) -> None:
+        """Every rank, after a write failed on any: the temp dir removed (rank 0), SaveError with the line to print."""
+        self.pending = None
+        if dist.get_rank() == 0:
+            self.abandon()
+        latest = read_pointer(self.root, "latest")
+        raise SaveError(
+            f"checkpoint {self.root / name} could not be written ({_cause(e)}); a checkpoint needs about "
+            f"{size_text(self.bytes_needed())}, {size_text(free_bytes(self.root))} free there; the partial save was "
+            f"removed and " + (f"`latest` still names {latest}" if latest else "there is no earlier checkpoint")
+            + "; free space (or use a run_dir on a disk with room) and rerun to resume") from e
+
     def save(self, step: int, val_loss: float | None = None) -> Path:
         """Write step-<step> (collective) to a temp dir; `wait` renames it and updates the pointers. Synchronous
-        saves wait here; async ones at the next save or `wait()`. Returns the final path."""
+        saves wait here; async ones at the next save or `wait()`. Returns the final path. A write that fails on
+        any rank raises SaveError on every rank, with the temp dir removed and the pointers untouched."""
         self.wait()
         name = f"step-{step:06d}"
         tmp = self.root / f".{name}.tmp"
-        if dist.get_rank() == 0:
-            if tmp.exists():  # left by a crash mid-save
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        state = self._state()
-        if dist.get_rank() == 0:
-            torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
-                        "rng": _rng_state()}, tmp / EXTRA)
-            meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config),
-                    "optim_dtypes": self.optim_dtypes, "peft": self.peft, "data": self.data_meta}
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-        self.pending = _Pending(name, val_loss)
-        if self.async_group is not None:
-            self.pending.future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
+        self.bytes_needed()  # collective: done now, not once a rank has failed
+        try:
+            _on_rank0(lambda: self._begin(tmp, step, val_loss))
+            state = self._state()
+            self.pending = _Pending(name, val_loss)
+            if self.async_group is not None:
+                self.pending.future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+        except _WRITE_ERRORS as e:
+            if _interrupted(e):
+                raise
+            self._failed(name, e)
+        if self.async_group is None:
             self.wait()
         return self.root / name
+
+    def _begin(self, tmp: Path, step: int, val_loss: float | None) -> None:
+        """Rank 0: a fresh temp dir with extra.pt and checkpoint.json."""
+        if tmp.exists():  # left by a crash mid-save
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
+                    "rng": _rng_state()}, tmp / EXTRA)
+        meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config),
+                "optim_dtypes": self.optim_dtypes, "peft": self.peft, "data": self.data_meta}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
 
     def wait(self) -> None:
         """Finish the save in flight (collective): once this rank's shards are written (rank 0's future also
@@ -288,20 +400,25 @@ class Checkpointer:
         checkpoints beyond `keep`."""
         if self.pending is None:
             return
-        pending, self.pending = self.pending, None
-        if pending.future is not None:
-            pending.future.result()
-        dist.barrier()  # every rank's shards written
-        tmp = self.root / f".{pending.name}.tmp"
-        names = sorted(p.name for p in tmp.iterdir() if p.name != MANIFEST)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        records = [None] * world
-        dist.all_gather_object(records, _file_records(tmp, names[rank::world]))
-        if rank == 0:
+        pending = self.pending
+        try:
+            if pending.future is not None:
+                pending.future.result()
+            dist.barrier()  # every rank's shards written
+            tmp = self.root / f".{pending.name}.tmp"
+            names = sorted(p.name for p in tmp.iterdir() if p.name != MANIFEST)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            records = [None] * world
+            dist.all_gather_object(records, _file_records(tmp, names[rank::world]))
             manifest = {"files": {k: v for r in records for k, v in r.items()}}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-            self._publish(pending.name, pending.val_loss)
-        dist.barrier()
+            _on_rank0(lambda: (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True)))
+            with self.guard():
+                _on_rank0(lambda: self._publish(pending.name, pending.val_loss))
+        except _WRITE_ERRORS as e:
+            if _interrupted(e):
+                raise
+            self._failed(pending.name, e)
+        self.pending = None
 
     def _publish(self, name: str, val_loss: float | None) -> None:
         tmp, final = self.root / f".{name}.tmp", self.root / name

@@ -1,32 +1,64 @@
-"""`python -m qwenft.launch.torchrun ARGS` = `torchrun ARGS`, except that torchrun ignores SIGUSR1 and that
-workers failing on a user mistake (exit code 2, the one line printed by rank 0) leave exit code 2 and that
-line alone, not torchrun's ChildFailedError traceback and exit code 1.
+"""`python -m qwenft.launch.torchrun ARGS` = `torchrun ARGS`, except that torchrun ignores SIGUSR1 and SIGINT and that
+workers that stop on a user mistake (exit code 2, the one line printed by rank 0), after a signal with a checkpoint
+(75) or on a second Ctrl-C (130) leave that exit code and their own lines alone, not torchrun's ChildFailedError
+traceback and exit code 1.
 
 SLURM delivers a step's signal to every process of the step: torchrun and its workers. torchrun does not
 handle SIGUSR1 by default, so the signal would kill it (and then its workers); told to handle it
 (--signals-to-handle), it forwards it and SIGKILLs the workers 30 s later, which can cut a large checkpoint
 short (torch 2.11 has the 30 s fixed; 2.13 reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Ignored here, the workers
 (which inherit SIG_IGN and install their own handler when training starts) save at their pace and exit.
+
+torchrun starts each worker in a session of its own, so a terminal's Ctrl-C reaches torchrun alone. torchrun would
+forward it and SIGKILL the workers 30 s later, and a second Ctrl-C would end torchrun in its shutdown without
+reaching them. Here SIGINT is left out of torchrun's handled signals, and each one is passed to the workers as it
+comes: the first makes them save and stop, a second makes them stop at once (qwenft.launch.signals).
 """
 
 import logging
+import os
 import signal
 import sys
 
+from qwenft.launch.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
 EXIT_USER_ERROR = 2  # qwenft.cli's exit code for a config, input or file fault
+_PASSED_ON = (EXIT_USER_ERROR, EXIT_PREEMPTED, EXIT_INTERRUPTED)
 
 
 class _QuietUserErrors(logging.Filter):
-    """Drop the elastic agent's lines about a worker that exited with the user-error code (it said why) and
+    """Drop the elastic agent's lines about a worker that exited with a code it explains itself (2, 75, 130) and
     about the SIGTERM that then stops the others (a crash's own summary still lists every worker's exit)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return f"exitcode: {EXIT_USER_ERROR})" not in message and "closing signal" not in message
+        return not any(f"exitcode: {code})" in message for code in _PASSED_ON) and "closing signal" not in message
+
+
+def _children() -> list[int]:
+    """The pids of this process's children (torchrun's workers), from /proc (Linux; none elsewhere)."""
+    me, found = os.getpid(), []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
+        try:  # /proc/PID/stat: "PID (command) STATE PPID ...", the command may hold spaces and parentheses
+            if entry.name.isdigit() and int(open(f"{entry.path}/stat").read().rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # it has just exited
+            pass
+    return found
+
+
+def _pass_to_workers(signum, frame) -> None:
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, _pass_to_workers)
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGHUP,SIGQUIT")  # torchrun's default less SIGINT
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -36,6 +68,6 @@ if __name__ == "__main__":
         main()
     except ChildFailedError as e:
         _, first = e.get_first_failure()  # the others were stopped by torchrun after it
-        if first.exitcode == EXIT_USER_ERROR:
-            sys.exit(EXIT_USER_ERROR)
+        if first.exitcode in _PASSED_ON:
+            sys.exit(first.exitcode)
         raise

@@ -36,8 +36,8 @@ from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eva
                                    device_batch, forward_batch, val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
-from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0, set_cpu_threads,
-                                 setup_logging)
+from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
+                                 refuse_fresh_start_over_checkpoints, set_cpu_threads, setup_logging)
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
 
 log = logging.getLogger("qwenft")
@@ -417,6 +417,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
              batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
     resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
+    on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))
     if device.type == "cpu":
         set_cpu_threads()
     for damaged in passed_over:
@@ -502,15 +503,17 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
                                 cfg.lr_scheduler.min_lr_ratio)
     wandb_config = as_written(cfg) if cfg.logger.wandb else None  # interpolated secrets by name, as in config.yaml
     metrics = MetricsLogger(run_dir, is_main, wandb_config, cfg.logger.wandb_project,
-                            cfg.logger.wandb_mode, run_name=run_dir.name)
+                            cfg.logger.wandb_mode, run_name=run_dir.name, fresh=resume_from is None)
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
                                          cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
                                          async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names,
-                                         peft=peft_meta(cfg), data_meta=resume.data_meta(cfg, data))
+                                         peft=peft_meta(cfg), data_meta=resume.data_meta(cfg, data),
+                                         guard=signals.uninterruptible)
     start_step = 1
     if resume_from is not None:
         start_step = checkpointer.load(resume_from) + 1
         resume.apply_optimizer_options(optimizer, scheduler, cfg)
+        metrics.cut_after(start_step - 1)
         log.info("resumed from %s; continuing at step %d", resume_from, start_step)
 
     return Job(cfg=cfg, spec=spec, model_cfg=model_cfg, mesh=mesh, device=device, run_dir=run_dir, is_main=is_main,

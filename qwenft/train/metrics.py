@@ -1,6 +1,8 @@
 """Per-step metrics: metrics.jsonl in the run dir (always) and Weights & Biases (logger.wandb=true)."""
 
 import json
+import logging
+import os
 import resource
 import sys
 from pathlib import Path
@@ -16,12 +18,42 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def read_metrics_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl (none when there is no file); a torn line (a killed write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def keep_aside(path: Path) -> Path | None:
+    """A run starting at step 1 over an earlier run's metrics.jsonl (one stopped before any checkpoint, or started
+    with checkpoint.resume=none): that file becomes metrics.1.jsonl (or .2, ...: the first free number), so the
+    new file holds this run's steps alone and nothing is lost. Returns the new name, None when there was nothing."""
+    steps = [row["step"] for row in read_metrics_rows(path) if "step" in row]
+    if not steps:
+        return None
+    aside = next(p for n in range(1, 10**6) if not (p := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists())
+    path.rename(aside)
+    logging.getLogger("qwenft").warning("%s held an earlier run's steps %d-%d (no checkpoint resumed): kept as %s; "
+                                        "this run's steps start afresh in %s", path, min(steps), max(steps),
+                                        aside.name, path.name)
+    return aside
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step; rank 0 only (the runner passes enabled=False elsewhere)."""
 
     def __init__(self, run_dir: Path, enabled: bool, wandb_config: dict | None = None,
-                 wandb_project: str = "qwenft", wandb_mode: str | None = None, run_name: str = ""):
+                 wandb_project: str = "qwenft", wandb_mode: str | None = None, run_name: str = "",
+                 fresh: bool = True):
+        """`fresh`: the run starts at step 1, so an earlier run's rows are kept aside (keep_aside)."""
         self.enabled = enabled
+        if enabled and fresh:
+            keep_aside(run_dir / "metrics.jsonl")
         self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self.wandb = None
         if enabled and wandb_config is not None:
@@ -37,6 +69,19 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def cut_after(self, step: int) -> None:
+        """Resuming from `step`'s checkpoint: drop the rows of later steps, which the stopped run logged and this one
+        logs again, so metrics.jsonl holds each step once, in order."""
+        if self.file is None:
+            return
+        path = Path(self.file.name)
+        self.file.close()
+        kept = [row for row in read_metrics_rows(path) if row.get("step", 0) <= step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, path)
+        self.file = open(path, "a")
 
     def close(self) -> None:
         if self.file is not None:

@@ -104,6 +104,19 @@ def make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
         cleanup.callback(lock.release)
 
 
+def refuse_fresh_start_over_checkpoints(run_dir: Path, resume_from: Path | None, resume: str) -> None:
+    """checkpoint.resume=none in a run dir with checkpoints is refused: the new run's checkpoints would join the
+    earlier run's in checkpoints/, and `checkpoint.keep` would rotate them against each other (a step-000010 of the
+    new run goes before the earlier run's step-000100). An earlier run's metrics.jsonl alone is kept aside instead
+    (MetricsLogger), and a resumed run cuts it back to its checkpoint's step."""
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
+    if resume_from is None and checkpoints:
+        raise ValueError(f"run_dir={run_dir} holds an earlier run's checkpoints ({', '.join(checkpoints)}) and "
+                         f"checkpoint.resume={resume} starts afresh: the two runs' checkpoints would mix; resume with "
+                         f"checkpoint.resume=auto, give a new run_dir, or delete {run_dir / 'checkpoints'} to start "
+                         f"over in it")
+
+
 def setup_logging(run_dir: Path, is_main: bool, progress_bar: bool) -> None:
     """The `qwenft` logger: console and (rank 0) run_dir/train.log. Its child `qwenft.steps` carries the
     per-step lines: to train.log always, to the console only without the progress bar (which shows them)."""

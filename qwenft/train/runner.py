@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qwenft.checkpoint.dcp import free_bytes, size_text
 from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft_adapter, full_state_dict
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
@@ -41,11 +42,24 @@ class StepStats:
     moe: dict = field(default_factory=dict)  # an MoE model's aux loss and expert load (build.moe_step_metrics)
 
 
-def run(cfg: Config, return_state: bool = False, on_step=None) -> RunResult:
-    """Train as `qwenft train` does; `on_step(step)`, if given, runs after each step (scripts/bench.py's profiler)."""
-    with signals.StopOnSignal() as stop, ExitStack() as cleanup:  # cleanup: the run dir's lock
+def run(cfg: Config, return_state: bool = False, on_step=None, command_args: list[str] | None = None) -> RunResult:
+    """Train as `qwenft train` does; `on_step(step)`, if given, runs after each step (scripts/bench.py's profiler).
+    `command_args`: the `qwenft train` arguments, for the resume command a stopped run prints. A second Ctrl-C
+    raises signals.Interrupted, its message the line to print, after the checkpoint being written is removed."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and cfg.launcher.nproc_per_node <= 1  # the user's own torchrun
+    with signals.StopOnSignal(command_args, torchrun) as stop, ExitStack() as cleanup:  # cleanup: the run dir's lock
         job = build_job(cfg, save_config=lambda run_dir: _save_config(cfg, run_dir), cleanup=cleanup)
-        return train(job, stop, return_state, on_step)
+        try:
+            return train(job, stop, return_state, on_step)
+        except BaseException as e:
+            if not stop.interrupted:
+                raise
+            job.checkpointer.abandon()
+            latest = job.checkpointer.latest()
+            raise signals.Interrupted(
+                "stopped at once by a second Ctrl-C, without a checkpoint of this step (nothing half-written kept); "
+                + (f"the newest complete checkpoint is {latest}; resume with: {stop.resume_command(job.run_dir)}"
+                   if latest else "there is no checkpoint to resume (the same command starts afresh)")) from e
 
 
 def _save_config(cfg: Config, run_dir: Path) -> None:
@@ -64,39 +78,47 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
 
         progress = tqdm(total=job.max_steps, desc="train", dynamic_ncols=True)
         progress.update(job.start_step - 1)
+    if cfg.checkpoint.every_steps:
+        warn_low_disk(job)
     batches = iter(job.data)
     for m in job.model_parts:
         m.train()
-    for step in range(job.start_step, job.max_steps + 1):
-        start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
-        try:
+    try:  # a failure's line (train.on_nonfinite=error, a failed save, a Ctrl-C) on its own, not after the bar
+        for step in range(job.start_step, job.max_steps + 1):
+            start = time.perf_counter()
+            micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
             stats = train_step(job, micro_batches, step, result)
-        except ValueError:  # train.on_nonfinite=error: the error's line on its own, not after the bar
+            elapsed = time.perf_counter() - start
+            result.losses.append(stats.loss)
+            if step % cfg.train.log_every == 0 or step == job.max_steps:
+                log_step(job, step, stats, elapsed, result.skipped_steps)
+            if job.validate is not None and (step % cfg.eval.every_steps == 0 or step == job.max_steps):
+                validate(job, step, result)
             if progress is not None:
-                progress.close()
-            raise
-        elapsed = time.perf_counter() - start
-        result.losses.append(stats.loss)
-        if step % cfg.train.log_every == 0 or step == job.max_steps:
-            log_step(job, step, stats, elapsed, result.skipped_steps)
-        if job.validate is not None and (step % cfg.eval.every_steps == 0 or step == job.max_steps):
-            validate(job, step, result)
+                progress.update(1)
+                progress.set_postfix(loss=f"{stats.loss:.4f}", lr=f"{stats.lr:.2e}")
+            if on_step is not None:
+                on_step(step)
+            if checkpoint_or_stop(job, step, stop, result):
+                break
+        job.checkpointer.wait()
+    finally:
         if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{stats.loss:.4f}", lr=f"{stats.lr:.2e}")
-        if on_step is not None:
-            on_step(step)
-        if checkpoint_or_stop(job, step, stop, result):
-            break
-    job.checkpointer.wait()
-    if progress is not None:
-        progress.close()
+            progress.close()
     job.metrics.close()
     if result.preempted:
         return result
     finish(job, result, return_state)
     return result
+
+
+def warn_low_disk(job: Job) -> None:
+    """One line at start when the disk under checkpoints/ has less room than one checkpoint (collective)."""
+    needed = job.checkpointer.bytes_needed()
+    free = free_bytes(job.checkpointer.root)
+    if free < needed:
+        log.warning("checkpoints: %s free under %s, less than one checkpoint (about %s): saves will fail; free space, "
+                    "or use a run_dir on a disk with room", size_text(free), job.checkpointer.root, size_text(needed))
 
 
 def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult) -> StepStats:
@@ -192,8 +214,8 @@ def checkpoint_or_stop(job: Job, step: int, stop: signals.StopOnSignal, result: 
     if job.is_main:
         signals.write_marker(job.run_dir, step, result.preempted, path)
     dist.barrier()  # no rank exits (and lets torchrun stop the others) before the marker exists
-    log.info("%s: stopped after step %d with checkpoint %s; exit code %d, resume with "
-             "checkpoint.resume=auto", result.preempted, step, path, signals.EXIT_PREEMPTED)
+    log.info("%s: stopped after step %d with checkpoint %s; exit code %d; resume with: %s", result.preempted, step,
+             path, signals.EXIT_PREEMPTED, stop.resume_command(job.run_dir))
     return True
 
 
