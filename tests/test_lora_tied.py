@@ -139,8 +139,8 @@ def test_shared_gradient_sums_the_embedding_and_head_gradients(flags):
 def test_mesh_equals_one_process(tied_ckpt, reference, tmp_path, mesh):
     """FSDP2 over dp2 (the tied matrix in the root unit), and tp2 (the matrix one vocab-sharded parameter): each
     step's loss, and every trained parameter's gradient (as one vector and each tensor, the tied matrix included),
-    within fp32_rtol of one process's for the AdamW steps before it (at this run's lr 5e-3 and 256 tokens a step,
-    step 3 allows 6.5e-5, seen up to 1.1e-5: AdamW at a large lr turns last-bit differences into lr-sized moves)."""
+    within fp32_rtol of one process's for the AdamW steps before it (at this run's lr 5e-3, step 3 allows 6.5e-5,
+    seen up to 1.1e-5: AdamW at a large lr turns last-bit differences into lr-sized moves)."""
     results = run_distributed(_train, 2, _overrides(tied_ckpt, tmp_path / "mesh", *mesh))
     ref_losses, ref_grads = reference[0], reference[1]
     for losses, grads, _, _ in results:
