@@ -18,11 +18,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def threads_per_rank() -> int:
+    """Torch threads in each forked rank: QWENFT_TEST_THREADS, else 1. Matmul kernels split their sums by the thread
+    count, so running the suite at 1 and 2 checks that the parity bounds hold for other summation orders."""
+    return int(os.environ.get("QWENFT_TEST_THREADS", "1"))
+
+
 def _worker(rank, world_size, port, fn, args, queue):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_rank())
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:

@@ -39,8 +39,9 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", CHECKPOINTED)
 def test_every_mode_trains_like_no_checkpointing(trained, mode):
-    """3 steps of 2 microbatches of 2 packed rows (fp32): losses and every parameter within 1e-6."""
-    assert_same_training(trained[mode], trained["false"], rtol=1e-6)
+    """3 steps of 2 microbatches of 2 packed rows (fp32): losses and every parameter within a tenth of fp32_rtol's
+    bound (margin 0.4: the recompute repeats the forward's sums in their own order, one mesh, one kernel)."""
+    assert_same_training(trained[mode], trained["false"], margin=0.4)
 
 
 @pytest.mark.distributed
@@ -50,7 +51,7 @@ def test_selective_under_tp2_and_dp2(tmp_path, mesh):
     """Head-sharded projections (their local mm outputs are kept), and FSDP2 with the fp32 decay units inside
     each layer all-gathering again in the recompute: selective trains as no checkpointing on the same mesh."""
     for result in run_distributed(_train_every_mode, 2, tmp_path, ("false", "selective"), mesh):
-        assert_same_training(result["selective"], result["false"], rtol=1e-6)
+        assert_same_training(result["selective"], result["false"], margin=0.4)
 
 
 class _Ops(TorchDispatchMode):

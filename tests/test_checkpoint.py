@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from distributed import run_distributed
-from helpers import (compose, logged_losses, parity_overrides, raised_line, read_metrics, tiny_overrides, train,
-                     train_with_state)
+from helpers import (assert_within, compose, fp32_rtol, logged_losses, parity_overrides, raised_line, read_metrics,
+                     tiny_overrides, train, train_with_state)
 
 
 def _overrides(run_dir, max_steps, *extra):
@@ -17,6 +17,15 @@ def _overrides(run_dir, max_steps, *extra):
     return parity_overrides(run_dir, f"train.max_steps={max_steps}", "checkpoint.export_hf=false",
                             "lr_scheduler.warmup_steps=4", "lr_scheduler.decay=constant", "checkpoint.every_steps=2",
                             *extra)
+
+
+def _assert_steps_3_and_4(losses, uninterrupted):
+    """A run resumed at step 2 on another mesh or optimizer implementation: steps 3 and 4's losses within fp32_rtol
+    of the uninterrupted run's, for the steps since the two parted (the sums of step 3 are the first taken in
+    another order)."""
+    for steps_apart, (got, step) in enumerate(zip(losses, (3, 4))):
+        want = uninterrupted[step]
+        assert_within(f"step {step}'s loss", abs(got - want) / abs(want), fp32_rtol(steps_apart))
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +65,7 @@ def test_resume_on_another_mesh(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     run_distributed(train, 2, _overrides(run_dir, 2))
     (result,) = run_distributed(train, 1, _overrides(run_dir, 4))
-    for got, step in zip(result.losses, (3, 4)):
-        assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
+    _assert_steps_3_and_4(result.losses, uninterrupted)
 
 
 def _train_adamw(rank, world_size, overrides, settings):
@@ -102,8 +110,7 @@ def test_resume_keeps_this_runs_optimizer_implementation(tmp_path, uninterrupted
                                             resumed)
     assert settings == ({"foreach": True, "fused": None} if resumed is None else {"foreach": None, **resumed})
     assert len(losses) == 2
-    for got, step in zip(losses, (3, 4)):
-        assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
+    _assert_steps_3_and_4(losses, uninterrupted)
 
 
 def _assert_unchanged(root, before: dict) -> None:
@@ -303,8 +310,7 @@ def test_resume_tp2_pp2_checkpoint_on_another_mesh(tmp_path, tp2_pp2_interleaved
     losses = run_distributed(train, nproc, _overrides(tmp_path / "run", 4, f"checkpoint.resume={step2}",
                                                       *mesh))[0].losses
     assert len(losses) == 2
-    for got, step in zip(losses, (3, 4)):
-        assert abs(got - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, got, uninterrupted[step])
+    _assert_steps_3_and_4(losses, uninterrupted)
 
 
 @pytest.mark.distributed

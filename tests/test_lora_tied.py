@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import compose, save_random_checkpoint, train_recording_grads
+from helpers import (assert_same_tensors, assert_within, compose, fp32_rtol, save_random_checkpoint,
+                     train_recording_grads)
 
 EMBED = "embed_tokens.weight"
+LR = 5e-3
 
 
 def _tied_config():
@@ -33,7 +35,7 @@ def tied_ckpt(tmp_path_factory):
 
 def _overrides(ckpt, run_dir, *extra):
     return ["recipe=tiny", "peft=lora", f"model.path={ckpt}", "data.tokenizer=tiny", "train.max_steps=3",
-            "data.seq_len=64", "model.kernels.gdn=torch", "train.progress_bar=false", "optim.lr=5e-3",
+            "data.seq_len=64", "model.kernels.gdn=torch", "train.progress_bar=false", f"optim.lr={LR}",
             "optim.max_grad_norm=0", "lr_scheduler.warmup_steps=0", "checkpoint.export_hf=false",
             "train.global_batch_size=4", "train.micro_batch_size=1", "peft.train_embeddings=true",
             f"run_dir={run_dir}", *extra]
@@ -135,19 +137,19 @@ def test_shared_gradient_sums_the_embedding_and_head_gradients(flags):
                                   ["pipeline.reduce_grad_per_microbatch=true"], ["mesh.tp=2"]],
                          ids=["dp2", "dp2-knob", "tp2"])
 def test_mesh_equals_one_process(tied_ckpt, reference, tmp_path, mesh):
-    """FSDP2 over dp2 (the tied matrix in the root unit), and tp2 (the matrix one vocab-sharded parameter):
-    losses, and every trained parameter's gradient, within 1e-5 of one process's."""
+    """FSDP2 over dp2 (the tied matrix in the root unit), and tp2 (the matrix one vocab-sharded parameter): each
+    step's loss, and every trained parameter's gradient (as one vector and each tensor, the tied matrix included),
+    within fp32_rtol of one process's for the AdamW steps before it (at this run's lr 5e-3, step 3 allows 6.5e-5,
+    seen up to 1.1e-5: AdamW at a large lr turns last-bit differences into lr-sized moves)."""
     results = run_distributed(_train, 2, _overrides(tied_ckpt, tmp_path / "mesh", *mesh))
     ref_losses, ref_grads = reference[0], reference[1]
     for losses, grads, _, _ in results:
-        assert len(losses) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), losses
+        assert len(losses) == 3
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert_within(f"step {step + 1}'s loss", abs(a - b) / abs(b), fp32_rtol(step, lr=LR))
         for step, (got, ref) in enumerate(zip(grads, ref_grads)):
-            assert got.keys() == ref.keys()
-            diff = torch.cat([(got[n] - g).flatten() for n, g in ref.items()]).norm()
-            total = torch.cat([g.flatten() for g in ref.values()]).norm()
-            assert diff / total < 1e-5, f"step {step + 1}: rel err {diff / total:.2e}"
-            err = (got[EMBED] - ref[EMBED]).norm() / ref[EMBED].norm()
-            assert err < 1e-5, f"step {step + 1}: tied matrix's gradient rel err {err:.2e}"
+            assert EMBED in ref
+            assert_same_tensors(got, ref, fp32_rtol(step, lr=LR), f"step {step + 1}'s gradients")
 
 
 def _native_logits(cfg, lora, state, input_ids):
