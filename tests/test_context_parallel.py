@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from helpers import assert_same_grads, parity_overrides, train_with_grads
+from helpers import assert_same_tensors, assert_within, fp32_rtol, parity_overrides, train_with_grads
 from qwenft.constants import IGNORE_INDEX
 
 pytestmark = pytest.mark.distributed
@@ -144,12 +144,12 @@ def test_no_state_leaks_across_documents():
 
 # ---------------------------------------------------------------- training runs
 
-# fp32 runs: the spans sum the same terms in another order (the state fold, the gradients over ranks). Losses and
-# gradients then differ at the 1e-6 level; GatedDeltaNet's decay (A_log, dt_bias and a_proj, which feeds it), whose
-# gradient sums products of exponentials over every token and head, up to 4e-5 (observed). Parameters after AdamW are not compared: its
-# first steps move an element by lr whatever its gradient's size, so rounding in a near-zero gradient element
-# becomes a full update (4.8e-4 relative on a_proj here). A lost state or halo moves gradients by 1e-2 and more.
-GRAD_RTOL, DECAY_RTOL = 1e-5, 2e-4
+# fp32 runs: the spans sum the same terms in another order (the state fold, the gradients over ranks), so losses
+# and gradients differ by rounding, bounded by helpers.fp32_rtol (GatedDeltaNet's decay, whose gradient sums
+# products of exponentials over every token and head, is the farthest tensor: 4e-5 observed after 2 steps,
+# against a per-tensor bound of 1.9e-4). Parameters after AdamW are not compared: its first steps move an element
+# by lr whatever its gradient's size, so rounding in a near-zero gradient element becomes a full update (4.8e-4
+# relative on a_proj here). A lost state or halo moves gradients by 1e-2 and more.
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +159,13 @@ def reference(tmp_path_factory):
     return result
 
 
-def assert_same_run(result, reference):
+def assert_same_run(result, reference, grads_after: int | None = None):
+    """Every step's loss, and the recorded gradients, taken after `grads_after` AdamW steps (default: the last
+    step's), within fp32 rounding of the reference's."""
     for step, (a, b) in enumerate(zip(result.losses, reference.losses, strict=True)):
-        assert abs(a - b) <= GRAD_RTOL * abs(b), f"step {step + 1}: loss {a} vs reference {b}"
-    assert_same_grads(result, reference, rtol=GRAD_RTOL, rtol_by_suffix={"A_log": DECAY_RTOL, "dt_bias": DECAY_RTOL,
-                                                                      "a_proj.weight": DECAY_RTOL})
+        assert_within(f"step {step + 1}'s loss", abs(a - b) / abs(b), fp32_rtol(step))
+    steps = len(reference.losses) - 1 if grads_after is None else grads_after
+    assert_same_tensors(result.grads, reference.grads, fp32_rtol(steps), "gradients")
 
 
 @pytest.mark.slow
@@ -221,7 +223,8 @@ def test_checkpoint_resumes_on_another_cp(tmp_path):
     run_distributed(train, 2, overrides(tmp_path / "cp", 2, "mesh.cp=2"))
     (result, *_) = run_distributed(train, 4, overrides(tmp_path / "cp", 4, "mesh.cp=4"))
     for got, step in zip(result.losses, (3, 4), strict=True):
-        assert abs(got - uninterrupted[step]) <= GRAD_RTOL * abs(uninterrupted[step]), (step, got)
+        assert_within(f"step {step}'s loss", abs(got - uninterrupted[step]) / abs(uninterrupted[step]),
+                      fp32_rtol(step - 1))
 
 
 @pytest.mark.slow
@@ -267,8 +270,8 @@ def test_moe_equals_one_process(tmp_path, moe_reference, extra):
     within each span's ep group and the experts' FSDP2 unit sums over dp_outer x cp. The first step's gradients
     are compared (taken at equal parameters): at later steps the parameters differ at the rounding level
     AdamW amplifies, and a near-tied top-k choice may then flip (observed 3e-4 on GatedDeltaNet's decay at
-    step 2); every step's loss within 1e-5."""
+    step 2, 2e-5 at dp2); every step's loss within fp32 rounding."""
     world = 4 if "mesh.dp=2" in extra else 2
     results = run_distributed(_first_step, world, parity_overrides(tmp_path / "run", "model.name=tiny_moe", *extra))
     for result in results:
-        assert_same_run(result, moe_reference)
+        assert_same_run(result, moe_reference, grads_after=0)
