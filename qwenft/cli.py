@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cfg), end="")
             from omegaconf import OmegaConf
 
-            missing = sorted(OmegaConf.missing_keys(OmegaConf.structured(cfg)))
+            missing = OmegaConf.missing_keys(OmegaConf.structured(cfg))
+            missing = sorted(missing - {"data.path"} if cfg.data.sources else missing)  # a mixture replaces it
             if missing:
                 print(f"qwenft: required before train: {', '.join(missing)}", file=sys.stderr)
             return 0
