@@ -273,3 +273,33 @@ def test_mixture_epoch_holds_every_source_once_at_equal_token_weights(tok, tmp_p
     assert len(order) == sum(len(d) for d in docs)
     assert sorted(order.tolist()) == list(range(len(order)))
     assert data.source_summary["long"]["tokens"] == tokens[0]
+
+
+def test_data_prepare_prints_each_sources_numbers_and_train_reuses_the_cache(tok, tmp_path, capsys):
+    from qwenft.cli import main
+    from qwenft.data.tokenizer import load_tokenizer as load
+
+    path = bad_rows_file(tmp_path)
+    cache_dir = tmp_path / "c"
+    args = ["data", "prepare", "recipe=tiny", "data.seq_len=64", "data.truncation=drop", f"data.cache_dir={cache_dir}",
+            "data.num_proc=1"]
+    assert main(args + [f"data.sources=[{{path: {path}, weight: 1}}, {{path: tiny, weight: 2}}]"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    tiny_tok = load("tiny")  # the recipe's tokenizer
+    want = []
+    for p in (path, TRAIN_PATH):
+        docs, skipped = tokenize_rows(load_rows(p), tiny_tok, 64, truncation="drop")
+        want.append((len(load_rows(p)), len(docs), sum(len(d.input_ids) for d in docs), skipped))
+    assert out[0] == f"bad: {path}" and out[3] == f"tiny_chat: {TRAIN_PATH}"
+    assert out[1].startswith(f"  cache {cache_dir}/bad-") and out[1].endswith("(built in " + out[1].split("built in ")[1])
+    for line, (rows, n_docs, tokens, skipped) in zip((out[2], out[5]), want):
+        text = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
+        assert line == f"  {rows} rows: {n_docs} documents, {tokens} tokens; skipped rows: {text}"
+    assert out[6] == f"total: {want[0][1] + want[1][1]} documents, {want[0][2] + want[1][2]} tokens"
+    # a second prepare, and training, find it built
+    assert main(args + [f"data.path={path}"]) == 0
+    assert "(already built)" in capsys.readouterr().out
+    _, built = cache_lib.open_cache(path, tiny_tok, 64, truncation="drop", cache_dir=cache_dir)
+    assert not built
+    assert main(args + [f"data.path={path}", "data.on_bad_row=error"]) == 2
+    assert "qwenft: error: data row 3: row has no non-empty 'messages' list" in capsys.readouterr().err

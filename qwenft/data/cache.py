@@ -255,7 +255,8 @@ def build(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, k
         outs = [str(tmp / f"shard-{i:06d}") for i in range(len(shards))]
         args = (tokenizer, seq_len, train_on, truncation)
         workers = max(1, min(num_proc, len(shards)))
-        log.info("data: tokenizing %s (%d shards, %d processes) into %s", path, len(shards), workers, final)
+        log.info("data: tokenizing %s (%d shards, %d process%s) into %s", path, len(shards), workers,
+                 "es" if workers > 1 else "", final)
         results = []
         if workers == 1:
             for shard, out in zip(shards, outs):
