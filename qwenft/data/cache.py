@@ -8,8 +8,8 @@ On disk, one directory per (data, tokenizer, settings), named `<data stem>-<key>
     meta.json     documents, tokens, rows read, skipped rows per reason, the first bad row per reason,
                   and everything the key was computed from
 
-About 5 bytes a token, read with `np.load(mmap_mode="r")`: a rank touches only the pages of the documents
-it packs, so its resident data memory does not grow with the dataset. The key is a sha256 over everything
+About 5 bytes a token. A rank reads the documents it packs with positioned reads (`CachedDocuments`), so
+its resident data memory does not grow with the dataset. The key is a sha256 over everything
 that changes the tokens: the data files (path, size, mtime and a hash of the first and last MiB), the
 tokenizer (its full serialization, special tokens and chat template), seq_len, truncation, train_on, the
 row format and CACHE_VERSION. `on_bad_row` is not in the key: rows are always tokenized in skip mode and
@@ -110,15 +110,37 @@ def cache_dir_for(path: Path, key: dict, cache_root: Path) -> Path:
 # ---------------------------------------------------------------- reading the cache
 
 class CachedDocuments:
-    """The cached documents as a read-only sequence of `chat.Document`, backed by memory-mapped arrays."""
+    """The cached documents as a read-only sequence of `chat.Document`.
+
+    A document is read with positioned reads (`os.pread`) from the token and target files, so its bytes
+    come from the OS page cache that all ranks of a node share, and nothing stays mapped into the process:
+    a memory map's pages would count in a rank's resident memory as it touches them, growing to the whole
+    token file over an epoch. The offsets (8 bytes a document) are read into memory."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self.meta = json.loads((directory / "meta.json").read_text())
-        self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")
-        self.targets = np.load(directory / "targets.npy", mmap_mode="r")
-        self.offsets = np.load(directory / "offsets.npy")  # 8 bytes a document, read in full
+        self.offsets = np.load(directory / "offsets.npy")
         self.lengths = np.diff(self.offsets)
+        self._files = {name: _open_npy(directory / f"{name}.npy") for name in ("tokens", "targets")}
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All token ids, memory-mapped (for inspection; training reads documents one by one)."""
+        return np.load(self.directory / "tokens.npy", mmap_mode="r")
+
+    @property
+    def targets(self) -> np.ndarray:
+        return np.load(self.directory / "targets.npy", mmap_mode="r")
+
+    def _read(self, name: str, start: int, end: int) -> np.ndarray:
+        fd, data_at, dtype = self._files[name]
+        size = dtype.itemsize
+        return np.frombuffer(os.pread(fd, (end - start) * size, data_at + start * size), dtype=dtype)
+
+    def __del__(self):
+        for fd, _, _ in getattr(self, "_files", {}).values():
+            os.close(fd)
 
     @property
     def skipped(self) -> dict:
@@ -129,9 +151,9 @@ class CachedDocuments:
 
     def __getitem__(self, d: int) -> Document:
         start, end = int(self.offsets[d]), int(self.offsets[d + 1])
-        ids = self.tokens[start:end].astype(np.int64)
+        ids = self._read("tokens", start, end).astype(np.int64)
         labels = np.full(end - start, IGNORE_INDEX, dtype=np.int64)
-        target = self.targets[start:end - 1].astype(bool)
+        target = self._read("targets", start, end - 1).astype(bool)
         labels[:-1][target] = ids[1:][target]
         return Document(ids.tolist(), labels.tolist())
 
@@ -142,6 +164,29 @@ class CachedDocuments:
         if bad:
             index, detail = min(bad)
             raise ValueError(f"data row {index}: {detail} (set data.on_bad_row=skip to skip such rows)")
+
+
+def _open_npy(path: Path) -> tuple[int, int, np.dtype]:
+    """(file descriptor, byte offset of the data, dtype) of a 1-d `.npy` file."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        _, fortran, dtype = read_header(f)
+        data_at = f.tell()
+    assert not fortran
+    return os.open(path, os.O_RDONLY), data_at, dtype
+
+
+def _write_npy(path: Path, parts: list[str], dtype, n: int) -> None:
+    """Concatenate 1-d `.npy` files into one of `n` items by streaming their bytes (not through a memory
+    map, whose written pages would count in the builder's resident memory), deleting each part."""
+    with open(path, "wb") as out:
+        np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                  "fortran_order": False, "shape": (n,)})
+        for part in parts:
+            out.write(np.load(part).tobytes())
+            os.unlink(part)
 
 
 # ---------------------------------------------------------------- building it
@@ -274,15 +319,7 @@ def build(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, k
         np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=offsets[1:])
         np.save(tmp / "offsets.npy", offsets)
         for name, dtype in (("tokens", np.int32), ("targets", np.uint8)):
-            array = np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=(n_tokens,))
-            at = 0
-            for out in outs:
-                part = np.load(f"{out}.{name}.npy")
-                array[at:at + len(part)] = part
-                at += len(part)
-                os.unlink(f"{out}.{name}.npy")
-            array.flush()
-            del array
+            _write_npy(tmp / f"{name}.npy", [f"{out}.{name}.npy" for out in outs], dtype, n_tokens)
         for out in outs:
             os.unlink(out + ".lengths.npy")
         skipped, first_bad, row0 = Counter(), {}, 0
