@@ -19,6 +19,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from qwenft.constants import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant")
@@ -136,8 +138,11 @@ def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistan
     ids = enc["input_ids"]
     if train_on == "all":
         return ids, [True] * len(ids)
-    is_target = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
-    return ids, is_target
+    starts = np.array([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
+    is_target = np.zeros(len(ids), dtype=bool)
+    for s, e in spans:
+        is_target |= (starts >= s) & (starts < e)
+    return ids, is_target.tolist()
 
 
 def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
