@@ -303,3 +303,60 @@ def test_data_prepare_prints_each_sources_numbers_and_train_reuses_the_cache(tok
     assert not built
     assert main(args + [f"data.path={path}", "data.on_bad_row=error"]) == 2
     assert "qwenft: error: data row 3: row has no non-empty 'messages' list" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_mixture_run_logs_sources_and_per_source_tokens(tmp_path):
+    """Two dp ranks train on a mixture: the start log names each source, and every step's metrics carry the
+    tokens each source contributed to the global stream so far, counted here from the decoded batches."""
+    from distributed import run_distributed
+    from helpers import tiny_overrides, train
+
+    paths = source_files(tmp_path)
+    sources = f"data.sources=[{{path: {paths[0]}, weight: 1}}, {{path: {paths[1]}, weight: 3}}]"
+    run_dir = tmp_path / "run"
+    run_distributed(train, 2, tiny_overrides(run_dir, sources, "train.max_steps=2", "train.global_batch_size=8",
+                                             "train.micro_batch_size=2", "checkpoint.export_hf=false",
+                                             f"data.cache_dir={tmp_path / 'c'}"))
+    log = (run_dir / "train.log").read_text()
+    assert f"data source long: {paths[0]}, weight 1: " in log and f"data source short: {paths[1]}, weight 3: " in log
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the reference: one process, the whole global batch of 8 rows a step
+    tok = load_tokenizer("tiny")
+    data = build_mixture_data([Source(p.stem, str(p), w, None) for p, w in zip(paths, (1, 3))], tok, 128, 8,
+                              cache=False)
+    texts = [{tok.apply_chat_template(r["messages"], tokenize=False) for r in load_rows(p)} for p in paths]
+    counted = [0, 0]
+    for step in (1, 2):
+        batch = next(data)
+        cu, flat = batch["cu_seqlens"].tolist(), batch["input_ids"].reshape(-1)
+        for a, b in zip(cu[:-1], cu[1:]):
+            owner = [tok.decode(flat[a:b]) in t for t in texts]
+            if any(owner):
+                counted[owner.index(True)] += b - a
+        line = next(m for m in metrics if m["step"] == step and "loss" in m)
+        assert (line["tokens/long"], line["tokens/short"]) == tuple(counted)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.path=/d/a.jsonl", "data.sources=[{path: /d/b.jsonl}]"],
+     "data.path=/d/a.jsonl and data.sources are both set; a mixture lists every dataset in data.sources"),
+    (["data.sources=[{path: /d/b.jsonl, weight: 0}]"], "data.sources[0].weight=0.0 must be > 0"),
+    (["data.num_proc=0"], "data.num_proc=0 must be >= 1 (or null for this machine's cores)"),
+])
+def test_bad_data_keys_fail_with_one_line(overrides, message):
+    from qwenft.conf import compose
+
+    with pytest.raises(ValueError) as e:
+        compose(["recipe=tiny", *overrides])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_mixture_needs_no_data_path():
+    from qwenft.conf import compose
+
+    cfg = compose(["recipe=qwen3_5_27b_lora", "data.sources=[{path: /d/a.jsonl, weight: 2}, {path: /d/b.jsonl}]"])
+    assert [(s.path, s.weight) for s in cfg.data.sources] == [("/d/a.jsonl", 2.0), ("/d/b.jsonl", 1.0)]
+    with pytest.raises(ValueError, match="required key"):
+        compose(["recipe=qwen3_5_27b_lora"])
