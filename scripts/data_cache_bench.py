@@ -11,6 +11,11 @@ resident memory (VmHWM) of every training rank:
 2. today's in-memory pipeline (`data.cache=false`) on a --old-rows file, one rank;
 3. the cache's first run on that file (builds it), one rank, and its second run (reuses it).
 
+With `--assemble-from CACHE_ROOT` (a finished `--runs small` cache root) the big file is instead
+`--rows / --old-rows` copies of the small file with its cache assembled from the small one (what a build
+would write, row by row), and only the big second run runs: for measuring a large cache's reads where
+tokenizing it takes too long on a shared machine.
+
 Prints a markdown table and the cache's tokenization throughput (rows per second per process) from its
 meta.json; --json writes the numbers too.
 """
@@ -118,6 +123,33 @@ def run(label: str, args: list[str], log_dir: Path) -> dict:
             "data_line": next((line.strip() for line in lines if " data: " in line and "documents" in line), "")}
 
 
+def assemble_big(small: Path, small_cache: Path, big: Path, big_cache: Path, copies: int, seq_len: int) -> None:
+    """`big` = `copies` copies of `small`, and its token cache assembled from `small`'s (tiled arrays, rows
+    and skip counts times `copies`) instead of tokenizing it: every row tokenizes on its own, so a build
+    would write the same arrays. For measuring reads of a large cache where building one takes too long."""
+    import numpy as np
+
+    from qwenft.data import cache as cache_lib
+    from qwenft.data.tokenizer import load_tokenizer
+
+    with open(big, "wb") as out:
+        for _ in range(copies):
+            out.write(small.read_bytes())
+    (src,) = [p.parent for p in small_cache.glob("*/meta.json")]
+    meta = json.loads((src / "meta.json").read_text())
+    key = cache_lib.cache_key(big, load_tokenizer("tiny"), seq_len, "assistant", "truncate_right", None)
+    final = cache_lib.cache_dir_for(big, key, big_cache)
+    final.mkdir(parents=True)
+    for name in ("tokens", "targets"):
+        np.save(final / f"{name}.npy", np.tile(np.load(src / f"{name}.npy"), copies))
+    lengths = np.diff(np.load(src / "offsets.npy"))
+    np.save(final / "offsets.npy", np.concatenate([[0], np.cumsum(np.tile(lengths, copies))]).astype(np.int64))
+    meta.update(documents=meta["documents"] * copies, tokens=meta["tokens"] * copies, rows=meta["rows"] * copies,
+                skipped={k: v * copies for k, v in meta["skipped"].items()}, key=key,
+                build_seconds=None, assembled_from=str(src))
+    (final / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
 def cache_meta(cache_root: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(cache_root.glob("*/meta.json"))]
 
@@ -132,11 +164,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--runs", choices=("all", "big", "small"), default="all",
                         help="big: the --rows runs with 2 ranks; small: the --old-rows runs (old pipeline, cache)")
+    parser.add_argument("--assemble-from", type=Path, default=None,
+                        help="a finished small run's cache dir: the big file becomes --rows/--old-rows copies of the "
+                             "small file, its cache is assembled from this one, and only the big second run runs")
     opts = parser.parse_args()
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     big, small = out / f"chat-{opts.rows}.jsonl", out / f"chat-{opts.old_rows}.jsonl"
     for path, n in ((big, opts.rows), (small, opts.old_rows)):
+        if opts.assemble_from is not None and n == opts.rows:
+            continue
         if not path.exists() and (opts.runs == "all" or (opts.runs == "big") == (n == opts.rows)):
             t = time.perf_counter()
             generate(path, n)
@@ -145,6 +182,9 @@ def main() -> None:
     common = [f"data.seq_len={opts.seq_len}", f"data.num_proc={opts.num_proc}"]
     stamp = time.strftime("%H%M%S")
     small_cache, big_cache = out / f"cache-small-{stamp}", out / f"cache-big-{stamp}"
+    if opts.assemble_from is not None:
+        big, small_cache = out / f"chat-{opts.rows}-assembled.jsonl", opts.assemble_from
+        assemble_big(small, small_cache, big, big_cache, opts.rows // opts.old_rows, opts.seq_len)
     logs = out / f"logs-{stamp}"
     logs.mkdir()
     results = []
@@ -158,6 +198,8 @@ def main() -> None:
             ("cache, second run, 1 rank", [f"data.path={small}", f"data.cache_dir={small_cache}"])):
         rows = opts.rows if "2 ranks" in label else opts.old_rows
         if opts.runs != "all" and (opts.runs == "big") != (rows == opts.rows):
+            continue
+        if opts.assemble_from is not None and label != "cache, second run, 2 ranks":
             continue
         result = {**run(label.replace(" ", "_").replace(",", ""), [*common, *args], logs), "rows": rows,
                   "what": label}
@@ -173,6 +215,10 @@ def main() -> None:
               f"{', '.join(f'{x:.2f}' for x in r['peak_rss_gb_per_rank'])} GB |")
     for name, metas in builds.items():
         for m in metas:
+            if m["build_seconds"] is None:
+                print(f"\n{name} cache: {m['rows']:,} rows -> {m['documents']:,} documents, {m['tokens']:,} tokens, "
+                      f"assembled from {m['assembled_from']}")
+                continue
             rate = m["rows"] / m["build_seconds"]
             print(f"\n{name} cache: {m['rows']:,} rows -> {m['documents']:,} documents, {m['tokens']:,} tokens in "
                   f"{m['build_seconds']} s with {m['num_proc']} processes: {rate:,.0f} rows/s, "

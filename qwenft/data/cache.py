@@ -134,13 +134,9 @@ class CachedDocuments:
         return np.load(self.directory / "targets.npy", mmap_mode="r")
 
     def _read(self, name: str, start: int, end: int) -> np.ndarray:
-        fd, data_at, dtype = self._files[name]
+        file, data_at, dtype = self._files[name]
         size = dtype.itemsize
-        return np.frombuffer(os.pread(fd, (end - start) * size, data_at + start * size), dtype=dtype)
-
-    def __del__(self):
-        for fd, _, _ in getattr(self, "_files", {}).values():
-            os.close(fd)
+        return np.frombuffer(os.pread(file.fileno(), (end - start) * size, data_at + start * size), dtype=dtype)
 
     @property
     def skipped(self) -> dict:
@@ -166,16 +162,14 @@ class CachedDocuments:
             raise ValueError(f"data row {index}: {detail} (set data.on_bad_row=skip to skip such rows)")
 
 
-def _open_npy(path: Path) -> tuple[int, int, np.dtype]:
-    """(file descriptor, byte offset of the data, dtype) of a 1-d `.npy` file."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-            np.lib.format.read_array_header_2_0
-        _, fortran, dtype = read_header(f)
-        data_at = f.tell()
+def _open_npy(path: Path) -> tuple:
+    """(open binary file, byte offset of the data, dtype) of a 1-d `.npy` file."""
+    f = open(path, "rb")
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    _, fortran, dtype = read_header(f)
     assert not fortran
-    return os.open(path, os.O_RDONLY), data_at, dtype
+    return f, f.tell(), dtype
 
 
 def _write_npy(path: Path, parts: list[str], dtype, n: int) -> None:
