@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ class CachedDocuments:
         self.offsets = np.load(directory / "offsets.npy")
         self.lengths = np.diff(self.offsets)
         self._files = {name: _open_npy(directory / f"{name}.npy") for name in ("tokens", "targets")}
+        for file, _, _ in self._files.values():
+            weakref.finalize(self, file.close)
 
     @property
     def tokens(self) -> np.ndarray:
