@@ -102,7 +102,7 @@ def test_cache_hit_miss_and_invalidation_per_key(tok, tmp_path):
     assert built and (first / "meta.json").is_file()
     assert open_() == (first, False)  # hit
     dirs = {first}
-    for change in ({"seq_len": 64}, {"train_on": "all"}, {"truncation": "drop"}, {"fmt": "sharegpt"}):
+    for change in ({"seq_len": 64}, {"train_on": "all"}, {"truncation": "drop"}, {"fmt": "messages"}):
         directory, built = open_(**change)
         assert built and directory not in dirs, change
         dirs.add(directory)
@@ -344,6 +344,8 @@ def test_mixture_run_logs_sources_and_per_source_tokens(tmp_path):
      "data.path=/d/a.jsonl and data.sources are both set; a mixture lists every dataset in data.sources"),
     (["data.sources=[{path: /d/b.jsonl, weight: 0}]"], "data.sources[0].weight=0.0 must be > 0"),
     (["data.num_proc=0"], "data.num_proc=0 must be >= 1 (or null for this machine's cores)"),
+    (["data.sources=[{path: /d/b.jsonl, format: csv}]"],
+     "data.sources[0].format='csv' is not valid; choose one of null, auto, messages"),
 ])
 def test_bad_data_keys_fail_with_one_line(overrides, message):
     from qwenft.conf import compose

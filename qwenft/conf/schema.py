@@ -273,6 +273,9 @@ CHOICES = {
 }
 
 
+SOURCE_FORMATS = (None, "auto", "messages")  # a source's row format; null = data.format's
+
+
 def validate(cfg: Config) -> None:
     """Value checks the type system can't express; one line each, naming key, value and what is valid."""
     for key, valid in CHOICES.items():
@@ -327,6 +330,9 @@ def validate(cfg: Config) -> None:
     for i, source in enumerate(cfg.data.sources):
         if not source.weight > 0:
             raise ValueError(f"data.sources[{i}].weight={source.weight} must be > 0")
+        if source.format not in SOURCE_FORMATS:
+            raise ValueError(f"data.sources[{i}].format={source.format!r} is not valid; choose one of "
+                             f"{', '.join('null' if f is None else f for f in SOURCE_FORMATS)}")
     image = cfg.data.image
     for key in ("min_pixels", "max_pixels", "max_image_bytes"):
         value = getattr(image, key)

@@ -252,9 +252,11 @@ def shard_rows(shard: Shard) -> list:
     return parse_json_lines(raw, Path(shard.path).name, first_line=shard.group)
 
 
-def tokenize_shard(shard: Shard, tokenizer, seq_len: int, train_on: str, truncation: str, out: str) -> dict:
+def tokenize_shard(shard: Shard, tokenizer, seq_len: int, train_on: str, truncation: str, fmt: str | None,
+                   out: str) -> dict:
     """Tokenize one shard (skip mode) into `out`.{tokens,lengths,targets}.npy; returns its counts and, per
-    skip reason, the first bad row (index within the shard, message)."""
+    skip reason, the first bad row (index within the shard, message). Rows are `{"messages": [...]}`
+    (`fmt` None, "auto" or "messages": `chat.normalize_messages`)."""
     ids_parts, target_parts, lengths = [], [], []
     skipped, first_bad = Counter(), {}
     rows = shard_rows(shard)
@@ -295,7 +297,7 @@ def build(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, k
     try:
         shards = plan_shards(path)
         outs = [str(tmp / f"shard-{i:06d}") for i in range(len(shards))]
-        args = (tokenizer, seq_len, train_on, truncation)
+        args = (tokenizer, seq_len, train_on, truncation, key["format"])
         workers = max(1, min(num_proc, len(shards)))
         log.info("data: tokenizing %s (%d shards, %d process%s) into %s", path, len(shards), workers,
                  "es" if workers > 1 else "", final)
