@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 import weakref
@@ -254,8 +255,9 @@ def shard_rows(shard: Shard) -> list:
 
 def tokenize_shard(shard: Shard, tokenizer, seq_len: int, train_on: str, truncation: str, fmt: str | None,
                    out: str) -> dict:
-    """Tokenize one shard (skip mode) into `out`.{tokens,lengths,targets}.npy; returns its counts and, per
-    skip reason, the first bad row (index within the shard, message). Rows are `{"messages": [...]}`
+    """Tokenize one shard (skip mode) into `out`.{tokens,lengths,targets}.npy by `chat.tokenize_rows`'s rules
+    (tested equal); returns its counts and, per skip reason, the first bad row (index within the shard,
+    message). Rows are `{"messages": [...]}`
     (`fmt` None, "auto" or "messages": `chat.normalize_messages`)."""
     ids_parts, target_parts, lengths = [], [], []
     skipped, first_bad = Counter(), {}
@@ -338,8 +340,6 @@ def build(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, k
                 raise
     finally:
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
 
 
