@@ -291,7 +291,7 @@ def head_rows(path: Path, n: int = AUTO_SAMPLE_ROWS) -> list:
 def source_format(path: Path, fmt: str) -> str:
     """`fmt` (data.format), with `auto` resolved by `formats.resolve_format` over the source's first
     AUTO_SAMPLE_ROWS rows: the format whose columns most of them have."""
-    return resolve_format(head_rows(path) if fmt == "auto" else [], fmt)[0]
+    return resolve_format(head_rows(path, AUTO_SAMPLE_ROWS) if fmt == "auto" else [], fmt)[0]
 
 
 def tokenize_shard(shard: Shard, tokenizer, seq_len: int, train_on: str, truncation: str, fmt: str,
