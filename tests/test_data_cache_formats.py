@@ -130,3 +130,23 @@ def test_the_fingerprint_of_a_datasets_dir_leaves_its_token_cache_out(tok, tmp_p
     data = build_sft_data(directory, tok, 96, 2, num_proc=1)  # the cache goes inside the directory
     assert (directory / cache_lib.CACHE_DIRNAME).is_dir() and data.num_documents == 40
     assert data.fingerprint == before == fingerprint(directory)
+
+
+def test_build_data_reads_a_mixture_with_each_sources_format(tmp_path):
+    """`data.sources` through the trainer's `build_data`: a source's `format` (null: data.format's) reaches it."""
+    from qwenft.conf import compose
+    from qwenft.train.build import build_data, model_config
+
+    path = sharegpt_file(tmp_path, 100)
+    cfg = compose(["recipe=tiny", f"data.cache_dir={tmp_path / 'c'}", "data.num_proc=1", "data.seq_len=128",
+                   f"data.sources=[{{path: {path}, format: sharegpt}}, {{path: tiny, weight: 2}}]"])
+    _, data, _ = build_data(cfg, model_config(cfg), 2, 0, 1)
+    assert data.format == "sharegpt, messages"
+    assert {name: s["format"] for name, s in data.source_summary.items()} == {"sharegpt": "sharegpt",
+                                                                              "tiny_chat": "messages"}
+    assert data.skipped == {"format": 2} and set(data.fingerprint) == {"sharegpt/sharegpt.jsonl",
+                                                                       "tiny_chat/tiny_chat.jsonl"}
+    cfg = compose(["recipe=tiny", f"data.cache_dir={tmp_path / 'c'}", "data.num_proc=1", "data.seq_len=128",
+                   "data.format=alpaca", f"data.sources=[{{path: {path}}}]"])
+    _, data, _ = build_data(cfg, model_config(cfg), 2, 0, 1)
+    assert data.format == "alpaca" and data.num_documents == 1  # the one alpaca row among the sharegpt rows

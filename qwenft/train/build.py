@@ -195,7 +195,7 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
 
     common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
                   seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
-                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row, data_format=cfg.data.format)
+                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
     caching = dict(cache=cfg.data.cache, cache_dir=cfg.data.cache_dir, num_proc=cfg.data.num_proc)
     tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
     if processor is not None:
@@ -205,16 +205,17 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
             raise ValueError("data.sources (a mixture) is for text chat data; a model with a vision tower reads "
                              "one data.path")
         data = build_vlm_data(path or resolve(cfg.data.path), processor,
-                              max_image_bytes=cfg.data.image.max_image_bytes, **common)
+                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format, **common)
         data.cache_note = "image rows tokenized in memory on every rank (no token cache for images)"
     elif cfg.data.sources and path is None:
         from qwenft.data.mixture import build_mixture_data
 
-        data = build_mixture_data(mixture_sources(cfg), tokenizer, **common, **caching)
+        data = build_mixture_data(mixture_sources(cfg), tokenizer, **common, **caching)  # formats: per source
     else:
         from qwenft.data.loader import build_sft_data
 
-        data = build_sft_data(path or resolve(cfg.data.path), tokenizer, **common, **caching)
+        data = build_sft_data(path or resolve(cfg.data.path), tokenizer, data_format=cfg.data.format, **common,
+                              **caching)
     return tokenizer, data, preprocessors
 
 
