@@ -18,6 +18,8 @@ commands:
   show      print the resolved config of a recipe after overrides
   slurm     write an sbatch script for launcher.nodes nodes and submit it (--dry-run: print it); docs/slurm.md
   recipes   list recipes, one line each
+  data      data prepare [recipe=NAME] data.path=... (or data.sources=...): tokenize into the token cache
+            ahead of training and print documents, tokens and skipped rows per source; docs/data.md
   plan      per-rank GPU memory of the recipe's whole mesh, planned on this machine (--json: as JSON)
   export    {{export_usage}}
             a run's training checkpoint (any mesh) as HF safetensors + tokenizer files; a LoRA run's as a peft
@@ -199,6 +201,18 @@ def _plan(args: list[str]) -> int:
     return 0
 
 
+def _data(args: list[str]) -> int:
+    """`qwenft data prepare`: the recipe's token caches, built where missing, and their numbers."""
+    from qwenft.train import prepare
+
+    if not args or args[0] != "prepare":
+        raise ConfigError(f"data takes a subcommand: qwenft data prepare [recipe=NAME] data.path=... "
+                          f"(got {' '.join(args[:1]) or 'none'})")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    print(prepare.format_report(prepare.prepare(compose(args[1:]))))
+    return 0
+
+
 def entry() -> None:
     """The `qwenft` command (and `python -m qwenft`): `main`, then exit with its code. A training process that
     stops on a user fault (exit code 2) or a Ctrl-C (130) after joining a process group leaves at once, without the
@@ -235,14 +249,18 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if command == "plan":
             return _plan(args)
+        if command == "data":
+            return _data(args)
         if command not in ("train", "show"):
-            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, export, plan, recipes")
+            raise ConfigError(f"unknown command {command!r}; commands: train, show, slurm, export, plan, data, "
+                              f"recipes")
         cfg = compose(args, missing_ok=command == "show")
         if command == "show":
             print(to_yaml(cfg, interpolations=False), end="")
             from omegaconf import OmegaConf
 
-            missing = sorted(OmegaConf.missing_keys(OmegaConf.structured(cfg)))
+            missing = OmegaConf.missing_keys(OmegaConf.structured(cfg))
+            missing = sorted(missing - {"data.path"} if cfg.data.sources else missing)  # a mixture replaces it
             if missing:
                 print(f"qwenft: required before train: {', '.join(missing)}", file=sys.stderr)
             return 0

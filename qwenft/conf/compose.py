@@ -168,8 +168,9 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     for key in OmegaConf.missing_keys(raw):  # merging ??? onto the schema's default keeps the default
         OmegaConf.update(merged, key, "???")
     missing = OmegaConf.missing_keys(merged)
-    if missing and not missing_ok:
-        raise ConfigError(f"required key(s) not set: {', '.join(sorted(missing))} (set them as key=value)")
+    required = missing - {"data.path"} if merged.data.sources else missing  # a mixture replaces data.path
+    if required and not missing_ok:
+        raise ConfigError(f"required key(s) not set: {', '.join(sorted(required))} (set them as key=value)")
     for key in missing:
         OmegaConf.update(merged, key, "")
     cfg = OmegaConf.to_object(merged)

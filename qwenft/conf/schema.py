@@ -78,8 +78,18 @@ class ImageOptions:
 
 
 @dataclass
+class SourceOptions:
+    """One dataset of a mixture (data.sources)."""
+    path: str = "???"  # like data.path
+    weight: float = 1.0  # share of the mixture's tokens, relative to the other sources' weights
+    format: Optional[str] = None  # row format; null = data.format's
+
+
+@dataclass
 class DataOptions:
     path: str = "tiny"  # JSONL / Parquet / datasets dir; "tiny" = the chat set shipped in the package
+    # a mixture instead of data.path: [{path, weight, format}], each source's token share ~ its weight
+    sources: list[SourceOptions] = field(default_factory=list)
     tokenizer: Optional[str] = None  # tokenizer dir; default: model.path, else "tiny" (trained at first use)
     seq_len: int = 256
     packing: str = "pack"  # pack documents into rows, or pad one document per row
@@ -87,6 +97,9 @@ class DataOptions:
     truncation: str = "truncate_right"  # documents longer than seq_len: cut, or drop them
     on_bad_row: str = "skip"  # skip (and count) bad rows, or error on the first
     format: str = "auto"  # rows as messages, sharegpt or alpaca; auto = the format of most rows, by their columns
+    cache: bool = True  # tokenize once into a memory-mapped token cache; false = in memory on every rank
+    cache_dir: Optional[str] = None  # where the token cache goes; null = .qwenft-cache beside the data
+    num_proc: Optional[int] = None  # processes tokenizing into the cache; null = this machine's cores
     image: ImageOptions = field(default_factory=ImageOptions)
 
 
@@ -265,6 +278,9 @@ CHOICES = {
 }
 
 
+SOURCE_FORMATS = (None, *CHOICES["data.format"])  # a source's row format; null = data.format's
+
+
 def validate(cfg: Config) -> None:
     """Value checks the type system can't express; one line each, naming key, value and what is valid."""
     for key, valid in CHOICES.items():
@@ -311,6 +327,17 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
     if cfg.model.num_layers is not None and cfg.model.num_layers < 1:
         raise ValueError(f"model.num_layers={cfg.model.num_layers} must be >= 1 (or null for all layers)")
+    if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
+        raise ValueError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or null for this machine's cores)")
+    if cfg.data.sources and cfg.data.path not in ("???", "tiny"):
+        raise ValueError(f"data.path={cfg.data.path} and data.sources are both set; a mixture lists every "
+                         f"dataset in data.sources: move data.path into it, or drop data.sources")
+    for i, source in enumerate(cfg.data.sources):
+        if not source.weight > 0:
+            raise ValueError(f"data.sources[{i}].weight={source.weight} must be > 0")
+        if source.format not in SOURCE_FORMATS:
+            raise ValueError(f"data.sources[{i}].format={source.format!r} is not valid; choose one of "
+                             f"{', '.join('null' if f is None else f for f in SOURCE_FORMATS)}")
     image = cfg.data.image
     for key in ("min_pixels", "max_pixels", "max_image_bytes"):
         value = getattr(image, key)

@@ -20,6 +20,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from qwenft.constants import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -190,8 +192,21 @@ def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistan
     ids = enc["input_ids"]
     if train_on == "all":
         return ids, [True] * len(ids)
-    is_target = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
-    return ids, is_target
+    starts = np.array([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
+    is_target = np.zeros(len(ids), dtype=bool)
+    for s, e in spans:
+        is_target |= (starts >= s) & (starts < e)
+    return ids, is_target.tolist()
+
+
+def row_tokens(row, tokenizer, train_on: str, data_format: str) -> tuple[list[int], list[bool]]:
+    """One source row, read as `data_format` (`formats.as_messages_row`), as token ids and per token whether it
+    is a target; BadRow when the row cannot be trained on. The one row -> tokens step of `tokenize_rows` and of
+    the token cache's shards (`cache.tokenize_shard`)."""
+    from qwenft.data.formats import as_messages_row  # here: formats imports this module
+
+    row = as_messages_row(row, data_format)
+    return tokenize_messages(tokenizer, normalize_messages(row), train_on, row_tools(row))
 
 
 def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
@@ -226,11 +241,9 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
     docs, skipped = [], Counter()
-    from qwenft.data.formats import as_messages_row  # here: formats imports this module
 
     def tokenize(row):
-        row = as_messages_row(row, data_format)
-        return tokenize_messages(tokenizer, normalize_messages(row), train_on, row_tools(row))
+        return row_tokens(row, tokenizer, train_on, data_format)
 
     for ids, is_target in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:

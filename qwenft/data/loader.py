@@ -4,7 +4,9 @@ API (what the runner uses):
 
     data = build_sft_data(path, tokenizer, seq_len, micro_batch_size, dp_rank=0, dp_size=1, seed=0,
                           packing="pack", train_on="assistant", truncation="truncate_right",
-                          on_bad_row="skip", data_format="auto")   # -> SFTData
+                          on_bad_row="skip", data_format="auto", cache=True, cache_dir=None,
+                          num_proc=None)   # -> SFTData
+                             # a path's documents come from its token cache (qwenft.data.cache), memory-mapped
     batch = next(data)       # infinite over epochs; `for batch in data:` works too
     batch["input_ids"]       # [B, T] long          B = micro_batch_size, T = seq_len
     batch["labels"]          # [B, T] long, IGNORE_INDEX = ignored, PRE-SHIFTED: loss = CE(logits[:, t], labels[:, t])
@@ -14,12 +16,14 @@ API (what the runner uses):
     data.epoch, data.epoch_progress   # epoch of the next row; epochs done as a float, for logging
     data.skipped             # {reason: count} of rows not trained on (log it once at start)
     data.format              # the rows' format (formats.FORMATS), data_format or what `auto` found
-    data.num_documents, data.rows_in_epoch(e)
+    data.fingerprint         # of the data files read (`fingerprint`, checked on resume); None for rows in memory
+    data.num_documents, data.rows_in_epoch(e), data.cache_note (where the documents came from)
+    data.source_tokens()     # {source: tokens consumed} of a mixture (qwenft.data.mixture), else {}
     data.state_dict() / data.load_state_dict(sd)   # resume continues exactly (same for every rank)
     data.eval_batches()      # one finite pass (for validation), last micro batch padded with empty rows
 
-Sharding. Each epoch's documents are shuffled with (seed, epoch) and packed into rows; this depends on
-neither dp_rank nor dp_size. The epochs are concatenated into one global stream of rows, consumed in
+Sharding. Each epoch's documents are shuffled with (seed, epoch) and packed into rows (a numpy plan
+computed from the documents' lengths alone); this depends on neither dp_rank nor dp_size. The epochs are concatenated into one global stream of rows, consumed in
 lockstep by all ranks: each call to `next` on every rank together consumes the next `B * dp_size` rows,
 rank r taking rows `pos + j * dp_size + r` for j < B. So with grad accumulation A, microbatch i of
 optimizer step s on rank r holds global rows `(s*A + i)*B*dp + j*dp + r`, and step s of any mesh covers
@@ -34,11 +38,15 @@ import json
 import os
 import random
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
-from qwenft.data.chat import Document, UnreadableRow, check_choice, tokenize_rows
+import numpy as np
+
+from qwenft.data.cache import CACHE_DIRNAME, open_cache
+from qwenft.data.chat import ON_BAD_ROW, Document, UnreadableRow, check_choice, tokenize_rows
 from qwenft.data.formats import resolve_format
-from qwenft.data.packing import PACKING, build_row, collate, pack_documents
+from qwenft.data.packing import PACKING, Plan, build_row, collate, pack_plan, pad_plan
 
 
 def load_rows(path: str | os.PathLike) -> list:
@@ -49,18 +57,7 @@ def load_rows(path: str | os.PathLike) -> list:
     """
     p = Path(path)
     if p.is_dir():
-        if not any((p / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
-            raise ValueError(f"data.path={str(path)!r} is a directory but not a datasets.save_to_disk "
-                             "directory (no dataset_info.json / dataset_dict.json)")
-        import datasets
-
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            if len(ds) != 1:
-                raise ValueError(f"data.path={str(path)!r} holds splits {sorted(ds)}; point data.path at "
-                                 f"one split's directory, e.g. {str(p / sorted(ds)[0])!r}")
-            ds = next(iter(ds.values()))
-        return ds.to_list()
+        return load_dataset_dir(p).to_list()
     if not p.is_file():
         raise ValueError(f"data.path={str(path)!r} does not exist")
     if p.suffix == ".parquet":
@@ -79,12 +76,13 @@ FINGERPRINT_BYTES = 1 << 16
 def fingerprint(path: str | os.PathLike) -> dict[str, dict]:
     """What a resume checks the data files against (qwenft.train.resume): each file's name (relative to the
     data dir, or its own for a file), size, and a SHA-256 of its first and last 64 KiB, which hold its first
-    and last rows. Reads 128 KiB a file, so a large set costs little; a change inside a file that keeps its
-    size and both ends goes unseen."""
+    and last rows; a token cache inside a data dir (`.qwenft-cache/`) is not data. Reads 128 KiB a file, so a
+    large set costs little; a change inside a file that keeps its size and both ends goes unseen."""
     import hashlib
 
     p = Path(path)
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and CACHE_DIRNAME not in f.relative_to(p).parts) \
+        if p.is_dir() else [p]
     found = {}
     for f in files:
         size = f.stat().st_size
@@ -98,6 +96,34 @@ def fingerprint(path: str | os.PathLike) -> dict[str, dict]:
     return found
 
 
+def check_source(path: str | os.PathLike) -> None:
+    """The one-line error `load_rows` would give for a path it cannot read, without reading the rows."""
+    p = Path(path)
+    if p.is_dir():
+        load_dataset_dir(p)
+    elif not p.is_file():
+        raise ValueError(f"data.path={str(path)!r} does not exist")
+    elif p.suffix not in (".parquet", ".jsonl", ".json"):
+        raise ValueError(f"data.path={str(path)!r} has an unknown format; expected a .jsonl, .json or .parquet "
+                         "file or a datasets.save_to_disk directory")
+
+
+def load_dataset_dir(p: Path):
+    """The `datasets.Dataset` of a `save_to_disk` directory (memory-mapped Arrow), or a one-line error."""
+    if not any((p / name).exists() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        raise ValueError(f"data.path={str(p)!r} is a directory but not a datasets.save_to_disk "
+                         "directory (no dataset_info.json / dataset_dict.json)")
+    import datasets
+
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if len(ds) != 1:
+            raise ValueError(f"data.path={str(p)!r} holds splits {sorted(ds)}; point data.path at "
+                             f"one split's directory, e.g. {str(p / sorted(ds)[0])!r}")
+        ds = next(iter(ds.values()))
+    return ds
+
+
 def _read_json_lines(path: Path) -> list:
     raw = path.read_bytes()
     if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
@@ -105,23 +131,28 @@ def _read_json_lines(path: Path) -> list:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"data.path={str(path)!r} is not a valid JSON array: {e}") from None
+    return parse_json_lines(raw, path.name)
+
+
+def parse_json_lines(raw: bytes, name: str, first_line: int = 1) -> list:
+    """The rows of JSONL bytes (blank lines skipped); `first_line` numbers the first line in messages."""
     rows = []
-    for number, line in enumerate(raw.splitlines(), start=1):
+    for number, line in enumerate(raw.splitlines(), start=first_line):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line.decode("utf-8")))
         except UnicodeDecodeError:
-            rows.append(UnreadableRow(f"line {number} of {path.name} is not valid UTF-8"))
+            rows.append(UnreadableRow(f"line {number} of {name} is not valid UTF-8"))
         except json.JSONDecodeError as e:
-            rows.append(UnreadableRow(f"line {number} of {path.name} is not valid JSON ({e.msg})"))
+            rows.append(UnreadableRow(f"line {number} of {name} is not valid JSON ({e.msg})"))
     return rows
 
 
 class SFTData:
     """Infinite, resumable, dp-sharded stream of fixed-shape micro batches over tokenized documents."""
 
-    def __init__(self, docs: list[Document], seq_len: int, micro_batch_size: int, pad_id: int,
+    def __init__(self, docs: Sequence[Document], seq_len: int, micro_batch_size: int, pad_id: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, packing: str = "pack",
                  skipped: Counter | None = None):
         check_choice("data.packing", packing, PACKING)
@@ -136,8 +167,14 @@ class SFTData:
         self.dp_rank, self.dp_size, self.seed, self.packing = dp_rank, dp_size, seed, packing
         self.skipped = dict(skipped or {})
         self.fingerprint: dict | None = None  # of the files read (`fingerprint`); None for rows given in memory
+        self.format: str | None = None  # the rows' format, `auto` resolved (set by the builders)
+        self.cache_note = "tokenized in memory"  # where the documents came from, for the start log
+        # documents' token counts: the cache's array, or counted once from documents in memory
+        self.lengths = getattr(docs, "lengths", None)
+        if self.lengths is None:
+            self.lengths = np.array([len(doc.input_ids) for doc in docs], dtype=np.int64)
         self._epoch, self._row = 0, 0  # global position of the next unconsumed row
-        self._rows_cache: tuple[int, list[list[int]]] | None = None
+        self._rows_cache: tuple[int, Plan] | None = None
 
     @property
     def num_documents(self) -> int:
@@ -151,16 +188,18 @@ class SFTData:
     def epoch_progress(self) -> float:
         return self._epoch + self._row / self.rows_in_epoch(self._epoch)
 
-    def epoch_rows(self, epoch: int) -> list[list[int]]:
-        """The epoch's global row order, each row a list of document indices; independent of dp."""
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's documents in training order: every document once, shuffled with (seed, epoch)."""
+        order = list(range(len(self.docs)))
+        random.Random(f"qwenft-data-{self.seed}-{epoch}").shuffle(order)
+        return np.array(order, dtype=np.int64)
+
+    def epoch_rows(self, epoch: int) -> Plan:
+        """The epoch's global rows (`rows[r]`: a list of document indices), computed once from the lengths
+        alone, the same on every rank; independent of dp."""
         if self._rows_cache is None or self._rows_cache[0] != epoch:
-            order = list(range(len(self.docs)))
-            random.Random(f"qwenft-data-{self.seed}-{epoch}").shuffle(order)
-            if self.packing == "pad":
-                rows = [[d] for d in order]
-            else:
-                packed = pack_documents([len(self.docs[d].input_ids) for d in order], self.seq_len)
-                rows = [[order[k] for k in row] for row in packed]
+            order = self.epoch_order(epoch)
+            rows = pad_plan(order) if self.packing == "pad" else pack_plan(order, self.lengths, self.seq_len)
             self._rows_cache = (epoch, rows)
         return self._rows_cache[1]
 
@@ -179,12 +218,21 @@ class SFTData:
     def __next__(self) -> dict:
         mine = []
         for k in range(self.micro_batch_size * self.dp_size):
+            row = self.epoch_rows(self._epoch)[self._row]
+            self._consume(row)
             if k % self.dp_size == self.dp_rank:
-                mine.append(self._row_tokens(self.epoch_rows(self._epoch)[self._row]))
+                mine.append(self._row_tokens(row))
             self._row += 1
             if self._row == self.rows_in_epoch(self._epoch):
                 self._epoch, self._row = self._epoch + 1, 0
         return self._collate(mine)
+
+    def _consume(self, doc_ids: list[int]) -> None:
+        """Called with every row of the global stream as it is consumed (all ranks' rows)."""
+
+    def source_tokens(self) -> dict[str, int]:
+        """Tokens consumed so far per mixture source (`MixtureData`); none for one dataset."""
+        return {}
 
     def eval_batches(self):
         """One pass over epoch 0's rows, this rank's share, padded with empty rows to whole micro batches.
@@ -209,19 +257,42 @@ class SFTData:
         self._epoch, self._row = state["epoch"], state["row"]
 
 
-def build_sft_data(path_or_rows, tokenizer, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
-                   dp_size: int = 1, seed: int = 0, packing: str = "pack", train_on: str = "assistant",
-                   truncation: str = "truncate_right", on_bad_row: str = "skip",
-                   data_format: str = "auto") -> SFTData:
-    """Read (a path, or rows already in memory), tokenize through the chat template, and stream."""
+def load_documents(path_or_rows, tokenizer, seq_len: int, train_on: str = "assistant",
+                   truncation: str = "truncate_right", on_bad_row: str = "skip", cache: bool = True,
+                   cache_dir: str | os.PathLike | None = None, num_proc: int | None = None,
+                   data_format: str = "auto") -> tuple[Sequence[Document], dict, str, str]:
+    """(documents, skipped rows per reason, where they came from, the rows' format): a path's token cache
+    (`qwenft.data.cache`, built on first use; `auto` decided from the first rows), or rows in memory (or a
+    path with `cache=False`) tokenized in this process (`auto` decided from all rows)."""
+    check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
+    if isinstance(path_or_rows, (str, os.PathLike)) and cache:
+        check_source(path_or_rows)
+        docs, built = open_cache(path_or_rows, tokenizer, seq_len, train_on, truncation, data_format, cache_dir,
+                                 num_proc)
+        if on_bad_row == "error":
+            docs.raise_first_bad_row()
+        note = f"token cache {docs.directory} ({'built here' if built else 'reused'})"
+        return docs, docs.skipped, note, docs.format
     rows = load_rows(path_or_rows) if isinstance(path_or_rows, (str, os.PathLike)) else path_or_rows
     data_format, _ = resolve_format(rows, data_format)
     docs, skipped = tokenize_rows(rows, tokenizer, seq_len, train_on, truncation, on_bad_row, data_format)
+    return docs, dict(skipped), "tokenized in memory", data_format
+
+
+def build_sft_data(path_or_rows, tokenizer, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
+                   dp_size: int = 1, seed: int = 0, packing: str = "pack", train_on: str = "assistant",
+                   truncation: str = "truncate_right", on_bad_row: str = "skip", data_format: str = "auto",
+                   cache: bool = True, cache_dir: str | os.PathLike | None = None,
+                   num_proc: int | None = None) -> SFTData:
+    """Documents from `load_documents` (a path: through its token cache; rows in memory: tokenized here),
+    streamed as packed, dp-sharded micro batches."""
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set one (Qwen's is <|endoftext|>)")
-    data = SFTData(docs, seq_len, micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_size, seed,
-                   packing, skipped)
-    data.format = data_format
+    docs, skipped, note, data_format = load_documents(path_or_rows, tokenizer, seq_len, train_on, truncation,
+                                                      on_bad_row, cache, cache_dir, num_proc, data_format)
+    data = SFTData(docs, seq_len, micro_batch_size, tokenizer.pad_token_id, dp_rank, dp_size, seed, packing,
+                   skipped)
+    data.cache_note, data.format = note, data_format
     if isinstance(path_or_rows, (str, os.PathLike)):
         data.fingerprint = fingerprint(path_or_rows)
     return data

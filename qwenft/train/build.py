@@ -190,20 +190,43 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
     model has a vision tower. `path` (default data.path) lets the validation set be read the same way."""
     from qwenft.data.tiny_chat import TRAIN_PATH
 
-    path = path or (TRAIN_PATH if cfg.data.path == "tiny" else cfg.data.path)
+    def resolve(p: str) -> str:
+        return TRAIN_PATH if p == "tiny" else p
+
     common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
                   seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
-                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row, data_format=cfg.data.format)
+                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
+    caching = dict(cache=cfg.data.cache, cache_dir=cfg.data.cache_dir, num_proc=cfg.data.num_proc)
     tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
     if processor is not None:
         from qwenft.data.vlm import build_vlm_data
 
-        data = build_vlm_data(path, processor, max_image_bytes=cfg.data.image.max_image_bytes, **common)
+        if cfg.data.sources:
+            raise ValueError("data.sources (a mixture) is for text chat data; a model with a vision tower reads "
+                             "one data.path")
+        data = build_vlm_data(path or resolve(cfg.data.path), processor,
+                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format, **common)
+        data.cache_note = "image rows tokenized in memory on every rank (no token cache for images)"
+    elif cfg.data.sources and path is None:
+        from qwenft.data.mixture import build_mixture_data
+
+        data = build_mixture_data(mixture_sources(cfg), tokenizer, **common, **caching)  # formats: per source
     else:
         from qwenft.data.loader import build_sft_data
 
-        data = build_sft_data(path, tokenizer, **common)
+        data = build_sft_data(path or resolve(cfg.data.path), tokenizer, data_format=cfg.data.format, **common,
+                              **caching)
     return tokenizer, data, preprocessors
+
+
+def mixture_sources(cfg: Config) -> list:
+    """data.sources as `qwenft.data.mixture.Source`s ("tiny" = the shipped set; format null = data.format)."""
+    from qwenft.data.mixture import Source, source_names
+    from qwenft.data.tiny_chat import TRAIN_PATH
+
+    paths = [TRAIN_PATH if s.path == "tiny" else s.path for s in cfg.data.sources]
+    return [Source(name, str(p), s.weight, s.format or cfg.data.format)
+            for name, p, s in zip(source_names([str(p) for p in paths]), paths, cfg.data.sources)]
 
 
 # ---------------------------------------------------------------- the step and validation
@@ -467,9 +490,14 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
-    log.info("data: %s rows%s; %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s",
+    log.info("data: %s rows%s; %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s; %s",
              data.format, " (data.format=auto, found by their columns)" if cfg.data.format == "auto" else "",
-             data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none")
+             data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none",
+             data.cache_note)
+    for name, source in getattr(data, "source_summary", {}).items():
+        log.info("data source %s: %s, %s rows, weight %g: %d documents, %d tokens; skipped rows: %s", name,
+                 source["path"], source["format"], source["weight"], source["documents"], source["tokens"],
+                 source["skipped"] or "none")
 
     if layout.pp > 1:
         log.info("pipeline: %s, %d stages, layers per stage %s", spec.parallel.schedule, spec.parallel.num_stages,

@@ -56,8 +56,9 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
     saved = read_meta(path).get("data") or {}
     now = data_meta(cfg, data)
     prefix = f"checkpoint.resume={cfg.checkpoint.resume}"
+    data_key = "data.sources" if cfg.data.sources else f"data.path={cfg.data.path}"
     if saved.get("files") is not None and now["files"] is not None and saved["files"] != now["files"]:
-        raise ValueError(f"{prefix}: data.path={cfg.data.path} holds other data than {path} was trained on "
+        raise ValueError(f"{prefix}: {data_key} holds other data than {path} was trained on "
                          f"({_files_difference(saved['files'], now['files'])}); resume with the data it was trained "
                          f"on, or set checkpoint.resume=none")
     state = torch.load(path / EXTRA, weights_only=True)["data"]
@@ -69,7 +70,7 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
             raise ValueError(f"{prefix}: {key}={current}, but {path} was saved with {key}={then} "
                              f"({_POSITION_KEYS[key]}); resume with {key}={then}, or set checkpoint.resume=none")
     if state["num_documents"] != data.num_documents:
-        raise ValueError(f"{prefix}: data.path={cfg.data.path} gives {data.num_documents} documents, {path} was "
+        raise ValueError(f"{prefix}: {data_key} gives {data.num_documents} documents, {path} was "
                          f"trained on {state['num_documents']} (another data file, data.truncation, "
                          f"data.on_bad_row or tokenizer); resume with the data and data.* it was trained on, or set "
                          f"checkpoint.resume=none")

@@ -188,6 +188,7 @@ def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_step
         "tflops_per_gpu": flops / 1e12,
         "mfu": flops / job.peak_flops if job.peak_flops else None,
         "peak_memory_gib": peak_memory_gib(job.device), "skipped_steps": skipped_steps, **stats.moe,
+        **{f"tokens/{name}": n for name, n in job.data.source_tokens().items()},
     })
 
 

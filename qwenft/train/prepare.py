@@ -1,0 +1,65 @@
+"""`qwenft data prepare`: build a recipe's token caches ahead of training (e.g. on a login node before a
+SLURM job), with the same tokenizer, settings and cache directory a `qwenft train` of it would use."""
+
+import time
+from pathlib import Path
+
+from qwenft.conf.schema import Config
+
+
+def data_sources(cfg: Config) -> list:
+    """The run's datasets as `qwenft.data.mixture.Source`s: data.sources, else data.path as one source."""
+    from qwenft.data.mixture import Source
+    from qwenft.data.tiny_chat import TRAIN_PATH
+    from qwenft.train.build import mixture_sources
+
+    if cfg.data.sources:
+        return mixture_sources(cfg)
+    path = str(TRAIN_PATH) if cfg.data.path == "tiny" else cfg.data.path
+    name = Path(path).stem if Path(path).suffix else Path(path).name
+    return [Source(name, path, 1.0, cfg.data.format)]
+
+
+def prepare(cfg: Config) -> list[dict]:
+    """Open (building where missing) the token cache of every source; per source its numbers."""
+    from qwenft.data.cache import open_cache
+    from qwenft.data.loader import check_source
+    from qwenft.train.build import load_preprocessors, model_config
+
+    if model_config(cfg).vision is not None:
+        raise ValueError(f"model {cfg.model.path or cfg.model.name} has a vision tower: image rows are tokenized "
+                         f"in memory at the start of training, there is no token cache to prepare")
+    if not cfg.data.cache:
+        raise ValueError("data.cache=false: training tokenizes in memory and reads no cache; drop data.cache=false "
+                         "to prepare one")
+    tokenizer, _, _ = load_preprocessors(cfg, vision=False)
+    report = []
+    for source in data_sources(cfg):
+        check_source(source.path)
+        start = time.perf_counter()
+        docs, built = open_cache(source.path, tokenizer, cfg.data.seq_len, cfg.data.train_on, cfg.data.truncation,
+                                 source.format, cfg.data.cache_dir, cfg.data.num_proc)
+        if cfg.data.on_bad_row == "error":
+            docs.raise_first_bad_row()
+        meta = docs.meta
+        report.append({"name": source.name, "path": source.path, "format": docs.format,
+                       "cache": str(docs.directory), "built": built,
+                       "seconds": round(time.perf_counter() - start, 1), "num_proc": meta["num_proc"],
+                       "rows": meta["rows"], "documents": meta["documents"], "tokens": meta["tokens"],
+                       "skipped": meta["skipped"]})
+    return report
+
+
+def format_report(report: list[dict]) -> str:
+    lines = []
+    for r in report:
+        procs = f"{r['num_proc']} process{'es' if r['num_proc'] > 1 else ''}"
+        how = f"built in {r['seconds']:.1f} s with {procs}" if r["built"] else "already built"
+        skipped = ", ".join(f"{k} {v}" for k, v in r["skipped"].items()) or "none"
+        lines += [f"{r['name']}: {r['path']} ({r['format']} rows)",
+                  f"  cache {r['cache']} ({how})",
+                  f"  {r['rows']} rows: {r['documents']} documents, {r['tokens']} tokens; skipped rows: {skipped}"]
+    if len(report) > 1:
+        lines.append(f"total: {sum(r['documents'] for r in report)} documents, "
+                     f"{sum(r['tokens'] for r in report)} tokens")
+    return "\n".join(lines)
