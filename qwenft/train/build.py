@@ -26,19 +26,20 @@ from qwenft.checkpoint import dcp as ckpt_lib
 from qwenft.conf.compose import as_written
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
-from qwenft.distributed.fsdp import set_microbatch_grad_sync
 from qwenft.distributed.mesh import batch_mesh, build_mesh, device_type, init_process_group
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
 from qwenft.train import metrics as metrics_lib, resume
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
-                                   device_batch, forward_batch, val_micro_batches)
+                                   val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
                                  refuse_fresh_start_over_checkpoints, set_cpu_threads, setup_logging)
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
+from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
+                               token_loss)
 
 log = logging.getLogger("qwenft")
 
@@ -229,119 +230,7 @@ def mixture_sources(cfg: Config) -> list:
             for name, p, s in zip(source_names([str(p) for p in paths]), paths, cfg.data.sources)]
 
 
-# ---------------------------------------------------------------- the step and validation
-
-def span_labels(mb: dict, mesh) -> dict:
-    """The microbatch with its labels cut to this rank's span of the stream under context parallel (the model
-    cuts everything else after its embedding, `context_parallel.CPShard`); as it is at mesh.cp=1."""
-    cp = mesh["cp"]
-    if cp.size() == 1:
-        return mb
-    from qwenft.models.qwen3_5.context_parallel import split_labels
-
-    return {**mb, "labels": split_labels(mb["labels"], cp.get_local_rank(), cp.size())}
-
-
-StepFn = Callable[[list[dict], torch.Tensor], torch.Tensor]
-
-
-def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.Tensor, device,
-               reduce_grad_per_microbatch: bool, ce_in_model: bool, loss_fn=None) -> torch.Tensor:
-    """Forward + backward of one step's microbatches without pipelining; returns this rank's summed loss.
-    `loss_fn`: a `pipeline.schedule.TokenCE` (default: token CE alone); an MoE model's aux loss joins it
-    when `loss_fn.aux_weight` is set, over the tokens outside the microbatch's `padding_mask`."""
-    from qwenft.distributed.pipeline.schedule import TokenCE
-
-    loss_fn = loss_fn or TokenCE(ce_in_model=ce_in_model)
-    loss_fn.label_tokens = label_tokens
-    loss_fn.reset()
-    step_loss = torch.zeros((), device=device)
-    for i, mb in enumerate(micro_batches):
-        set_microbatch_grad_sync(model, i == len(micro_batches) - 1, reduce_grad_per_microbatch)
-        mb = device_batch(mb, device)
-        labels = mb["labels"]
-        moe = {}
-        if model.cfg.text.is_moe:
-            padding = mb.get("padding_mask")
-            moe = {"return_routing": True, "router_mask": None if padding is None else ~padding}
-        output = forward_batch(model, mb, **({"labels": labels} if ce_in_model else {}), **moe)
-        loss = loss_fn(output, labels)
-        loss.backward()
-        step_loss += loss.detach()
-    return step_loss
-
-
-def _token_loss(spec: RunSpec, model_cfg):
-    """The step's loss function: token CE, plus router_aux_loss_coef x the aux loss averaged over the global
-    batch's microbatches for an MoE model (docs/models.md, "Training an MoE model")."""
-    from qwenft.distributed.pipeline.schedule import TokenCE
-
-    t, b = model_cfg.text, spec.batching
-    # every cp rank computes the aux loss of the whole stream's routing (summed over the spans), so a cp rank's
-    # share is 1/cp of it
-    layout = spec.layout
-    aux_weight = t.router_aux_loss_coef / (b.num_microbatches * layout.dp * layout.cp) if t.is_moe else 0.0
-    return TokenCE(ce_in_model=spec.parallel.ce_in_model, aux_weight=aux_weight)
-
-
-def _accumulation_step(model: nn.Module, spec: RunSpec, loss_fn, loss_group, device) -> StepFn:
-    def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
-        loss = accumulate(model, micro_batches, label_tokens, device, spec.parallel.reduce_grad_per_microbatch,
-                          spec.parallel.ce_in_model, loss_fn)
-        dist.all_reduce(loss, group=loss_group)
-        return loss
-    return step
-
-
-def moe_step_metrics(job: "Job") -> dict:
-    """An MoE model's routing in the step just run, summed over dp ranks (a collective: every rank calls it):
-    `aux_loss`, the load-balancing loss averaged over the global batch's microbatches (before
-    router_aux_loss_coef), and `expert_load_max_over_mean`, per layer the tokens of its busiest expert over the
-    mean per expert (1.0 = balanced). {} for a dense model."""
-    t, loss_fn = job.model_cfg.text, job.loss_fn
-    if not t.is_moe:
-        return {}
-    totals = torch.zeros(1 + t.num_hidden_layers * t.num_experts, device=job.device, dtype=torch.float64)
-    if loss_fn.aux_sum is not None:  # the rank that computed the loss (the last pipeline stage's)
-        totals[0] = loss_fn.aux_sum
-        totals[1:] = loss_fn.load_le.flatten()
-    dist.all_reduce(totals, group=job.loss_group)
-    if job.spec.layout.pp > 1:
-        dist.all_reduce(totals, group=job.pp_group)
-    load_le = totals[1:].view(t.num_hidden_layers, t.num_experts)
-    ratio = load_le.amax(dim=1) / load_le.mean(dim=1).clamp(min=1)
-    # summed over dp x cp: each cp rank holds its microbatches' whole routing (model.forward sums it over cp)
-    microbatches = job.spec.batching.num_microbatches * job.spec.layout.dp * job.spec.layout.cp
-    return {"aux_loss": totals[0].item() / microbatches,
-            "expert_load_max_over_mean": [round(r, 3) for r in ratio.tolist()]}
-
-
-def _pipeline_stages(parts: list[tuple[int, nn.Module]], spec: RunSpec, mesh, device) -> list:
-    from qwenft.distributed.pipeline import stage as pp_stage
-
-    par = spec.parallel
-    return [pp_stage.ReduceGradStage(module, i, par.num_stages, device, group=mesh["pp"].get_group(),
-                                     reduce_grad_per_microbatch=par.reduce_grad_per_microbatch,
-                                     reshard=par.reshard_after_forward)
-            for i, module in parts]
-
-
-def _pipeline_step(stages: list, spec: RunSpec, loss_fn, mesh, device) -> StepFn:
-    from qwenft.distributed.pipeline import schedule as pp_schedule
-
-    name, n = spec.parallel.schedule, spec.batching.num_microbatches
-    try:
-        schedule = pp_schedule.build_schedule(name, stages, n, loss_fn)
-    except ValueError as e:
-        raise ValueError(f"pipeline.schedule={name} with {n} microbatches per step and {spec.parallel.num_stages} "
-                         f"stages: {str(e).splitlines()[0]}") from None
-    loss_group, pp_group = batch_mesh(mesh).get_group(), mesh["pp"].get_group()
-
-    def step(micro_batches: list[dict], label_tokens: torch.Tensor) -> torch.Tensor:
-        batch = pp_schedule.PipelineBatch.from_microbatches(micro_batches, device)
-        return pp_schedule.train_step(schedule, stages, batch, loss_fn, label_tokens, loss_group, pp_group)
-    return step
-
+# ---------------------------------------------------------------- validation
 
 def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: list[nn.Module]):
     """A function returning the validation loss (eval.dataset), or None without eval.every_steps."""
@@ -393,7 +282,7 @@ class Job:
     preprocessors: list  # what an HF export saves next to the weights
     model_parts: list[nn.Module]  # this rank's model, or the modules of its pipeline stages
     params: list[nn.Parameter]  # the trained ones, on this rank
-    step: StepFn  # forward + backward of one step's microbatches -> the loss summed over them and dp ranks
+    step: StepFn  # forward + backward of one step's microbatches -> the loss summed over them and dp x cp ranks
     loss_fn: object  # the step's pipeline.schedule.TokenCE: token CE (+ MoE aux loss); holds the step's routing
     validate: Callable[[], float] | None  # the validation loss (eval.every_steps), else None
     optimizer: torch.optim.Optimizer
@@ -506,11 +395,11 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     for _, module in parts:
         load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)
     modules = [module for _, module in parts]
-    loss_fn = _token_loss(spec, model_cfg)
+    loss_fn = token_loss(spec, model_cfg)
     if layout.pp > 1:
-        step = _pipeline_step(_pipeline_stages(parts, spec, mesh, device), spec, loss_fn, mesh, device)
+        step = pipeline_step(pipeline_stages(parts, spec, mesh, device), spec, loss_fn, mesh, device)
     else:
-        step = _accumulation_step(modules[0], spec, loss_fn, batch_mesh(mesh).get_group(), device)
+        step = accumulation_step(modules[0], spec, loss_fn, batch_mesh(mesh).get_group(), device)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,

@@ -16,7 +16,8 @@ from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
-from qwenft.train.build import Job, build_job, lora_config, moe_step_metrics, span_labels
+from qwenft.train.build import Job, build_job, lora_config
+from qwenft.train.step import moe_step_metrics, span_labels
 from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
 
@@ -39,7 +40,7 @@ class StepStats:
     grad_norm: float
     label_tokens: int
     lr: float  # the rate this step trained with
-    moe: dict = field(default_factory=dict)  # an MoE model's aux loss and expert load (build.moe_step_metrics)
+    moe: dict = field(default_factory=dict)  # an MoE model's aux loss and expert load (step.moe_step_metrics)
 
 
 def run(cfg: Config, return_state: bool = False, on_step=None, command_args: list[str] | None = None) -> RunResult:
