@@ -170,12 +170,13 @@ def assert_same_run(result, reference, grads_after: int | None = None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    ["mesh.cp=4"], ["mesh.cp=2", "mesh.tp=2"], ["mesh.cp=2", "model.compile=true"],
+    # cp4 trains in test_checkpoint_resumes_on_another_cp, and its math is checked above in fp64
+    ["mesh.cp=2", "mesh.tp=2"],
     # stages pass a span's hidden states; every stage cuts its positions from the whole microbatch's
     ["mesh.cp=2", "mesh.pp=2", "pipeline.reduce_grad_per_microbatch=true"],
     # the exchanges run again, in the same order on every rank, when the backward recomputes a layer
     ["mesh.cp=2", "mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"],
-], ids=["cp4", "cp2-tp2", "cp2-compile", "cp2-pp2-knob", "cp2-dp2-knob-ac"])
+], ids=["cp2-tp2", "cp2-pp2-knob", "cp2-dp2-knob-ac"])
 def test_training_equals_one_process(tmp_path, reference, extra):
     world = 1
     for key in extra:
@@ -263,7 +264,7 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["mesh.cp=2"], ["mesh.cp=2", "mesh.dp=2", "mesh.ep=2"]], ids=["cp2", "cp2-ep2"])
+@pytest.mark.parametrize("extra", [["mesh.cp=2", "mesh.dp=2", "mesh.ep=2"]], ids=["cp2-ep2"])
 def test_moe_equals_one_process(tmp_path, moe_reference, extra):
     """The MoE model: each span routes its own tokens, and the router's statistics (probabilities, loads, token
     counts) are summed over the spans before the aux loss, as one process pools them; with ep the all-to-all runs
@@ -271,7 +272,6 @@ def test_moe_equals_one_process(tmp_path, moe_reference, extra):
     are compared (taken at equal parameters): at later steps the parameters differ at the rounding level
     AdamW amplifies, and a near-tied top-k choice may then flip (observed 3e-4 on GatedDeltaNet's decay at
     step 2, 2e-5 at dp2); every step's loss within fp32 rounding."""
-    world = 4 if "mesh.dp=2" in extra else 2
-    results = run_distributed(_first_step, world, parity_overrides(tmp_path / "run", "model.name=tiny_moe", *extra))
+    results = run_distributed(_first_step, 4, parity_overrides(tmp_path / "run", "model.name=tiny_moe", *extra))
     for result in results:
         assert_same_run(result, moe_reference, grads_after=0)

@@ -129,7 +129,7 @@ def _prefetch_lists(rank, world_size, overrides):
     from qwenft.conf import compose
     from qwenft.conf.layout import resolve_layout
     from qwenft.distributed.mesh import build_mesh
-    from qwenft.train import build
+    from qwenft.train import build, step
     from qwenft.train.spec import resolve_spec
 
     cfg = compose(overrides)
@@ -198,7 +198,7 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
     from qwenft.conf import compose
     from qwenft.conf.layout import resolve_layout
     from qwenft.distributed.mesh import build_mesh
-    from qwenft.train import build
+    from qwenft.train import build, step
     from qwenft.train.spec import resolve_spec
 
     class Counting(AllGather):
@@ -227,7 +227,7 @@ def _all_gathers_per_step(rank, world_size, knob, microbatches):
     ids, labels = _batch()
     mbs = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1], "position_ids": torch.arange(24)[None],
             "cu_seqlens": torch.tensor([0, 24], dtype=torch.int32)} for i in range(microbatches)]
-    build.accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device,
+    step.accumulate(model, mbs, torch.tensor(float((labels != -100).sum())), device,
                      spec.parallel.reduce_grad_per_microbatch, spec.parallel.ce_in_model)
     return {name: c.calls for name, c in counters.items()}
 

@@ -133,7 +133,7 @@ def _real_step_bytes(rank, world_size, overrides):
     trained parameters, every parameter of the model parts (a frozen base too), sharded gradients and optimizer
     state."""
     from qwenft.distributed.pipeline import stage as pp_stage
-    from qwenft.train import build, runner
+    from qwenft.train import build, runner, step
 
     seen = {}
 
@@ -144,7 +144,7 @@ def _real_step_bytes(rank, world_size, overrides):
                 [p.grad for p in self.submod.parameters() if p.grad is not None] + _fsdp_accumulators(self.submod)))
             return result
 
-    set_grad_sync = build.set_microbatch_grad_sync
+    set_grad_sync = step.set_microbatch_grad_sync
     microbatches = []
 
     def recording_grad_sync(model, is_last, reduce_grad_per_microbatch):  # pp = 1: before each microbatch
@@ -179,7 +179,7 @@ def _real_step_bytes(rank, world_size, overrides):
     pp_stage.ReduceGradStage = RecordingStage  # observers only: the stage and optimizer behave as the real ones
     build.build_optimizer = recording_optimizer
     build.build_model_parts = recording_model_parts
-    build.set_microbatch_grad_sync = recording_grad_sync
+    step.set_microbatch_grad_sync = recording_grad_sync
     runner.run(compose(overrides))
     return seen
 

@@ -139,7 +139,8 @@ def _gather_on_rank0(modules: list[torch.nn.Module], mesh, dtype: torch.dtype, k
     more than one stage on the CPU except rank 0."""
     from qwenft.models.qwen3_5.gdn import param_dtype
 
-    leader = mesh["dp_cp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    batch = mesh["dp_cp"] if "cp" in (mesh.mesh_dim_names or ()) else mesh["dp"]  # dp x cp: qwenft's meshes
+    leader = batch.get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     state = {}
     for module in modules:
         for name, p in module.named_parameters():

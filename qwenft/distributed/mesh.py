@@ -69,5 +69,10 @@ def build_mesh(layout: Layout, device: str | None = None) -> DeviceMesh:
 
 def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks that hold different tokens of a step (dp x cp): FSDP2 shards over them, gradients and the loss
-    are summed over them."""
-    return mesh["dp_cp"]
+    are summed over them. A mesh built without a cp dimension (by hand, as some tests do): its dp."""
+    return mesh["dp_cp"] if "cp" in (mesh.mesh_dim_names or ()) else mesh["dp"]
+
+
+def cp_size(mesh: DeviceMesh) -> int:
+    """The mesh's context-parallel size (1 where it has no cp dimension)."""
+    return mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
 from qwenft.distributed.expert_parallel import apply_ep
 from qwenft.distributed.fsdp import apply_fsdp
-from qwenft.distributed.mesh import batch_mesh
+from qwenft.distributed.mesh import batch_mesh, cp_size
 from qwenft.distributed.tensor_parallel import apply_tp
 
 
@@ -22,12 +22,11 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool 
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Context parallel over `cp_mesh` (when its size > 1): the model splits each microbatch's stream into spans
+    """Context parallel over `cp_mesh`: the model splits each microbatch's stream into spans
     after the embedding (`Qwen3_5Model.forward`), and its layers exchange what crosses spans over this group
     (qwenft.models.qwen3_5.context_parallel). Parameters stay whole on the cp ranks; FSDP2 shards them over dp x
     cp, which also sums their gradients over the spans."""
-    if cp_mesh.size() > 1:
-        model.cp_group = cp_mesh.get_group()
+    model.cp_group = cp_mesh.get_group()
 
 
 def gdn_graphs(cuda_graphs: bool, tp: int) -> bool:
@@ -63,7 +62,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if "ep" in (mesh.mesh_dim_names or ()):
         apply_ep(model, mesh["ep"])
         expert_mesh = mesh["dp_outer_cp"]
-    apply_cp(model, mesh["cp"])
+    if cp_size(mesh) > 1:
+        apply_cp(model, mesh["cp"])
     # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
     mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)
     if mode != "false":

@@ -324,9 +324,9 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     on_rank0(is_main, lambda: make_run_dir(run_dir, cleanup))
     dist.barrier()
     setup_logging(run_dir, is_main, cfg.train.progress_bar)
-    log.info("run dir %s | world %d = pp %d x dp %d x cp %d x tp %d | %d microbatches of %d per step",
-             run_dir, world, layout.pp, layout.dp, layout.cp, layout.tp, batching.num_microbatches,
-             batching.microbatch_size)
+    log.info("run dir %s | world %d = pp %d x dp %d%s x tp %d | %d microbatches of %d per step",
+             run_dir, world, layout.pp, layout.dp, f" x cp {layout.cp}" if layout.cp > 1 else "", layout.tp,
+             batching.num_microbatches, batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
     resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
     on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qwenft.distributed.fsdp import set_microbatch_grad_sync
-from qwenft.distributed.mesh import batch_mesh
+from qwenft.distributed.mesh import batch_mesh, cp_size
 from qwenft.train.evaluate import device_batch, forward_batch
 from qwenft.train.spec import RunSpec
 
@@ -17,11 +17,11 @@ from qwenft.train.spec import RunSpec
 def span_labels(mb: dict, mesh) -> dict:
     """The microbatch with its labels cut to this rank's span of the stream under context parallel (the model
     cuts everything else after its embedding, `context_parallel.CPShard`); as it is at mesh.cp=1."""
-    cp = mesh["cp"]
-    if cp.size() == 1:
+    if cp_size(mesh) == 1:
         return mb
     from qwenft.models.qwen3_5.context_parallel import split_labels
 
+    cp = mesh["cp"]
     return {**mb, "labels": split_labels(mb["labels"], cp.get_local_rank(), cp.size())}
 
 
