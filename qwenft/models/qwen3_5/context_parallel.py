@@ -79,9 +79,19 @@ class CPShard:
         """`segments` as int64 offsets on the stream's device (the span's own packed layout)."""
         return torch.tensor(self.segments, dtype=torch.long, device=self.device)
 
+    def _cached(self, key, make):
+        """`make()` once per shard and key: every layer of the microbatch asks for the same index tensors."""
+        cache = self.__dict__.setdefault("_cache", {})  # a frozen dataclass's own dict, as cached_property uses
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     def positions_in_document(self, before: int = 0) -> torch.Tensor:
         """[before + L] offset of each token in its document, for the span and the `before` tokens ahead of it
         (0 where they fall before the stream)."""
+        return self._cached(("positions", before), lambda: self._positions_in_document(before))
+
+    def _positions_in_document(self, before: int) -> torch.Tensor:
         cu = self.cu_seqlens_cpu
         flat = torch.arange(self.start - before, self.end).clamp(min=0)
         doc = torch.searchsorted(cu, flat, right=True) - 1
@@ -89,8 +99,10 @@ class CPShard:
 
     def document_ids(self, first: int, last: int) -> torch.Tensor:
         """[last - first] the document of each stream token in [first, last)."""
-        flat = torch.arange(first, last)
-        return (torch.searchsorted(self.cu_seqlens_cpu, flat, right=True) - 1).to(self.device)
+        def make():
+            flat = torch.arange(first, last)
+            return (torch.searchsorted(self.cu_seqlens_cpu, flat, right=True) - 1).to(self.device)
+        return self._cached(("documents", first, last), make)
 
     def split(self, x: torch.Tensor, lead: int = 0, fill=0) -> torch.Tensor:
         """The span of `x` [*lead dims, B, T, *rest] (`lead` dims before B: 1 for M-RoPE's [3, B, T]): (B, T)
