@@ -155,12 +155,19 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
 def test_incompatible_checkpoint_is_refused_before_loading(tmp_path, uninterrupted_run, override, expected):
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted_run, run_dir)
+    _assert_refused(run_dir, override, expected)
+
+
+def _assert_refused(run_dir, override: str, expected) -> dict:
+    """A resume of `run_dir` to step 6 with `override` fails in one line holding every part of `expected`, and
+    leaves every file as it was; the files before it (`_files`)."""
     before = _files(run_dir)
     with pytest.raises(RuntimeError) as info:
         run_distributed(train, 1, _overrides(run_dir, 6, override))
     line = raised_line(info)
     assert all(part in line for part in expected), line
     _assert_unchanged(run_dir, before)
+    return before
 
 
 def _other_data(tmp_path, change: str):
@@ -205,12 +212,7 @@ def test_resume_refuses_a_change_of_the_data_position(tmp_path, uninterrupted_ru
             f"checkpoint.resume=auto: data.path={data} holds other data than {step4} was trained on ({what}); "
             f"resume with the data it was trained on, or set checkpoint.resume=none",)
         changed_line = f"resume: data.path: tiny -> {data}"
-    before = _files(run_dir)
-    with pytest.raises(RuntimeError) as info:
-        run_distributed(train, 1, _overrides(run_dir, 6, override))
-    line = raised_line(info)
-    assert all(part in line for part in expected), line
-    _assert_unchanged(run_dir, before)
+    before = _assert_refused(run_dir, override, expected)
     log = (run_dir / "train.log").read_text()[len(before[run_dir / "train.log"]):]
     assert changed_line in log and "resume: train.max_steps: 4 -> 6" in log, log
 
