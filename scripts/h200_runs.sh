@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs or gpu_tests}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests or cp}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -112,10 +112,20 @@ for tp in 2 4; do
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp
 done ;;
 gpu_tests)  # the GPU tier, one file at a time so a time limit loses only the file it cuts
-for f in test_cuda_model test_kernels test_packed_kernels; do
+for f in test_cuda_model test_kernels test_packed_kernels test_cp_kernels; do
   timeout 280 python -m pytest -q -rA -p no:cacheprovider "tests/gpu/$f.py" > "$out/$f.log" 2>&1
   echo "=== $f rc=$? $(date +%T)"; tail -3 "$out/$f.log"
 done ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs or gpu_tests" >&2
+cp)  # context parallel's ceiling: one GPU at 32,768 tokens a row against rank 0 of fake cp2 / cp4 worlds at 65,536 /
+# 131,072 (the same 32,768 tokens a rank), AC on, bf16, each row one document (long_rows: the worst case for
+# contiguous spans' attention), eager; then the cp kernels' tests
+python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
+bench one_gpu_32k 200 1 0 "--warmup 2" train.max_steps=5 $long data.seq_len=32768
+bench fake_cp4_128k 200 1 0 "--warmup 2 --fake-world 4" train.max_steps=5 $long data.seq_len=131072 mesh.cp=4
+bench fake_cp2_64k 150 1 0 "--warmup 2 --fake-world 2" train.max_steps=5 $long data.seq_len=65536 mesh.cp=2
+timeout 200 python -m pytest -q -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py > "$out/test_cp_kernels.log" 2>&1
+echo "=== test_cp_kernels rc=$? $(date +%T)"; tail -15 "$out/test_cp_kernels.log" ;;
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests or cp" >&2
    exit 2 ;;
 esac

@@ -4,10 +4,14 @@ Forking skips the per-rank torch + transformers import (7-8 s each): 6 distribut
 way against ~300 s with torchrun on the 2-core CI box.
 """
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import queue as queue_module
+import signal
 import socket
+import time
 import traceback
 
 
@@ -29,6 +33,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(threads_per_rank())
+    # the parent sends SIGUSR2 to a rank that outlives the timeout: every thread's stack goes to stderr
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -60,14 +66,30 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline, grace = time.monotonic() + timeout, 0
     try:
-        for _ in procs:
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # a rank that exited without reporting never will (a crash or a kill): fail now, once a report it
+                # put just before exiting has had 3 s to come through the pipe
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                grace = grace + 1 if dead else 0
+                if grace > 3:
+                    errors += [f"rank {r}: exited with code {procs[r].exitcode} before reporting" for r in dead]
+                elif time.monotonic() > deadline:
+                    for p in procs:  # each live rank prints its threads' stacks to stderr (pytest shows it)
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGUSR2)
+                    time.sleep(2.0)
+                    errors.append(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within "
+                                  f"{timeout:.0f} s (their stacks are in the captured stderr)")
+                continue
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)
@@ -76,3 +98,4 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     if errors:
         raise RuntimeError("distributed test failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+

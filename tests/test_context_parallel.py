@@ -190,14 +190,18 @@ def test_training_equals_one_process(tmp_path, reference, extra):
 @pytest.mark.parametrize("extra, message", [
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
-    (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with GatedDeltaNet's fla kernels"),
+    (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with this flash-linear-attention has no context-parallel"),
 ])
-def test_unsupported_combinations_fail_in_one_line(tmp_path, extra, message):
-    """Refused before anything is built (the spec a run and `qwenft plan` resolve), as on a CUDA machine."""
+def test_unsupported_combinations_fail_in_one_line(tmp_path, monkeypatch, extra, message):
+    """Refused before anything is built (the spec a run and `qwenft plan` resolve), as on a CUDA machine whose
+    fla predates its context-parallel kernels."""
     from qwenft.conf.layout import resolve_layout
+    from qwenft.train import spec
     from qwenft.train.spec import resolve_spec
 
     from helpers import compose, model_config
+
+    monkeypatch.setattr(spec, "_fla_has_cp", lambda: False)
 
     cfg = compose(parity_overrides(tmp_path, *extra))
     with pytest.raises(ValueError) as info:

@@ -192,11 +192,19 @@ def check_cp(cfg: Config, layout: Layout, model_cfg, device: str) -> None:
     why = None
     if cfg.mesh.sequence_parallel:
         why = "mesh.sequence_parallel=true splits the same tokens again over tp; set it to false"
-    elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda":
-        why = ("GatedDeltaNet's fla kernels do not carry state across spans here yet; set model.kernels.gdn=torch "
-               "(the reference kernels, slower)")
+    elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda" and not _fla_has_cp():
+        why = ("this flash-linear-attention has no context-parallel kernels (fla.ops.cp, fla >= 0.5); upgrade it "
+               "or set model.kernels.gdn=torch (the reference kernels, slower)")
     if why is not None:
         raise ValueError(f"mesh.cp={layout.cp} with {why} (or mesh.cp=1)")
+
+
+def _fla_has_cp() -> bool:
+    try:
+        import fla.ops.cp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str,

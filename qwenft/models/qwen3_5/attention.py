@@ -220,11 +220,23 @@ def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device, dt
 
 
 def _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Packed causal attention with torch's varlen flash kernel -> [B, T, H, D]. Its keywords changed across
-    torch 2.10-2.12 (is_causal -> window_size, scale, enable_gqa), so they are picked from its signature."""
-    varlen_attn = _varlen_attn()
+    """Packed causal attention with torch's varlen flash kernel -> [B, T, H, D]."""
     B, H, T, D = q_bhtd.shape
     q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q_bhtd, k_bhtd, v_bhtd))
+    info = varlen_info(cu_seqlens)
+    cu = cu_seqlens.to(torch.int32)  # the batch's own int32 offsets: no copy
+    return flash_varlen(q, k, v, scale, cu, cu, info.max_len, info.max_len).view(B, T, H, D)
+
+
+def flash_varlen(q_thd, k_thd, v_thd, scale: float, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                 max_k: int) -> torch.Tensor:
+    """torch's varlen flash kernel, causal, GQA: q [Tq, H, D], k and v [Tk, Hkv, D] cut into sequences by the
+    int32 offsets cu_q and cu_k -> [Tq, H, D]. Where a sequence has fewer queries than keys, its queries are its
+    keys' last ones (the causal mask is aligned at the bottom right). Its keywords changed across torch
+    2.10-2.12 (is_causal -> window_size, scale, enable_gqa), so they are picked from its signature."""
+    varlen_attn = _varlen_attn()
+    H, D = q_thd.shape[1:]
+    k, v = k_thd, v_thd
     params = _varlen_attn_params()  # looked up once: this runs per attention layer and microbatch
     kwargs = {}
     if "enable_gqa" in params:
@@ -239,10 +251,7 @@ def _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor
         kwargs["scale"] = scale
     elif abs(scale - D**-0.5) > 1e-12:
         raise ValueError(f"this torch's varlen_attn takes no scale (need {scale}); use model.kernels.attention=sdpa")
-    info = varlen_info(cu_seqlens)
-    cu = cu_seqlens.to(torch.int32)  # the batch's own int32 offsets: no copy
-    out = varlen_attn(q, k, v, cu, cu, info.max_len, info.max_len, **kwargs)
-    return out.view(B, T, H, D)
+    return varlen_attn(q_thd, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
 def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None, kernel: str = "auto") -> torch.Tensor:
@@ -305,7 +314,7 @@ class GatedAttention(nn.Module):
         if cp is not None:
             from .context_parallel import attend as attend_cp
 
-            return attend_cp(q_bhtd, k_bhtd, v_bhtd, self.head_dim**-0.5, cp)
+            return attend_cp(q_bhtd, k_bhtd, v_bhtd, self.head_dim**-0.5, cp, self.kernel)
         return attend(q_bhtd, k_bhtd, v_bhtd, self.head_dim**-0.5, cu_seqlens, self.kernel)
 
     def output(self, out_bthd: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

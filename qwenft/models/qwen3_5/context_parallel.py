@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 from qwenft.constants import IGNORE_INDEX
 
+from .varlen import copy_to_device
+
 
 @dataclass(frozen=True)
 class CPShard:
@@ -78,6 +80,27 @@ class CPShard:
     def local_cu_seqlens(self) -> torch.Tensor:
         """`segments` as int64 offsets on the stream's device (the span's own packed layout)."""
         return torch.tensor(self.segments, dtype=torch.long, device=self.device)
+
+    @functools.cached_property
+    def attention_offsets(self) -> tuple[int, list[int], list[int]]:
+        """For the flash kernel: the first stream token that a query of the span sees (the start of the document
+        the span begins in), and each document piece's offsets among the span's queries and among the keys
+        [first, end). Only the first piece has fewer queries than keys: its queries are its keys' last ones."""
+        cu = self.cu_seqlens_cpu.tolist()
+        first = max(c for c in cu if c <= self.start)
+        inside = [c for c in cu if self.start < c < self.end]
+        return first, [0, *(c - self.start for c in inside), self.length], [0, *(c - first for c in inside),
+                                                                            self.end - first]
+
+    def fla_context(self, kernel_size: int):
+        """fla's `FLACPContext` of this span (its documents' local offsets and how many spans each edge document
+        crosses), for `causal_conv1d` and `chunk_gated_delta_rule`; once per shard."""
+        def make():
+            from fla.ops.cp import build_cp_context
+
+            return build_cp_context(copy_to_device(self.cu_seqlens_cpu, self.device), self.group,
+                                    conv1d_kernel_size=kernel_size, cu_seqlens_cpu=self.cu_seqlens_cpu)
+        return self._cached(("fla", kernel_size), make)
 
     def _cached(self, key, make):
         """`make()` once per shard and key: every layer of the microbatch asks for the same index tensors."""
@@ -290,11 +313,29 @@ def gdn_mix(qkv_1lc, beta, g, weight_c1k, sizes, heads, shard: CPShard) -> torch
 
 # ---------------------------------------------------------------- full attention
 
-def attend(q_bhld, k_bhld, v_bhld, scale: float, shard: CPShard) -> torch.Tensor:
+def attend(q_bhld, k_bhld, v_bhld, scale: float, shard: CPShard, kernel: str = "auto") -> torch.Tensor:
     """Causal attention of this span's queries over every span's keys and values, within documents ->
     [1, L, H, D]. Keys and values are all-gathered (their gradients go back to their owners)."""
     keys, values = (gather(t, shard) for t in (k_bhld, v_bhld))  # [cp, 1, Hkv, L, D]
     keys, values = (t.permute(1, 2, 0, 3, 4).flatten(2, 3) for t in (keys, values))  # [1, Hkv, T, D]
+    return attend_span(q_bhld, keys, values, scale, shard, kernel)
+
+
+def attend_span(q_bhld, keys, values, scale: float, shard: CPShard, kernel: str = "auto") -> torch.Tensor:
+    """The span's queries [1, H, L, D] over the whole stream's keys and values [1, Hkv, T, D] -> [1, L, H, D].
+    `kernel`: model.kernels.attention. The flash kernel takes each document piece of the span as a sequence
+    whose keys run from its document's start (the first piece's queries are its keys' last ones); masked SDPA,
+    the CPU's path, an [L, end] mask."""
+    from .attention import flash_varlen, resolve_attention_kernel
+
+    if resolve_attention_kernel(kernel, True, q_bhld.device, q_bhld.dtype) == "flash_varlen":
+        first, cu_q, cu_k = shard.attention_offsets
+        cu = shard._cached("flash", lambda: tuple(copy_to_device(torch.tensor(c, dtype=torch.int32), q_bhld.device)
+                                                  for c in (cu_q, cu_k)))
+        lengths = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
+        q = q_bhld[0].transpose(0, 1)  # [L, H, D]
+        k, v = (t[0, :, first:shard.end].transpose(0, 1) for t in (keys, values))  # [end - first, Hkv, D]
+        return flash_varlen(q, k, v, scale, *cu, *lengths).unsqueeze(0)
     seen = shard.end  # no query of this span sees a key after it
     keys, values = keys[:, :, :seen], values[:, :, :seen]
     q_doc = shard.document_ids(shard.start, shard.end)

@@ -287,9 +287,9 @@ class GatedDeltaNet(nn.Module):
         from . import context_parallel
 
         weight, sizes = self._conv_weight()
-        if kernel == "fla":
-            raise ValueError("mesh.cp > 1 runs GatedDeltaNet on the torch kernels only so far; set "
-                             "model.kernels.gdn=torch")
+        if kernel == "fla":  # fla's own context-parallel kernels: the same exchanges, in its Triton kernels
+            varlen = {"cp_context": cp.fla_context(weight.shape[-1])}
+            return self.fla_kernels(qkv, beta, g, weight, sizes, **varlen)
         return context_parallel.gdn_mix(qkv, beta, g, weight, sizes, self._heads, cp)
 
     def _torch_kernels(self, qkv, beta, g, weight, sizes, cu_seqlens) -> torch.Tensor:
