@@ -116,16 +116,16 @@ for f in test_cuda_model test_kernels test_packed_kernels test_cp_kernels; do
   timeout 280 python -m pytest -q -rA -p no:cacheprovider "tests/gpu/$f.py" > "$out/$f.log" 2>&1
   echo "=== $f rc=$? $(date +%T)"; tail -3 "$out/$f.log"
 done ;;
-cp)  # context parallel's ceiling: one GPU at 32,768 tokens a row against rank 0 of fake cp2 / cp4 worlds at 65,536 /
-# 131,072 (the same 32,768 tokens a rank), AC on, bf16, each row one document (long_rows: the worst case for
-# contiguous spans' attention), eager; then the cp kernels' tests
+cp)  # context parallel: the cp kernels' tests, then its ceiling: one GPU at 32,768 tokens a row against rank 0 of fake
+# cp4 / cp2 worlds at 131,072 / 65,536 (the same 32,768 tokens a rank), AC on, bf16, eager, each row one document
+# (long_rows.py: the worst case for contiguous spans' attention)
+timeout 200 python -m pytest -q -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py > "$out/test_cp_kernels.log" 2>&1
+echo "=== test_cp_kernels rc=$? $(date +%T)"; tail -15 "$out/test_cp_kernels.log"
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
 long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
-bench one_gpu_32k 200 1 0 "--warmup 2" train.max_steps=5 $long data.seq_len=32768
-bench fake_cp4_128k 200 1 0 "--warmup 2 --fake-world 4" train.max_steps=5 $long data.seq_len=131072 mesh.cp=4
-bench fake_cp2_64k 150 1 0 "--warmup 2 --fake-world 2" train.max_steps=5 $long data.seq_len=65536 mesh.cp=2
-timeout 200 python -m pytest -q -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py > "$out/test_cp_kernels.log" 2>&1
-echo "=== test_cp_kernels rc=$? $(date +%T)"; tail -15 "$out/test_cp_kernels.log" ;;
+bench one_gpu_32k 150 1 0 "--warmup 2" train.max_steps=5 $long data.seq_len=32768
+bench fake_cp4_128k 150 1 0 "--warmup 2 --fake-world 4" train.max_steps=5 $long data.seq_len=131072 mesh.cp=4
+bench fake_cp2_64k 120 1 0 "--warmup 2 --fake-world 2" train.max_steps=5 $long data.seq_len=65536 mesh.cp=2 ;;
 *) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests or cp" >&2
    exit 2 ;;
 esac
