@@ -279,3 +279,26 @@ def test_moe_equals_one_process(tmp_path, moe_reference, extra):
     results = run_distributed(_first_step, 4, parity_overrides(tmp_path / "run", "model.name=tiny_moe", *extra))
     for result in results:
         assert_same_run(result, moe_reference, grads_after=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, dp, cp, ep", [("qwen3_5_27b_128k", 2, 4, 1), ("qwen3_5_35b_a3b_128k", 4, 2, 4)])
+def test_long_context_recipes_fit_one_node(recipe, dp, cp, ep):
+    """The 128K recipes, chosen with the planner (their comments give the numbers): 8 ranks of dp x cp (x ep),
+    rows of 131,072 tokens, every rank planned within plan.gpu_memory_gib, every parameter held once over the
+    8 ranks (FSDP over dp x cp; routed experts over ep x the rest)."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.models.loader import build_model
+    from qwenft.train import plan as plan_lib
+
+    from helpers import compose, model_config
+
+    cfg = compose([f"recipe={recipe}"], missing_ok=True)
+    m = cfg.mesh
+    layout = resolve_layout(m.tp, m.pp, m.dp, 8, ep=m.ep, cp=m.cp)
+    assert (layout.dp, layout.cp, layout.ep, cfg.data.seq_len) == (dp, cp, ep, 131072)
+    plans = plan_lib.predict(cfg)
+    assert [p.rank for p in plans] == list(range(8))
+    assert all(p.total_bytes < cfg.plan.gpu_memory_gib * plan_lib.GIB for p in plans)
+    model = build_model(model_config(cfg), device="meta")
+    assert sum(p.params_owned for p in plans) == sum(p.numel() for p in model.parameters())
