@@ -16,6 +16,7 @@ but the span edges.
 
 import importlib.util
 import os
+import pickle
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def _gdn_rank(rank, world, port, kernel, state, x, probe, queue):
         for name, g in grads.items():
             if name != "input":
                 dist.all_reduce(g)  # each span's share of a parameter's gradient
-        queue.put((rank, out.detach().cpu(), grads))
+        # plain pickle: the queue's own would share the tensors through file descriptors gone once this rank exits
+        queue.put((rank, pickle.dumps((out.detach().cpu(), grads))))
     finally:
         dist.destroy_process_group()
 
@@ -102,7 +104,7 @@ def _run_cp(world: int, kernel: str, state, x, probe):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((r, (o, g)) for r, o, g in (queue.get(timeout=600) for _ in procs))
+    got = {r: pickle.loads(payload) for r, payload in (queue.get(timeout=600) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
     out = torch.cat([got[r][0] for r in range(world)], dim=1)
@@ -115,7 +117,8 @@ def _run_cp(world: int, kernel: str, state, x, probe):
 def test_fla_context_parallel_gated_delta_net_equals_the_unsplit_row(world):
     """fla's cp kernels, and the torch cp path on the same GPU, against the unsplit row on fla's kernel and on the
     torch path (fp32): the output and the gradients of the input and every parameter. fla's tolerances are its
-    TF32 ones (test_packed_kernels.GDN_TOLERANCES); the torch cp path equals the torch row to fp32 rounding."""
+    TF32 ones (test_packed_kernels.GDN_TOLERANCES); the torch cp path equals the torch row to fp32 rounding (1e-4: its sums
+    run in another order; a lost state or conv row moves outputs at 1e-2)."""
     if (why := _skip_reason()) is not None:
         pytest.skip(why)
     from test_packed_kernels import GDN_TOLERANCES, _check, _forward_backward, _gdn, _gdn_config, _gdn_state
@@ -135,7 +138,7 @@ def test_fla_context_parallel_gated_delta_net_equals_the_unsplit_row(world):
     u_out, u_grads = (t.cpu() if torch.is_tensor(t) else {k: v.cpu() for k, v in t.items()} for t in unsplit["fla"])
     _check(f"fla cp{world} against the fla row", fla_out, fla_grads, u_out, u_grads, GDN_TOLERANCES[torch.float32])
     _check(f"torch cp{world} against the torch row", torch_out, torch_grads, ref_out, ref_grads,
-           {"output": 1e-5, "grad": 1e-5})
+           {"output": 1e-4, "grad": 1e-4})
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])

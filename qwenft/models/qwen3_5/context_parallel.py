@@ -333,8 +333,8 @@ def attend_span(q_bhld, keys, values, scale: float, shard: CPShard, kernel: str 
         cu = shard._cached("flash", lambda: tuple(copy_to_device(torch.tensor(c, dtype=torch.int32), q_bhld.device)
                                                   for c in (cu_q, cu_k)))
         lengths = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
-        q = q_bhld[0].transpose(0, 1)  # [L, H, D]
-        k, v = (t[0, :, first:shard.end].transpose(0, 1) for t in (keys, values))  # [end - first, Hkv, D]
+        q = q_bhld[0].transpose(0, 1).contiguous()  # [L, H, D]
+        k, v = (t[0, :, first:shard.end].transpose(0, 1).contiguous() for t in (keys, values))  # [end - first, Hkv, D]
         return flash_varlen(q, k, v, scale, *cu, *lengths).unsqueeze(0)
     seen = shard.end  # no query of this span sees a key after it
     keys, values = keys[:, :, :seen], values[:, :, :seen]
