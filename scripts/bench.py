@@ -146,6 +146,21 @@ def host_profiled_run(cfg, warmup: int, out: str):
     return result
 
 
+def play_cp_span(span: int) -> None:
+    """Every microbatch's context-parallel shard made span `span`'s: this process embeds the whole row as every cp
+    rank does, then keeps span `span`'s tokens and attends over the keys up to that span's end (the fake
+    all-gather fills them with copies of its own). fla's kernels take their rank from the group (0): their state
+    summaries fold as span 0's, the same work."""
+    from qwenft.models.qwen3_5 import context_parallel
+
+    shard_of = context_parallel.cp_shard
+
+    def cp_shard(cu_seqlens, group):
+        return dataclasses.replace(shard_of(cu_seqlens, group), rank=span)
+
+    context_parallel.cp_shard = cp_shard
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
@@ -160,9 +175,17 @@ def main():
     parser.add_argument("--fake-world", type=int, default=None, metavar="N",
                         help="run rank 0 of N ranks on torch's fake process group: collectives return at once, "
                              "kernels run at one rank's real sizes (a tensor parallel rank's ceiling on one GPU)")
+    parser.add_argument("--fake-cp-rank", type=int, default=0, metavar="R",
+                        help="with --fake-world and mesh.cp: rank 0 computes context-parallel span R instead of its "
+                             "own (the last span's attention reads the whole row's keys, the first span's only its "
+                             "own: the slowest rank of a real run is the last)")
     args, overrides = parser.parse_known_args()
     if args.fake_world:
         init_fake_process_group(args.fake_world)
+    if args.fake_cp_rank:
+        if not args.fake_world:
+            parser.error("--fake-cp-rank needs --fake-world")
+        play_cp_span(args.fake_cp_rank)
     if args.host_profile and args.profile:
         parser.error("--host-profile and --profile each profile the same steps: pass one of them")
     if args.trace and not args.profile:

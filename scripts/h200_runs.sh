@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp|cp_tests [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests or cp}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp or cp_tests}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -116,17 +116,20 @@ for f in test_cuda_model test_kernels test_packed_kernels test_cp_kernels; do
   timeout 280 python -m pytest -q -rA -p no:cacheprovider "tests/gpu/$f.py" > "$out/$f.log" 2>&1
   echo "=== $f rc=$? $(date +%T)"; tail -3 "$out/$f.log"
 done ;;
-cp)  # context parallel: the cp kernels' tests, then its ceiling: one GPU at 32,768 tokens a row against rank 0 of fake
-# cp4 world at 131,072 (the same 32,768 tokens a rank), AC on, bf16, eager, each row one document
-# (long_rows.py: the worst case for contiguous spans' attention)
-PYTHONUNBUFFERED=1 timeout 220 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
-  > "$out/test_cp_kernels.log" 2>&1
-echo "=== test_cp_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|Error|assert" "$out/test_cp_kernels.log" | tail -20
+cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768 tokens a row against fake cp4 worlds at
+# 131,072 (the same 32,768 tokens a rank), played as the first span (rank 0) and as the last (the heaviest
+# attention), AC on, bf16, eager, each row one document (long_rows.py: the worst case for contiguous spans'
+# attention). A fresh machine compiles fla's kernels, the cp ones too, in the first run's first step (about 4 min).
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
 long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
-# a fresh machine compiles fla's kernels (the cp ones too) in the first run's first step: 2-4 minutes
-bench fake_cp4_128k 250 1 0 "--warmup 2 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4
-bench one_gpu_32k 100 1 0 "--warmup 2" train.max_steps=4 $long data.seq_len=32768 ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests or cp" >&2
+bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4
+bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4
+bench one_gpu_32k 90 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768 ;;
+cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
+PYTHONUNBUFFERED=1 timeout 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
+  > "$out/test_cp_kernels.log" 2>&1
+echo "=== test_cp_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|Error|assert" "$out/test_cp_kernels.log" | tail -20 ;;
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp or cp_tests" >&2
    exit 2 ;;
 esac
