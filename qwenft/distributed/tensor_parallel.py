@@ -36,6 +36,7 @@ Every gradient has its parameter's placement, so with one data-parallel rank the
 import functools
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,36 @@ def shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> No
     module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
+@dataclass(frozen=True)
+class BlockPlan:
+    """How tensor parallelism cuts one block of a decoder layer (the table in the module docstring): the norm
+    in front of it carries the block's input hook, the column-parallel projections split their output rows by
+    head, the row-parallel one its input columns, and `params` places the block's other parameters (dotted
+    paths inside the block)."""
+    norm: str
+    block: str
+    columns: tuple[str, ...]
+    row: str
+    params: tuple[tuple[str, object], ...] = ()
+
+
+_MLP = BlockPlan("post_attention_layernorm", "mlp", ("gate_proj", "up_proj"), "down_proj")
+
+# per layer type, its blocks in order; an MoE block in the MLP's place stays replicated
+TP_PLAN = {
+    FULL_ATTENTION: (
+        BlockPlan("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
+                  (("q_norm.weight", Replicate()), ("k_norm.weight", Replicate()))),
+        _MLP),
+    LINEAR_ATTENTION: (
+        BlockPlan("input_layernorm", "linear_attn", tuple(f"{p}_proj" for p in "qkvzab"), "out_proj",
+                  (("conv_q", Shard(0)), ("conv_k", Shard(0)), ("conv_v", Shard(0)),  # per channel
+                   ("decay.A_log", Shard(0)), ("decay.dt_bias", Shard(0)),  # per value head
+                   ("norm.weight", Replicate()))),
+        _MLP),
+}
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
              sequence_parallel: bool = False) -> None:
     """Shard `model` (a `Qwen3_5Model` or one pipeline stage of it, usually on the meta device) over `tp_mesh`.
@@ -96,31 +127,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
     block_in = functools.partial(_block_input, mesh=tp_mesh, seq=sequence_parallel)
     block_out = functools.partial(_block_output, mesh=tp_mesh, seq=sequence_parallel)
     for layer in model.layers.values():
-        if layer.layer_type == FULL_ATTENTION:
-            mixer, cols, row = layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"
-            for norm in (mixer.q_norm, mixer.k_norm):
-                shard_param(norm, "weight", tp_mesh, Replicate())
-        else:
-            mixer, cols, row = layer.linear_attn, tuple(f"{p}_proj" for p in "qkvzab"), "out_proj"
-            for name in ("conv_q", "conv_k", "conv_v"):
-                shard_param(mixer, name, tp_mesh, Shard(0))
-            for name in ("A_log", "dt_bias"):
-                shard_param(mixer.decay, name, tp_mesh, Shard(0))
-            shard_param(mixer.norm, "weight", tp_mesh, Replicate())
-        # a block's input is the output of the norm before it: the hook sits there, so that model.compile's
-        # graphs, which run a norm and the block's projections together, trace it (model.compile_layer)
-        blocks = [(layer.input_layernorm, mixer, cols, row)]
-        if not isinstance(layer.mlp, MoE):  # the MoE block stays replicated (table above)
-            blocks.append((layer.post_attention_layernorm, layer.mlp, ("gate_proj", "up_proj"), "down_proj"))
-        for norm, block, col_names, row_name in blocks:
-            norm.register_forward_hook(block_in)
-            for name in col_names:
+        for plan in TP_PLAN[layer.layer_type]:
+            block = getattr(layer, plan.block)
+            if isinstance(block, MoE):  # the MoE block stays replicated (table above)
+                continue
+            for path, placement in plan.params:
+                owner, _, name = f"{plan.block}.{path}".rpartition(".")
+                shard_param(layer.get_submodule(owner), name, tp_mesh, placement)
+            # a block's input is the output of the norm before it: the hook sits there, so that model.compile's
+            # graphs, which run a norm and the block's projections together, trace it (model.compile_layer)
+            getattr(layer, plan.norm).register_forward_hook(block_in)
+            for name in plan.columns:
                 _local_linear(getattr(block, name), tp_mesh, Shard(0))
-            _local_linear(getattr(block, row_name), tp_mesh, Shard(1))
-            getattr(block, row_name).register_forward_hook(block_out)
-        if sequence_parallel:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):  # see T/tp tokens each
-                shard_param(norm, "weight", tp_mesh, Replicate())
+            _local_linear(getattr(block, plan.row), tp_mesh, Shard(1))
+            getattr(block, plan.row).register_forward_hook(block_out)
+            if sequence_parallel:  # the norm sees T/tp tokens
+                shard_param(getattr(layer, plan.norm), "weight", tp_mesh, Replicate())
     if sequence_parallel and len(model.layers):
         layers = list(model.layers.values())
         layers[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
