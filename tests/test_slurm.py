@@ -145,8 +145,8 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
         "print('rank', dist.get_rank(), 'world', dist.get_world_size(), 'sum', int(t.item()), flush=True)\n"
         "dist.destroy_process_group()\n")
     out = subprocess.run(["srun", "-N2", "--ntasks-per-node=2", "--overcommit", sys.executable, str(probe)],
-                         cwd=REPO, env={**cluster.env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=120)
+                         cwd=REPO, env={**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r} world 4 sum 10" for r in range(4)], out.stdout
