@@ -40,8 +40,13 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
         "matmul": 50.0, "optimizer": 10.0, "other (elementwise, CE, copies)": 5.0, "gdn (fla)": 4.0}
 
 
+# One 64-token row per rank and step: the profiler's cost on CPU grows with the ops recorded (recipe=tiny's
+# batch of 8 took 13 s a profiled step on two ranks); what these tests check does not depend on the batch.
+SMALL_BATCH = ("data.seq_len=64", "train.global_batch_size=2", "train.micro_batch_size=1")
+
+
 def _profile_steps(rank, world_size, tmp_path):
-    cfg = compose(["recipe=tiny", "train.max_steps=3", "data.seq_len=64", "train.progress_bar=false",
+    cfg = compose(["recipe=tiny", "train.max_steps=3", *SMALL_BATCH, "train.progress_bar=false",
                    "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"])
     result, averages, profiled = _bench().profiled_run(cfg, warmup=1)
     return profiled, [e.count for e in averages if e.key.startswith("ProfilerStep")], len(result.losses)
@@ -56,7 +61,7 @@ def test_profile_writes_each_ranks_trace(tmp_path):
     trace = tmp_path / "trace"
     subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
                     str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--profile", str(tmp_path / "profile.txt"),
-                    "--trace", str(trace), "recipe=tiny", "train.max_steps=2", "data.seq_len=64", "mesh.dp=2",
+                    "--trace", str(trace), "recipe=tiny", "train.max_steps=2", *SMALL_BATCH, "mesh.dp=2",
                     f"run_dir={tmp_path / 'run'}"],
                    check=True, capture_output=True, cwd=tmp_path, timeout=300)
     for rank in range(2):

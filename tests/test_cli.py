@@ -159,17 +159,19 @@ def test_impossible_mesh_fails_before_building(tmp_path):
 
 @pytest.mark.slow
 def test_train_tiny_end_to_end(tmp_path):
+    """The tiny recipe as shipped: its loss falls by a third within 20 steps (measured: the mean of the last 5
+    steps is 0.61 of the first 5's), and the run exports."""
     run_dir = tmp_path / "run"
-    out = run_qwenft("train", "recipe=tiny", "train.max_steps=40", f"run_dir={run_dir}", "train.progress_bar=false")
+    out = run_qwenft("train", "recipe=tiny", "train.max_steps=20", f"run_dir={run_dir}", "train.progress_bar=false")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert [r["step"] for r in rows] == list(range(1, 21))
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "peak_memory_gib"):
         assert all(isinstance(r[key], float) for r in rows), key
     first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
     assert last < 0.8 * first, (first, last)
-    assert (run_dir / "config.yaml").read_text().count("max_steps: 40") == 1
-    assert (run_dir / "train.log").exists()
+    assert (run_dir / "config.yaml").read_text().count("max_steps: 20") == 1
+    assert (run_dir / "train.log").exists() and (run_dir / "hf" / "config.json").exists()
 
 
 @pytest.mark.distributed
@@ -177,7 +179,8 @@ def test_train_tiny_end_to_end(tmp_path):
 def test_torchrun_two_processes(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "qwenft",
-           "train", "recipe=tiny", "train.max_steps=3", f"run_dir={run_dir}", "train.progress_bar=false"]
+           "train", "recipe=tiny", "train.max_steps=3", f"run_dir={run_dir}", "train.progress_bar=false",
+           "checkpoint.export_hf=false"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -192,7 +195,7 @@ def test_self_launch_local_workers(tmp_path):
     """Plain `qwenft train launcher.nproc_per_node=2` starts two workers itself (torch.distributed.run)."""
     run_dir = tmp_path / "run"
     out = run_qwenft("train", "recipe=tiny", "launcher.nproc_per_node=2", "train.max_steps=2", f"run_dir={run_dir}",
-                     "train.progress_bar=false", env={"OMP_NUM_THREADS": "1"})
+                     "train.progress_bar=false", "checkpoint.export_hf=false", env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(read_metrics(run_dir)) == 2
     assert "world 2 = pp 1 x dp 2 x tp 1" in (run_dir / "train.log").read_text()

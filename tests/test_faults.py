@@ -45,10 +45,13 @@ def one_line_error(out, *needles) -> str:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen3.5 HF checkpoint as `qwenft train` exports it."""
+    """A tiny Qwen3.5 HF checkpoint as `qwenft train` exports it, from a run without OMP_NUM_THREADS (its train.log
+    holds the thread count qwenft chose)."""
     run = tmp_path_factory.mktemp("hf") / "run"
-    out = qwenft("train", "train.max_steps=1", f"run_dir={run}", "train.progress_bar=false",
-                 "train.global_batch_size=2")
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=1", f"run_dir={run}",
+                          "train.progress_bar=false", "train.global_batch_size=2"], cwd=REPO, capture_output=True,
+                         text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return run / "hf"
 
@@ -159,14 +162,14 @@ def test_torchrun_rank0_file_fault_reaches_every_rank(tmp_path):
 
 # ---------------------------------------------------------------- damaged checkpoints
 
-CKPT = ("checkpoint.every_steps=1", "checkpoint.keep=3")
+CKPT = ("checkpoint.every_steps=1", "checkpoint.keep=4")
 
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> Path:
-    """A run that saved step-000001..3 (each with its manifest)."""
+    """A run that saved step-000001..4 (each with its manifest)."""
     run = tmp_path_factory.mktemp("ckpt") / "run"
-    out = qwenft("train", "train.max_steps=3", f"run_dir={run}", *FAST, *CKPT)
+    out = qwenft("train", "train.max_steps=4", f"run_dir={run}", *FAST, *CKPT)
     assert out.returncode == 0, out.stderr[-3000:]
     return run
 
@@ -190,25 +193,23 @@ def _flip_a_byte(path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncate_distcp", "delete_extra", "flip_a_byte"])
-def test_damaged_latest_falls_back_to_newest_complete(tmp_path, saved_run, damage):
+def test_damaged_latest_falls_back_to_newest_complete(tmp_path, saved_run):
+    """Three kinds of damage, one to each of the three newest checkpoints: the resume passes over each with a line
+    naming what is wrong and resumes from the newest complete one."""
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
-    step3 = run / "checkpoints" / "step-000003"
-    if damage == "truncate_distcp":
-        os.truncate(step3 / "__0_0.distcp", 1000)
-        what = "__0_0.distcp is 1000 bytes"
-    elif damage == "delete_extra":
-        (step3 / "extra.pt").unlink()
-        what = "extra.pt is missing"
-    else:
-        _flip_a_byte(step3 / "__0_0.distcp")
-        what = "__0_0.distcp has another checksum than when saved"
-    out = qwenft("train", "train.max_steps=4", f"run_dir={run}", *FAST, *CKPT)
+    ckpt = run / "checkpoints"
+    os.truncate(ckpt / "step-000004" / "__0_0.distcp", 1000)
+    (ckpt / "step-000003" / "extra.pt").unlink()
+    _flip_a_byte(ckpt / "step-000002" / "__0_0.distcp")
+    out = qwenft("train", "train.max_steps=2", f"run_dir={run}", *FAST, *CKPT)
     assert out.returncode == 0, out.stderr[-3000:]
     log = (run / "train.log").read_text()
-    assert f"{step3} is incomplete or corrupt ({what}" in log and "resuming from" in log, log
-    assert "resumed from " + str(run / "checkpoints" / "step-000002") + "; continuing at step 3" in log
+    for step, what in ((4, "__0_0.distcp is 1000 bytes"), (3, "extra.pt is missing"),
+                       (2, "__0_0.distcp has another checksum than when saved")):
+        assert f"{ckpt / f'step-{step:06d}'} is incomplete or corrupt ({what}" in log, log
+    assert "resuming from" in log, log
+    assert "resumed from " + str(ckpt / "step-000001") + "; continuing at step 2" in log
 
 
 @pytest.mark.slow
@@ -221,7 +222,7 @@ def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, sav
     line = one_line_error(qwenft("train", "train.max_steps=5", "optim.lr=1e-3", f"run_dir={run}", *FAST, *CKPT),
                           "checkpoint.resume=auto: no complete checkpoint in", "extra.pt is 10 bytes",
                           "checkpoint.resume=none")
-    assert "step-000003" in line and "step-000001" in line
+    assert "step-000004" in line and "step-000001" in line
     _assert_unchanged(run, before)  # config.yaml keeps the old run's values
     assert "Traceback" in (run / "train.log").read_text()[len(before[run / "train.log"]):]
 
@@ -234,9 +235,9 @@ def test_fresh_start_over_checkpoints_is_one_line_and_leaves_the_run_dir(tmp_pat
     shutil.copytree(saved_run, run)
     before = _files(run)
     one_line_error(qwenft("train", "train.max_steps=2", "checkpoint.resume=none", f"run_dir={run}", *FAST, *CKPT),
-                   f"run_dir={run} holds an earlier run's checkpoints (step-000001, step-000002, step-000003) and "
-                   f"checkpoint.resume=none starts afresh", "resume with checkpoint.resume=auto, give a new run_dir, "
-                   f"or delete {run / 'checkpoints'}")
+                   f"run_dir={run} holds an earlier run's checkpoints (step-000001, step-000002, step-000003, "
+                   f"step-000004) and checkpoint.resume=none starts afresh", "resume with checkpoint.resume=auto, give a "
+                   f"new run_dir, or delete {run / 'checkpoints'}")
     _assert_unchanged(run, before)
 
 
@@ -330,12 +331,10 @@ def test_cpu_threads_leave_busy_cores_alone(cores, ranks, load, threads):
 
 
 @pytest.mark.slow
-def test_cpu_threads_chosen_are_logged(tmp_path):
-    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=1", f"run_dir={tmp_path / 'r'}",
-                          *FAST], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "cpu threads: " in (tmp_path / "r" / "train.log").read_text()
+def test_cpu_threads_chosen_are_logged(hf_dir):
+    """Without OMP_NUM_THREADS (hf_dir's run), train.log says how many threads qwenft chose and from what."""
+    log = (hf_dir.parent / "train.log").read_text()
+    assert "cpu threads: " in log and "set OMP_NUM_THREADS to choose" in log, log
 
 
 # ---------------------------------------------------------------- smaller edges
@@ -412,25 +411,25 @@ def _bytes(text: str) -> float:
 def test_failed_checkpoint_write_is_one_line_and_keeps_latest(tmp_path, saved_run):
     """A real write failure: files may not grow past 1 MiB, so the next checkpoint's 4.9 MB shard file fails in
     torch's writer. One line names the checkpoint, the cause, about one checkpoint's size (within 2% of the last
-    one saved) and the free space; the temp dir is gone, `latest` still names step-000003, train.log has the line
+    one saved) and the free space; the temp dir is gone, `latest` still names step-000004, train.log has the line
     and its traceback."""
     import re
 
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     ckpt = run / "checkpoints"
-    saved = sum(p.stat().st_size for p in (ckpt / "step-000003").iterdir())
-    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=4", f"run_dir={run}", *FAST, *CKPT],
+    saved = sum(p.stat().st_size for p in (ckpt / "step-000004").iterdir())
+    out = subprocess.run([sys.executable, "-m", "qwenft", "train", "train.max_steps=5", f"run_dir={run}", *FAST, *CKPT],
                          cwd=REPO, capture_output=True, text=True, env=ENV, timeout=600,
                          preexec_fn=lambda: _small_files(2**20))
-    line = one_line_error(out, f"checkpoint {ckpt / 'step-000004'} could not be written (",
-                          "the partial save was removed and `latest` still names step-000003", "rerun to resume")
+    line = one_line_error(out, f"checkpoint {ckpt / 'step-000005'} could not be written (",
+                          "the partial save was removed and `latest` still names step-000004", "rerun to resume")
     sizes = re.search(r"a checkpoint needs about ([\d.]+ \w+), ([\d.]+ \w+) free there", line)
     assert sizes, line
     assert abs(_bytes(sizes.group(1)) - saved) < 0.02 * saved, (sizes.group(1), saved)
     assert abs(_bytes(sizes.group(2)) - shutil.disk_usage(run).free) < 2**30  # others write on this disk too
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-000001", "step-000002", "step-000003"]
-    assert (ckpt / "latest").read_text().strip() == "step-000003"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", *(f"step-00000{i}" for i in range(1, 5))]
+    assert (ckpt / "latest").read_text().strip() == "step-000004"
     log = (run / "train.log").read_text()
     assert line.removeprefix("qwenft: error: ") in log and "Traceback" in log
 

@@ -13,7 +13,7 @@ import torch
 
 from distributed import run_distributed, threads_per_rank
 from helpers import (REPO, assert_same_training, assert_within, build_data, compose, fp32_rtol, logged_losses,
-                     model_config, parity_overrides, train_with_state)
+                     model_config, parity_overrides, train, train_with_state)
 from qwenft.distributed.pipeline.schedule import SCHEDULES
 from qwenft.distributed.pipeline.split import split_layers
 
@@ -297,23 +297,30 @@ def test_validation_under_a_v_shaped_schedule_is_refused_at_start(schedule):
 
 # ------------------------------------------------------------------ the CLI, as a user runs it
 
+TORCHRUN_ARGS = ["recipe=tiny", "train.max_steps=3", "data.seq_len=128", "train.progress_bar=false", "optim.lr=5e-4",
+                 "lr_scheduler.warmup_steps=0", "checkpoint.export_hf=false"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory):
+    """The losses of TORCHRUN_ARGS in one process (a forked rank, as `qwenft train` runs it alone)."""
+    run_dir = tmp_path_factory.mktemp("torchrun-reference") / "one"
+    run_distributed(train, 1, [*TORCHRUN_ARGS, f"run_dir={run_dir}"])
+    return list(logged_losses(run_dir).values())
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, mesh", [(2, ["mesh.pp=2"]), (4, ["mesh.tp=2", "mesh.pp=2"])])
-def test_torchrun_matches_one_process(tmp_path, nproc, mesh):
+def test_torchrun_matches_one_process(tmp_path, torchrun_reference, nproc, mesh):
     """The issue's command, `torchrun --nproc-per-node N -m qwenft train recipe=tiny mesh...`, logs the losses
     of one process."""
-    args = ["train", "recipe=tiny", "train.max_steps=3", "data.seq_len=128", "train.progress_bar=false",
-            "optim.lr=5e-4", "lr_scheduler.warmup_steps=0"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank())}
-    one = subprocess.run([sys.executable, "-m", "qwenft", *args, f"run_dir={tmp_path / 'one'}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert one.returncode == 0, one.stderr[-3000:]
     pp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                         "-m", "qwenft", *args, *mesh, f"run_dir={tmp_path / 'pp'}"], cwd=REPO,
+                         "-m", "qwenft", "train", *TORCHRUN_ARGS, *mesh, f"run_dir={tmp_path / 'pp'}"], cwd=REPO,
                         capture_output=True, text=True, timeout=600, env=env)
     assert pp.returncode == 0, pp.stderr[-3000:]
-    a, b = list(logged_losses(tmp_path / "pp").values()), list(logged_losses(tmp_path / "one").values())
+    a, b = list(logged_losses(tmp_path / "pp").values()), torchrun_reference
     assert len(a) == len(b) == 3
     for step, (x, y) in enumerate(zip(a, b)):
         assert_within(f"step {step + 1}'s loss", abs(x - y) / abs(y), fp32_rtol(step))

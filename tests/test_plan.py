@@ -17,9 +17,17 @@ from qwenft.train import plan as plan_lib
 from qwenft.train.activations import moe_activation_bytes, saved_tensor_bytes
 
 
+_PLANS: dict = {}  # repr(config) -> its plans: tests that plan the same config share one predict
+
+
 def _plan(*overrides):
+    """The config of `overrides` and every rank's plan of it, predicted once per distinct config in this module
+    (predict builds every rank's share on meta: seconds for the 8- to 128-rank layouts)."""
     cfg = compose(list(overrides), missing_ok=True)
-    return cfg, plan_lib.predict(cfg)
+    key = repr(cfg)
+    if key not in _PLANS:
+        _PLANS[key] = plan_lib.predict(cfg)
+    return cfg, _PLANS[key]
 
 
 def _model_params(cfg) -> int:

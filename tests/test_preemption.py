@@ -49,15 +49,21 @@ def _start(run_dir: Path, *extra) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def _printed(run_dir: Path, since: int = 0) -> str:
+    """What the run's starts printed, from byte `since` of their output file on."""
+    return (run_dir.parent / f"{run_dir.name}.out").read_bytes()[since:].decode()
+
+
 def _output(run_dir: Path) -> str:
-    return (run_dir.parent / f"{run_dir.name}.out").read_text()[-3000:]
+    return _printed(run_dir)[-3000:]
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout: float = 60) -> None:
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout: float = 60, after: int = 0) -> None:
+    """Until `latest` names a checkpoint of a step after `after`."""
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + timeout
-    while not latest.exists():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before its first checkpoint"
+    while not (latest.exists() and _checkpoint_step(run_dir) > after):
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before a checkpoint after step {after}"
         assert time.monotonic() < deadline, _output(run_dir)
         time.sleep(0.02)
 
@@ -73,57 +79,43 @@ def uninterrupted(tmp_path_factory):
     return logged_losses(run_dir)
 
 
-def test_sigkill_then_resume_is_bit_identical(tmp_path, uninterrupted):
+def test_sigkill_sigterm_and_ctrl_c_each_resume_bit_identically(tmp_path, uninterrupted):
+    """One run stopped three ways, each start resuming where the one before stopped: SIGKILL after a periodic
+    checkpoint (no marker; the steps it logged after its checkpoint are cut on resume), then SIGTERM (a
+    checkpoint at the step it stopped at, exit 75), then one Ctrl-C (SIGINT: the same, and one line with the
+    command that resumes). That command, run as printed, finishes with every step once in metrics.jsonl and,
+    bit for bit, the losses of a run that never stopped."""
+    import shlex
+
     run_dir = tmp_path / "run"
+    # SIGKILL: no time to save or leave a marker; the resume starts after the last periodic checkpoint
     proc = _start(run_dir)
     _wait_for_checkpoint(proc, run_dir)
     proc.kill()
     assert proc.wait(timeout=30) == -signal.SIGKILL
-    resumed_from = _checkpoint_step(run_dir)
-    assert resumed_from < MAX_STEPS and not (run_dir / MARKER).exists()
+    killed_after = _checkpoint_step(run_dir)
+    assert killed_after < MAX_STEPS and not (run_dir / MARKER).exists()
 
+    # SIGTERM: a checkpoint at the step it stopped at, not at the last periodic one, and exit 75
     proc = _start(run_dir, "checkpoint.resume=auto")
-    assert proc.wait(timeout=120) == 0, _output(run_dir)
-    assert f"continuing at step {resumed_from + 1}" in (run_dir / "train.log").read_text()
-    losses = logged_losses(run_dir)
-    # the steps the killed run logged after its checkpoint were cut on resume: each step once, in order
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, MAX_STEPS + 1))
-    after = range(resumed_from + 1, MAX_STEPS + 1)
-    assert [losses[s] for s in after] == [uninterrupted[s] for s in after]
-
-
-def test_sigterm_saves_and_exits_75_then_resumes(tmp_path, uninterrupted):
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir)
-    _wait_for_checkpoint(proc, run_dir)
+    _wait_for_checkpoint(proc, run_dir, after=killed_after)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == EXIT_PREEMPTED == 75, _output(run_dir)
+    assert f"continuing at step {killed_after + 1}" in (run_dir / "train.log").read_text()
     stopped_at = max(logged_losses(run_dir))
     assert stopped_at < MAX_STEPS
-    assert _checkpoint_step(run_dir) == stopped_at  # saved at the step it stopped at, not at the last periodic one
+    assert _checkpoint_step(run_dir) == stopped_at
     assert (run_dir / MARKER).read_text().startswith(f"step {stopped_at}, SIGTERM, checkpoint ")
     assert f"SIGTERM: stopped after step {stopped_at}" in (run_dir / "train.log").read_text()
 
-    proc = _start(run_dir)  # checkpoint.resume=auto is the default
-    assert proc.wait(timeout=120) == 0, _output(run_dir)
-    assert not (run_dir / MARKER).exists()
-    losses = logged_losses(run_dir)
-    assert sorted(losses) == list(range(1, MAX_STEPS + 1))
-    assert losses == uninterrupted  # before the stop: the same run; after: resumed exactly
-
-
-def test_ctrl_c_saves_exits_75_and_its_resume_command_finishes_the_run(tmp_path, uninterrupted):
-    """One Ctrl-C (SIGINT) mid-run: a checkpoint at the step it stopped at, exit 75, one line with the command that
-    resumes; that command, run as printed, finishes with every step once in metrics.jsonl and the losses of a run
-    that never stopped."""
-    import shlex
-
-    run_dir = tmp_path / "run"
+    # Ctrl-C on the next start (checkpoint.resume=auto is the default)
+    printed_before = len(_printed(run_dir).encode())
     proc = _start(run_dir)
-    _wait_for_checkpoint(proc, run_dir)
+    _wait_for_checkpoint(proc, run_dir, after=stopped_at)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == EXIT_PREEMPTED, _output(run_dir)
-    out = _output(run_dir)
+    out = _printed(run_dir, printed_before)
+    assert f"continuing at step {stopped_at + 1}" in out
     stopped_at = max(logged_losses(run_dir))
     assert stopped_at < MAX_STEPS and _checkpoint_step(run_dir) == stopped_at
     assert (run_dir / MARKER).read_text().startswith(f"step {stopped_at}, SIGINT, checkpoint ")
@@ -137,6 +129,7 @@ def test_ctrl_c_saves_exits_75_and_its_resume_command_finishes_the_run(tmp_path,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing at step {stopped_at + 1}" in resumed.stderr
+    assert not (run_dir / MARKER).exists()
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, MAX_STEPS + 1))
     assert logged_losses(run_dir) == uninterrupted
 

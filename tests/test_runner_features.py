@@ -145,13 +145,14 @@ def test_wheel_ships_every_recipe(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_train_tiny_vlm_with_frozen_vision_tower(tmp_path):
-    """recipe=tiny_vlm end to end through the runner: images reach the model, the loss falls, and a frozen
-    vision tower leaves training bit-identical to its initial weights."""
+    """recipe=tiny_vlm end to end through the runner: images reach the model, the loss falls (14 steps: the mean of
+    the last 3 measured 0.64 of the first 3's, the bound is 0.8), and a frozen vision tower leaves training
+    bit-identical to its initial weights."""
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.models.qwen3_5.configs import named_config
 
     (result,) = run_distributed(train_with_state, 1, [
-        "recipe=tiny_vlm", "train.max_steps=20", "model.freeze_vision=true", "model.freeze_projector=true",
+        "recipe=tiny_vlm", "train.max_steps=14", "model.freeze_vision=true", "model.freeze_projector=true",
         "train.progress_bar=false", f"run_dir={tmp_path / 'run'}"])
     losses, state = result.losses, result.state_dict
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses

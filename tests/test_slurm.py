@@ -134,36 +134,6 @@ SECRETS = {"HF_TOKEN": "hf_qwenft_test_secret_1", "WANDB_API_KEY": "wandb_qwenft
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_node_job_completes(cluster, tmp_path):
-    """Also: secrets listed by name reach the job from the submitting shell and no file in the run dir."""
-    run_dir = tmp_path / "run"
-    start = time.monotonic()
-    out = run_qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0",
-                     "launcher.nproc_per_node=1", "train.max_steps=3", "train.progress_bar=false",
-                     "launcher.env={HF_TOKEN: null, WANDB_API_KEY: null}",
-                     "launcher.setup=['printenv HF_TOKEN | sha256sum']", f"run_dir={run_dir}",
-                     env={**cluster.env, "OMP_NUM_THREADS": "1", **SECRETS}, timeout=300)
-    assert out.returncode == 0, out.stderr
-    job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
-    state, exit_code = cluster.wait_job(job_id, timeout=240)
-    log = (run_dir / f"slurm-{job_id}.out").read_text() if (run_dir / f"slurm-{job_id}.out").exists() else ""
-    assert (state, exit_code) == ("COMPLETED", "0:0"), f"{state} {exit_code}\n{log[-4000:]}\n{cluster.logs()}"
-    print(f"2-node job {job_id}: submit to COMPLETED in {time.monotonic() - start:.0f} s")
-    assert "world 2 = pp 1 x dp 2 x tp 1" in (run_dir / "train.log").read_text()
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
-    assert (run_dir / "slurm.sh").exists() and "nodes: 2" in (run_dir / "config.yaml").read_text()
-    assert "rendezvous 127.0.0.1:" in log  # the head node's NodeAddr, not its unresolvable name
-    assert hashlib.sha256(SECRETS["HF_TOKEN"].encode() + b"\n").hexdigest() in log  # the job has the value
-    files = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert {"slurm.sh", "config.yaml", f"slurm-{job_id}.out", "train.log"} <= {p.name for p in files}
-    for path in files:
-        data = path.read_bytes()
-        assert not any(value.encode() in data for value in SECRETS.values()), path
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
 def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
     """srun with one task per rank and no torchrun: mesh.init_process_group maps SLURM's variables."""
     probe = tmp_path / "probe.py"
@@ -175,8 +145,8 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
         "print('rank', dist.get_rank(), 'world', dist.get_world_size(), 'sum', int(t.item()), flush=True)\n"
         "dist.destroy_process_group()\n")
     out = subprocess.run(["srun", "-N2", "--ntasks-per-node=2", "--overcommit", sys.executable, str(probe)],
-                         cwd=REPO, env={**cluster.env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=120)
+                         cwd=REPO, env={**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r} world 4 sum 10" for r in range(4)], out.stdout
@@ -184,16 +154,19 @@ def test_hand_written_srun_joins_one_process_group(cluster, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
-    """SIGUSR1 to the job's steps (what --signal=USR1@N sends before the time limit): the workers save a
-    checkpoint and stop, the script requeues the job, and the second start resumes from that checkpoint and
-    completes; metrics.jsonl covers every step."""
-    run_dir, max_steps = tmp_path / "run", 30
+def test_two_node_job_is_preempted_requeued_and_completes(cluster, tmp_path):
+    """A 2-node job (one process a node). SIGUSR1 to the job's steps (what --signal=USR1@N sends before the time
+    limit): the workers save a checkpoint and stop, the script requeues the job, and the second start resumes from
+    that checkpoint and completes; metrics.jsonl covers every step. Also: secrets listed by name reach the job
+    from the submitting shell (each start's setup line prints a hash of one) and no file in the run dir."""
+    run_dir, max_steps = tmp_path / "run", 15  # signalled after step 3's checkpoint: 12 steps to spare
     start = time.monotonic()
     out = run_qwenft("slurm", "recipe=tiny", "launcher.nodes=2", "launcher.gpus_per_node=0",
-                     f"train.max_steps={max_steps}", "checkpoint.every_steps=3", "checkpoint.export_hf=false",
-                     "data.seq_len=128", "model.kernels.gdn=torch", "train.progress_bar=false", f"run_dir={run_dir}",
-                     env={**cluster.env, "OMP_NUM_THREADS": "1"}, timeout=300)
+                     "launcher.nproc_per_node=1", f"train.max_steps={max_steps}", "checkpoint.every_steps=3",
+                     "checkpoint.export_hf=false", "data.seq_len=128", "model.kernels.gdn=torch",
+                     "train.progress_bar=false", "launcher.env={HF_TOKEN: null, WANDB_API_KEY: null}",
+                     "launcher.setup=['printenv HF_TOKEN | sha256sum']", f"run_dir={run_dir}",
+                     env={**cluster.env, "OMP_NUM_THREADS": "1", **SECRETS}, timeout=300)
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     log = run_dir / f"slurm-{job_id}.out"
@@ -208,14 +181,24 @@ def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
         time.sleep(0.5)
     state = cluster.wait_job(job_id, timeout=180, release_held=True)
     text = log.read_text()
-    assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}"
+    assert state == ("COMPLETED", "0:0"), f"{state}\n{text[-4000:]}\n{cluster.logs()}"
     print(f"preempted 2-node job {job_id}: submit to COMPLETED in {time.monotonic() - start:.0f} s")
     stopped_at = int(re.search(r"qwenft: preempted \(step (\d+), SIGUSR1, checkpoint \S+\); requeueing job", text)[1])
     assert 3 <= stopped_at < max_steps and "restart 1, rendezvous" in text
-    assert f"continuing at step {stopped_at + 1}" in (run_dir / "train.log").read_text()
+    train_log = (run_dir / "train.log").read_text()
+    assert f"continuing at step {stopped_at + 1}" in train_log
+    assert "world 2 = pp 1 x dp 2 x tp 1" in train_log
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert {r["step"] for r in rows} == set(range(1, max_steps + 1)) and all(math.isfinite(r["loss"]) for r in rows)
     assert not (run_dir / "preempted").exists()
+    assert (run_dir / "slurm.sh").exists() and "nodes: 2" in (run_dir / "config.yaml").read_text()
+    assert "rendezvous 127.0.0.1:" in text  # the head node's NodeAddr, not its unresolvable name
+    assert text.count(hashlib.sha256(SECRETS["HF_TOKEN"].encode() + b"\n").hexdigest()) == 2  # both starts have it
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"slurm.sh", "config.yaml", f"slurm-{job_id}.out", "train.log"} <= {p.name for p in files}
+    for path in files:
+        data = path.read_bytes()
+        assert not any(value.encode() in data for value in SECRETS.values()), path
 
 
 def test_slurm_launcher_option(capsys):
