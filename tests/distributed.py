@@ -5,6 +5,7 @@ way against ~300 s with torchrun on the 2-core CI box.
 """
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -31,6 +32,10 @@ def threads_per_rank() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, queue, stacks):
+    # Objects inherited from the parent are never collected here: a dead process group of an earlier in-process
+    # test, still waiting in the parent's garbage, would join its gloo threads in its destructor, and those
+    # threads do not exist in a forked child: the join waits forever.
+    gc.freeze()
     import torch
     import torch.distributed as dist
 
@@ -61,9 +66,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """Call fn(rank, world_size, *args) on each rank; return the results in rank order.
 
     fn's arguments are inherited through fork; its result must be picklable. A run whose ranks neither finish
-    nor fail within `timeout` runs once more, with a warning that carries the hung ranks' stacks: a process forked
-    from a parent with other threads can inherit a lock one of them held and wait on it forever, which no
-    change to the test would fix; a second hang fails the test with the stacks.
+    nor fail within `timeout` runs once more, with a warning that carries the hung ranks' stacks: a forked process
+    can inherit state that waits on the parent's threads (a lock one of them held, an object whose destructor
+    joins them), which no change to the test would fix; a second hang fails the test with the stacks.
     """
     for attempt in (1, 2):
         with tempfile.TemporaryDirectory() as stacks:
@@ -91,6 +96,7 @@ def _stacks(directory: str, world_size: int) -> str:
 
 def _run_once(fn, world_size: int, args: tuple, timeout: float, stacks: str) -> tuple[dict, list, bool]:
     """One run of fn on forked ranks -> (results by rank, error texts, whether it hung past `timeout`)."""
+    gc.collect()  # dead process groups (their gloo threads) are destroyed here, where the threads run, not in a child
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
