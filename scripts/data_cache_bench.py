@@ -33,10 +33,9 @@ from pathlib import Path
 def generate(path: Path, rows: int, seed: int = 0) -> None:
     """`rows` chat rows of the tiny set's words in random order (words the tiny tokenizer knows): 1-2
     user/assistant turns, a quarter with a system prompt."""
-    from qwenft.data.tiny_chat import TRAIN_PATH
+    from qwenft.data.tiny_chat import train_words
 
-    text = " ".join(m["content"] for line in open(TRAIN_PATH) for m in json.loads(line)["messages"])
-    words = sorted(set(text.replace("?", " ").replace(".", " ").replace(",", " ").split()))
+    words = train_words()
     rng = random.Random(seed)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:

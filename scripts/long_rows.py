@@ -24,10 +24,9 @@ def main():
     parser.add_argument("--words", type=int, default=180_000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from qwenft.data.tiny_chat import TRAIN_PATH
+    from qwenft.data.tiny_chat import train_words
 
-    text = " ".join(m["content"] for line in open(TRAIN_PATH) for m in json.loads(line)["messages"])
-    words = sorted(set(text.replace("?", " ").replace(".", " ").replace(",", " ").split()))
+    words = train_words()
     rng = random.Random(args.seed)
     out = Path(args.out)
     tmp = out.with_suffix(".tmp")

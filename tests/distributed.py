@@ -70,17 +70,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     can inherit state that waits on the parent's threads (a lock one of them held, an object whose destructor
     joins them), which no change to the test would fix; a second hang fails the test with the stacks.
     """
-    for attempt in (1, 2):
-        with tempfile.TemporaryDirectory() as stacks:
-            results, errors, hung = _run_once(fn, world_size, args, timeout, stacks)
-            if not errors:
-                return [results[r] for r in range(world_size)]
-            if hung:
-                errors.append(_stacks(stacks, world_size))
-            if not hung or attempt == 2:
-                raise RuntimeError("distributed test failed on " + "\n".join(errors))
-            warnings.warn(f"{fn.__name__} on {world_size} forked ranks hung and runs again: " + "\n".join(errors))
-    raise AssertionError("unreachable")
+    results, errors, hung = _attempt(fn, world_size, args, timeout)
+    if hung:
+        warnings.warn(f"{fn.__name__} on {world_size} forked ranks hung and runs again: " + "\n".join(errors))
+        results, errors, hung = _attempt(fn, world_size, args, timeout)
+    if errors:
+        raise RuntimeError("distributed test failed on " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+def _attempt(fn, world_size: int, args: tuple, timeout: float) -> tuple[dict, list, bool]:
+    """`_run_once` with the hung ranks' stacks added to its errors."""
+    with tempfile.TemporaryDirectory() as stacks:
+        results, errors, hung = _run_once(fn, world_size, args, timeout, stacks)
+        if hung:
+            errors.append(_stacks(stacks, world_size))
+    return results, errors, hung
 
 
 def _stacks(directory: str, world_size: int) -> str:

@@ -94,6 +94,13 @@ def generate(n_train: int = 400, n_val: int = 40, seed: int = 0) -> tuple[list[d
     return rows[:n_train], rows[n_train:]
 
 
+def train_words() -> list[str]:
+    """The distinct words of the shipped training set (punctuation stripped), sorted: words the tiny tokenizer
+    knows, for generating larger synthetic chat data (scripts/data_cache_bench.py, scripts/long_rows.py)."""
+    text = " ".join(m["content"] for line in open(TRAIN_PATH) for m in json.loads(line)["messages"])
+    return sorted(set(text.replace("?", " ").replace(".", " ").replace(",", " ").split()))
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")

@@ -82,15 +82,19 @@ class CPShard:
         return torch.tensor(self.segments, dtype=torch.long, device=self.device)
 
     @functools.cached_property
-    def attention_offsets(self) -> tuple[int, list[int], list[int]]:
+    def flash_offsets(self) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
         """For the flash kernel: the first stream token that a query of the span sees (the start of the document
-        the span begins in), and each document piece's offsets among the span's queries and among the keys
-        [first, end). Only the first piece has fewer queries than keys: its queries are its keys' last ones."""
+        the span begins in); each document piece's int32 offsets among the span's queries and among the keys
+        [first, end), on the stream's device; and the longest piece's queries and keys. Only the first piece has
+        fewer queries than keys: its queries are its keys' last ones."""
         cu = self.cu_seqlens_cpu.tolist()
         first = max(c for c in cu if c <= self.start)
         inside = [c for c in cu if self.start < c < self.end]
-        return first, [0, *(c - self.start for c in inside), self.length], [0, *(c - first for c in inside),
-                                                                            self.end - first]
+        cu_q = [0, *(c - self.start for c in inside), self.length]
+        cu_k = [0, *(c - first for c in inside), self.end - first]
+        longest = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
+        on_device = (copy_to_device(torch.tensor(c, dtype=torch.int32), self.device) for c in (cu_q, cu_k))
+        return first, *on_device, *longest
 
     def fla_context(self, kernel_size: int):
         """fla's `FLACPContext` of this span (its documents' local offsets and how many spans each edge document
@@ -329,13 +333,10 @@ def attend_span(q_bhld, keys, values, scale: float, shard: CPShard, kernel: str 
     from .attention import flash_varlen, resolve_attention_kernel
 
     if resolve_attention_kernel(kernel, True, q_bhld.device, q_bhld.dtype) == "flash_varlen":
-        first, cu_q, cu_k = shard.attention_offsets
-        cu = shard._cached("flash", lambda: tuple(copy_to_device(torch.tensor(c, dtype=torch.int32), q_bhld.device)
-                                                  for c in (cu_q, cu_k)))
-        lengths = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
+        first, *offsets = shard.flash_offsets
         q = q_bhld[0].transpose(0, 1).contiguous()  # [L, H, D]
         k, v = (t[0, :, first:shard.end].transpose(0, 1).contiguous() for t in (keys, values))  # [end - first, Hkv, D]
-        return flash_varlen(q, k, v, scale, *cu, *lengths).unsqueeze(0)
+        return flash_varlen(q, k, v, scale, *offsets).unsqueeze(0)
     seen = shard.end  # no query of this span sees a key after it
     keys, values = keys[:, :, :seen], values[:, :, :seen]
     q_doc = shard.document_ids(shard.start, shard.end)

@@ -288,8 +288,7 @@ class GatedDeltaNet(nn.Module):
 
         weight, sizes = self._conv_weight()
         if kernel == "fla":  # fla's own context-parallel kernels: the same exchanges, in its Triton kernels
-            varlen = {"cp_context": cp.fla_context(weight.shape[-1])}
-            return self.fla_kernels(qkv, beta, g, weight, sizes, **varlen)
+            return self.fla_kernels(qkv, beta, g, weight, sizes, cp_context=cp.fla_context(weight.shape[-1]))
         return context_parallel.gdn_mix(qkv, beta, g, weight, sizes, self._heads, cp)
 
     def _torch_kernels(self, qkv, beta, g, weight, sizes, cu_seqlens) -> torch.Tensor:
