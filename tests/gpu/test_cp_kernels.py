@@ -49,8 +49,9 @@ class _HostStaged:
         return getattr(self._dist, name)
 
     def all_gather_into_tensor(self, out, inp, group=None, async_op=False):
+        # flat: NCCL takes the output stacked ([world, *in]) or concatenated, gloo only concatenated along dim 0
         host = out.cpu()
-        self._dist.all_gather_into_tensor(host, inp.cpu(), group=group)
+        self._dist.all_gather_into_tensor(host.view(-1), inp.cpu().reshape(-1), group=group)
         out.copy_(host)
 
     all_gather_single = all_gather_into_tensor
@@ -65,7 +66,19 @@ class _HostStaged:
 
 
 def _gdn_rank(rank, world, port, kernel, state, x, probe, queue):
-    """One cp rank: its span of the layer's output and its gradients (the input's span, every parameter's)."""
+    """One cp rank: its span of the layer's output and its gradients (the input's span, every parameter's), or
+    the traceback of what failed, put on `queue` (a rank that fails would otherwise leave the others waiting in
+    a collective and the parent waiting on the queue)."""
+    import traceback
+
+    try:
+        queue.put((rank, _gdn_span(rank, world, port, kernel, state, x, probe), None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+
+
+def _gdn_span(rank, world, port, kernel, state, x, probe) -> bytes:
     import torch.distributed as dist
 
     import fla.ops.cp.comm as fla_comm
@@ -91,12 +104,15 @@ def _gdn_rank(rank, world, port, kernel, state, x, probe, queue):
             if name != "input":
                 dist.all_reduce(g)  # each span's share of a parameter's gradient
         # plain pickle: the queue's own would share the tensors through file descriptors gone once this rank exits
-        queue.put((rank, pickle.dumps((out.detach().cpu(), grads))))
+        return pickle.dumps((out.detach().cpu(), grads))
     finally:
         dist.destroy_process_group()
 
 
-def _run_cp(world: int, kernel: str, state, x, probe):
+def _run_cp(world: int, kernel: str, state, x, probe, timeout_s: float = 600):
+    import queue as queue_module
+    import time
+
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -104,9 +120,27 @@ def _run_cp(world: int, kernel: str, state, x, probe):
              for r in range(world)]
     for p in procs:
         p.start()
-    got = {r: pickle.loads(payload) for r, payload in (queue.get(timeout=600) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
+    got, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(got) < world:
+            try:
+                rank, payload, error = queue.get(timeout=2)
+            except queue_module.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    pytest.fail(f"{kernel} cp{world}: rank(s) {dead} (rank, exit code) died without reporting")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{kernel} cp{world}: no result from ranks {sorted(set(range(world)) - set(got))} "
+                                f"after {timeout_s:.0f} s")
+                continue
+            if error is not None:
+                pytest.fail(f"{kernel} cp{world} rank {rank} failed:\n{error}")
+            got[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     out = torch.cat([got[r][0] for r in range(world)], dim=1)
     grads = {name: g for name, g in got[0][1].items() if name != "input"}
     grads["input"] = torch.cat([got[r][1]["input"] for r in range(world)], dim=1)
