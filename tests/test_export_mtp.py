@@ -149,6 +149,24 @@ def test_random_init_keeps_no_head(tmp_path, capfd):
         assert not any(k.startswith("mtp_") for k in json.loads((out / "config.json").read_text()))
 
 
+def test_sharded_export_lists_the_head_in_its_index(tmp_path):
+    """An export written in shards lists the head's tensors in model.safetensors.index.json with the rest."""
+    from qwenft.checkpoint.hf_export import write_hf_checkpoint
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5 import adapter
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    cfg = _model_cfg("tiny")
+    save_random_checkpoint(cfg, src)
+    head = _give_head(src, shards=False)
+    model = init_random_weights(build_model(cfg, kernels="torch", device="meta"), device="cpu")
+    hf_sd = adapter.to_hf_state_dict({n: p.detach() for n, p in model.named_parameters()}, cfg.text)
+    write_hf_checkpoint({**hf_sd, **head}, cfg, out, max_shard_size="200KB", text_config_extra=MTP_CONFIG)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2 and set(head) <= set(weight_map)
+    _assert_head(out, head)
+
+
 def test_keep_reuses_on_resume_and_copies_afresh_otherwise(tmp_path):
     """`mtp.keep` at a run's start: a resumed run reuses its copy even when model.path's head has changed since; a
     fresh start copies again, and removes the copy when the source has no head; a damaged copy is one line."""
