@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import make_hf_model, make_hf_moe_model, qwenft_alone, save_random_checkpoint, tiny_overrides, train_alone
+from helpers import (make_hf_model, make_hf_moe_model, qwenft_alone, save_random_checkpoint, tiny_overrides, tiny_vlm,
+                     train_alone)
 
 MTP_CONFIG = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
 NO_HEAD = "exports carry no MTP head (vLLM's MTP speculative decoding needs one)"
@@ -165,6 +166,19 @@ def test_sharded_export_lists_the_head_in_its_index(tmp_path):
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(weight_map.values())) > 2 and set(head) <= set(weight_map)
     _assert_head(out, head)
+
+
+def test_vlm_config_keeps_the_keys_in_its_text_config(tmp_path):
+    """A VLM checkpoint's `mtp_*` keys sit in its text_config: read from there, and written back there."""
+    from qwenft.checkpoint import mtp
+    from qwenft.models.qwen3_5.configs import to_hf_config
+
+    cfg = tiny_vlm()
+    source = to_hf_config(cfg, MTP_CONFIG)
+    assert {k: getattr(source.text_config, k) for k in MTP_CONFIG} == MTP_CONFIG
+    source.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+    assert mtp.source_config(tmp_path) == MTP_CONFIG
 
 
 def test_keep_reuses_on_resume_and_copies_afresh_otherwise(tmp_path):

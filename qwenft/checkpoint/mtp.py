@@ -45,8 +45,9 @@ def source_config(model_path) -> dict:
     return {k: v for level in (d, d.get("text_config") or {}) for k, v in level.items() if k.startswith("mtp_")}
 
 
-def _head_line(count: int, nbytes: int, source: str, where: str) -> str:
-    return f"mtp: {count} tensors ({size_text(nbytes)}) kept from {source}{where}, written with every HF export"
+def _head_line(head: KeptHead, where: str) -> str:
+    return (f"mtp: {len(head.tensors)} tensors ({size_text(head.nbytes)}) kept from {head.source}{where}, written "
+            f"with every HF export")
 
 
 def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
@@ -61,8 +62,7 @@ def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
 
     kept = run_dir / MTP_FILE
     if resumed and kept.is_file():
-        head = read(run_dir)
-        return _head_line(len(head.tensors), head.nbytes, head.source, f" (reused {kept})")
+        return _head_line(read(run_dir), f" (reused {kept})")
     if not model_path:
         kept.unlink(missing_ok=True)
         return f"mtp: none (random init, no model.path); {NO_HEAD}"
@@ -75,15 +75,15 @@ def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
         with safe_open(path, "pt") as f:
             for key in sorted(k for k, p in files.items() if p == path):
                 tensors[key] = f.get_tensor(key)
-    metadata = {"format": "pt", "source": str(model_path), "config": json.dumps(source_config(model_path))}
+    head = KeptHead(tensors, source_config(model_path), str(model_path))
     tmp = kept.with_name(f".{MTP_FILE}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        save_file(head.tensors, str(tmp), metadata={"format": "pt", "source": head.source,
+                                                     "config": json.dumps(head.config)})
         os.replace(tmp, kept)
     finally:
         tmp.unlink(missing_ok=True)
-    return _head_line(len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()), model_path,
-                      f" to {kept}")
+    return _head_line(head, f" to {kept}")
 
 
 def read(run_dir: Path) -> KeptHead | None:
