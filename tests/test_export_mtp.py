@@ -196,20 +196,21 @@ def test_keep_reuses_on_resume_and_copies_afresh_otherwise(tmp_path):
     second = {k: (t.float() + 1).to(t.dtype) for k, t in first.items()}
     save_file({**load_file(src / "model.safetensors"), **second}, str(src / "model.safetensors"))
 
-    line = mtp.keep(str(src), run_dir, resumed=True)
-    assert line.startswith(f"mtp: {len(first)} tensors (")
-    assert line.endswith(f"kept from {src} (reused {run_dir / 'mtp.safetensors'}), written with every HF export")
-    kept = mtp.read(run_dir)
-    assert kept.config == MTP_CONFIG and all(torch.equal(kept.tensors[k], t) for k, t in first.items())
+    kept = run_dir / "mtp.safetensors"
+    assert mtp.keep(str(src), run_dir, resumed=True) == _kept_line(first, src, run_dir).replace(
+        f" to {kept}", f" (reused {kept})")
+    head = mtp.read(run_dir)
+    assert head.config == MTP_CONFIG and all(torch.equal(head.tensors[k], t) for k, t in first.items())
     mtp.keep(str(src), run_dir, resumed=False)
     assert all(torch.equal(mtp.read(run_dir).tensors[k], t) for k, t in second.items())
 
-    data = (run_dir / "mtp.safetensors").read_bytes()
-    (run_dir / "mtp.safetensors").write_bytes(data[:len(data) // 2])
-    with pytest.raises(ValueError) as info:
-        mtp.read(run_dir)
-    assert str(info.value).startswith(f"{run_dir / 'mtp.safetensors'} ({len(data) // 2} bytes) is truncated or corrupt")
-    assert "\n" not in str(info.value)
+    data = kept.read_bytes()
+    kept.write_bytes(data[:len(data) // 2])
+    for damaged in (lambda: mtp.read(run_dir), lambda: mtp.keep(str(src), run_dir, resumed=True)):
+        with pytest.raises(ValueError) as info:
+            damaged()
+        assert str(info.value).startswith(f"{kept} ({len(data) // 2} bytes) is truncated or corrupt")
+        assert "\n" not in str(info.value)
 
     shutil.rmtree(src)
     save_random_checkpoint(_model_cfg("tiny"), src)

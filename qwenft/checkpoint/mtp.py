@@ -45,14 +45,14 @@ def source_config(model_path) -> dict:
     return {k: v for level in (d, d.get("text_config") or {}) for k, v in level.items() if k.startswith("mtp_")}
 
 
-def _head_line(head: KeptHead, where: str) -> str:
-    return (f"mtp: {len(head.tensors)} tensors ({size_text(head.nbytes)}) kept from {head.source}{where}, written "
-            f"with every HF export")
+def _head_line(count: int, nbytes: int, source: str, where: str) -> str:
+    return f"mtp: {count} tensors ({size_text(nbytes)}) kept from {source}{where}, written with every HF export"
 
 
 def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
     """Copy model.path's `mtp.*` tensors to `<run_dir>/mtp.safetensors` (written under a temp name and renamed, so
-    never half written) and return the line to log. A resumed run reuses its copy; a fresh start copies again, and
+    never half written) and return the line to log. A resumed run reuses its copy (its header and size checked, its
+    tensors not read); a fresh start copies again, and
     removes a copy an earlier attempt left when the source has no head. Tensors are read one at a time with
     safetensors' `safe_open`, so only the head, never the whole checkpoint, is in memory."""
     from safetensors import safe_open
@@ -62,7 +62,8 @@ def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
 
     kept = run_dir / MTP_FILE
     if resumed and kept.is_file():
-        return _head_line(read(run_dir), f" (reused {kept})")
+        return _head_line(*_open(kept, lambda f: (len(f.keys()), _data_bytes(kept), f.metadata().get("source"))),
+                          f" (reused {kept})")
     if not model_path:
         kept.unlink(missing_ok=True)
         return f"mtp: none (random init, no model.path); {NO_HEAD}"
@@ -83,23 +84,33 @@ def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
         os.replace(tmp, kept)
     finally:
         tmp.unlink(missing_ok=True)
-    return _head_line(head, f" to {kept}")
+    return _head_line(len(head.tensors), head.nbytes, head.source, f" to {kept}")
 
 
 def read(run_dir: Path) -> KeptHead | None:
     """The head kept in `<run_dir>/mtp.safetensors`, or None when the run keeps none."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(run_dir) / MTP_FILE
     if not path.is_file():
         return None
+    return _open(path, lambda f: KeptHead({key: f.get_tensor(key) for key in f.keys()},
+                                          json.loads(f.metadata()["config"]), f.metadata()["source"]))
+
+
+def _data_bytes(path: Path) -> int:
+    """The tensor bytes of a safetensors file: all but its 8-byte header length and the header."""
+    with open(path, "rb") as f:
+        return path.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+
+
+def _open(path: Path, fn):
+    """fn(the safetensors file at `path`, opened); a damaged file (safetensors checks the header and the size it
+    gives on opening) is one line naming it."""
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(path, "pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-        config = json.loads(metadata.get("config", "{}"))
-    except (SafetensorError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} ({path.stat().st_size} bytes) is truncated or corrupt ({e}); delete it, then "
-                         f"resume the run (checkpoint.resume=auto) to copy the head from model.path again, or export "
-                         f"without one") from None
-    return KeptHead(tensors, config, metadata.get("source", "?"))
+            return fn(f)
+    except (SafetensorError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} ({path.stat().st_size} bytes) is truncated or corrupt ({type(e).__name__}: {e}); "
+                         f"delete it, then resume the run (checkpoint.resume=auto) to copy the head from model.path "
+                         f"again, or export without one") from None
