@@ -52,9 +52,9 @@ def _head_line(count: int, nbytes: int, source: str, where: str) -> str:
 def keep(model_path: str | None, run_dir: Path, resumed: bool) -> str:
     """Copy model.path's `mtp.*` tensors to `<run_dir>/mtp.safetensors` (written under a temp name and renamed, so
     never half written) and return the line to log. A resumed run reuses its copy (its header and size checked, its
-    tensors not read); a fresh start copies again, and
-    removes a copy an earlier attempt left when the source has no head. Tensors are read one at a time with
-    safetensors' `safe_open`, so only the head, never the whole checkpoint, is in memory."""
+    tensors not read); a fresh start copies again, and removes a copy an earlier attempt left when the source has no
+    head. Tensors are read one at a time with safetensors' `safe_open`, so only the head, never the whole
+    checkpoint, is in memory."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
