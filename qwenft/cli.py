@@ -120,7 +120,7 @@ def _export(args: list[str]) -> int:
     Every input is checked before anything is read or written, and an existing non-empty `out` is refused."""
     import torch
 
-    from qwenft.checkpoint import dcp, hf_export
+    from qwenft.checkpoint import dcp, hf_export, mtp
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
     from qwenft.models.lora import in_adapter_dir
     from qwenft.train.build import load_preprocessors, lora_config
@@ -169,6 +169,7 @@ def _export(args: list[str]) -> int:
         raise ConfigError(f"{key}={source}{where} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) to export "
                           f"with the model; pass tokenizer=DIR, a dir with the run's tokenizer")
     _, _, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None, source)
+    head = mtp.read(run_dir)  # the source's MTP head, kept in the run dir at its start
     if merged:
         trained = dcp.load_model_state(path, model_cfg, torch.float32, lora)
         state = hf_export.merge_into_base(trained, model_cfg, lora, Path(cfg.model.path), cfg.seed,
@@ -180,8 +181,10 @@ def _export(args: list[str]) -> int:
         print(f"note: model.path={cfg.model.path} (from {run_dir / 'config.yaml'}) does not exist; the export's "
               f"generation_config.json has the tokenizer's end ids but not the base model's sampling defaults",
               file=sys.stderr)
-    hf_export.write_hf(state, model_cfg, preprocessors, out, source_dir)
-    print(f"exported {path} ({dtype}{', adapters merged into ' + cfg.model.path if merged else ''}) to {out}")
+    hf_export.write_hf(state, model_cfg, preprocessors, out, source_dir, mtp_head=head)
+    print(f"exported {path} ({dtype}{', adapters merged into ' + cfg.model.path if merged else ''}) to {out}, "
+          + (f"with the MTP head kept from {head.source} ({len(head.tensors)} tensors)" if head else
+             "without an MTP head (the run kept none: a random init, or none in its model.path)"))
     return 0
 
 

@@ -10,6 +10,10 @@
 All end in `write_hf_checkpoint`, so a run's own export and an offline export of its checkpoint are the same
 files. Reading an HF checkpoint is qwenft.models.loader's.
 
+A model export writes the run's multi-token-prediction head (`mtp_head`, qwenft.checkpoint.mtp: the source's `mtp.*`
+tensors, kept raw at the run's start) beside the trained weights, with its `mtp_*` config keys; a peft adapter dir
+holds only adapter weights and never carries it.
+
 A model export can generate on its own: config.json carries the tokenizer's eos and pad ids, and
 generation_config.json lists every id that ends a reply (`<|im_end|>`, `<|endoftext|>`, the tokenizer's eos),
 merged into the source checkpoint's generation_config.json (`source_dir`, the run's model.path), whose other
@@ -24,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from qwenft.checkpoint.mtp import MTP_PREFIX, KeptHead
 
 
 def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, torch.Tensor]:
@@ -106,9 +112,13 @@ def same_file_modes(directory: Path) -> None:
 
 
 def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out_dir: Path, source_dir=None,
-             replace: bool = False) -> None:
+             replace: bool = False, mtp_head: KeptHead | None = None) -> None:
     """Write native parameters `state` (already in the export dtype) as an HF checkpoint + preprocessor files
     (the first is the tokenizer) + generation_config.json (merged with `source_dir`'s, see `generation_config`).
+
+    `mtp_head`'s tensors are written as they are (their own dtypes) and its config keys go into config.json's text
+    config. A `state` whose HF names already hold `mtp.*` tensors (a head the run trained) replaces its tensors
+    whole, so the two expert layouts never mix.
 
     Written to a temp dir next to `out_dir` and renamed, so `out_dir` is never half written. `replace=True`
     (the run's own <run_dir>/hf, e.g. after a requeue) swaps an earlier export out whole; otherwise an existing
@@ -121,8 +131,11 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
     generation = generation_config(tokenizer, source_dir)  # a bad source file fails before anything is written
     prefix = adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-    write_hf_checkpoint(adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings),
-                        _with_token_ids(model_cfg, tokenizer), tmp)
+    hf_sd = adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings)
+    if mtp_head is not None and not any(k.startswith(MTP_PREFIX) for k in hf_sd):
+        hf_sd.update(mtp_head.tensors)
+    write_hf_checkpoint(hf_sd, _with_token_ids(model_cfg, tokenizer), tmp,
+                        text_config_extra=mtp_head.config if mtp_head is not None else None)
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     for item in preprocessors:
         item.save_pretrained(str(tmp))
@@ -158,17 +171,18 @@ def _gather_on_rank0(modules: list[torch.nn.Module], mesh, dtype: torch.dtype, k
 
 
 def export_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, out_dir: Path, mesh,
-              dtype: torch.dtype, source_dir=None) -> None:
+              dtype: torch.dtype, source_dir=None, mtp_head: KeptHead | None = None) -> None:
     """Write the trained model as an HF checkpoint + tokenizer files (collective; global rank 0 writes). An
-    earlier export in `out_dir` is replaced whole."""
+    earlier export in `out_dir` is replaced whole. `mtp_head`: the MTP head to write (see `write_hf`), read by rank
+    0 alone (the others pass None)."""
     state = _gather_on_rank0(modules, mesh, dtype)
     if dist.get_rank() == 0:
-        write_hf(state, model_cfg, preprocessors, out_dir, source_dir, replace=True)
+        write_hf(state, model_cfg, preprocessors, out_dir, source_dir, replace=True, mtp_head=mtp_head)
     dist.barrier()
 
 
 def export_merged_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: list, lora, out_dir: Path, mesh,
-                     dtype: torch.dtype, source_dir=None) -> None:
+                     dtype: torch.dtype, source_dir=None, mtp_head: KeptHead | None = None) -> None:
     """Write the base with its LoRA adapters merged in (W + alpha / r B A, computed in fp32) as an HF checkpoint,
     as `export_hf` does for a fully finetuned model (collective; global rank 0 writes)."""
     from qwenft.models.lora import merge_adapters
@@ -178,7 +192,7 @@ def export_merged_hf(modules: list[torch.nn.Module], model_cfg, preprocessors: l
     if dist.get_rank() == 0:
         state = {k: v.to(param_dtype(k.rsplit(".", 1)[-1], dtype))
                  for k, v in merge_adapters(state, model_cfg, lora.scaling).items()}
-        write_hf(state, model_cfg, preprocessors, out_dir, source_dir, replace=True)
+        write_hf(state, model_cfg, preprocessors, out_dir, source_dir, replace=True, mtp_head=mtp_head)
     dist.barrier()
 
 
@@ -256,8 +270,10 @@ def _parse_size(size) -> int:
     return int(s)
 
 
-def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg, out_dir, max_shard_size="5GB"):
-    """Write an HF state dict as safetensors shards + index + config.json."""
+def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg, out_dir, max_shard_size="5GB",
+                        text_config_extra: dict | None = None):
+    """Write an HF state dict as safetensors shards + index + config.json (its text config with
+    `text_config_extra`'s keys added)."""
     from safetensors.torch import save_file
 
     from qwenft.models.loader import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
@@ -285,7 +301,7 @@ def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg, out_dir, max_shard_
         total = sum(t.numel() * t.element_size() for t in hf_sd.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    to_hf_config(cfg).save_pretrained(str(out_dir))
+    to_hf_config(cfg, text_config_extra).save_pretrained(str(out_dir))
 
 
 def save_hf(model: torch.nn.Module, cfg, out_dir, max_shard_size="5GB") -> None:

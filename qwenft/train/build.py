@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwenft.checkpoint import dcp as ckpt_lib
+from qwenft.checkpoint import dcp as ckpt_lib, mtp
 from qwenft.conf.compose import as_written
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
@@ -376,6 +376,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         resume.check_data_position(resume_from, cfg, data)
     if is_main and save_config is not None:
         save_config(run_dir)
+    # the source's MTP head, copied now so that every export has it even once model.path is gone
+    on_rank0(is_main, lambda: log.info(mtp.keep(cfg.model.path, run_dir, resumed=resume_from is not None)))
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))

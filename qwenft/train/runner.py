@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qwenft.checkpoint import mtp
 from qwenft.checkpoint.dcp import free_bytes, size_text
 from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft_adapter, full_state_dict
 from qwenft.conf.schema import Config
@@ -237,11 +238,11 @@ def finish(job: Job, result: RunResult, return_state: bool) -> None:
         log.info("exported the LoRA adapters (peft format) to %s", job.run_dir / "adapter")
     elif lora is not None and export == "merged":
         export_merged_hf(job.model_parts, job.model_cfg, job.preprocessors, lora, job.run_dir / "hf", job.mesh, dtype,
-                         cfg.model.path)
+                         cfg.model.path, mtp.read(job.run_dir) if job.is_main else None)
         log.info("exported the model with the LoRA adapters merged (HF layout) to %s", job.run_dir / "hf")
     elif export != "false":
         export_hf(job.model_parts, job.model_cfg, job.preprocessors, job.run_dir / "hf", job.mesh, dtype,
-                  cfg.model.path)
+                  cfg.model.path, mtp.read(job.run_dir) if job.is_main else None)
         log.info("exported the trained model (HF layout) to %s", job.run_dir / "hf")
     if return_state:
         result.state_dict = full_state_dict(job.model_parts, job.pp_group)

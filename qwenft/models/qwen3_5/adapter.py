@@ -26,7 +26,8 @@ from .configs import TextConfig
 CAUSAL_LM_PREFIX = "model."
 VLM_PREFIX = "model.language_model."
 VISUAL_PREFIX = "model.visual."
-# In released checkpoints but not part of this model (multi-token-prediction head).
+# In released checkpoints but not part of this model: the multi-token-prediction head (qwenft.checkpoint.mtp keeps
+# it raw for the exports).
 IGNORED_HF_PREFIXES = ("mtp.",)
 
 _GDN_RENAMES = {"z_proj": "in_proj_z", "a_proj": "in_proj_a", "b_proj": "in_proj_b"}

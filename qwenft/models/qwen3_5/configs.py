@@ -301,9 +301,10 @@ def _hf_text_kwargs(t: TextConfig, tie: bool) -> dict:
     return kw
 
 
-def to_hf_config(cfg: ModelConfig):
+def to_hf_config(cfg: ModelConfig, text_extra: dict | None = None):
     """A transformers config: `Qwen3_5TextConfig` (text-only) or `Qwen3_5Config` (when `cfg.vision` is set),
-    or their `Qwen3_5Moe*` counterparts when `cfg.text.num_experts > 0`."""
+    or their `Qwen3_5Moe*` counterparts when `cfg.text.num_experts > 0`. `text_extra`: keys the text config
+    carries as given (transformers keeps unknown keys), e.g. a source checkpoint's `mtp_num_hidden_layers`."""
     if cfg.text.is_moe:
         from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig as VLMConfig
         from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig as TextConfigHF
@@ -313,7 +314,7 @@ def to_hf_config(cfg: ModelConfig):
         from transformers.models.qwen3_5 import Qwen3_5TextConfig as TextConfigHF
         arch = "Qwen3_5"
 
-    text = _hf_text_kwargs(cfg.text, cfg.tie_word_embeddings)
+    text = {**_hf_text_kwargs(cfg.text, cfg.tie_word_embeddings), **(text_extra or {})}
     if cfg.vision is None:
         hf = TextConfigHF(**text)
         hf.architectures = [f"{arch}ForCausalLM"]
