@@ -167,6 +167,9 @@ def _vocab_parallel_fused_rank(rank, world, vocab, chunk, rows):
                (weight.placements, weight.to_local().shape))
     with torch.no_grad():  # evaluation: the loss alone
         out["eval_loss"] = fused_linear_ce_sum(h, weight, labels, chunk).item()
+    hits, top = torch.zeros((), dtype=torch.long), _argmax_labels(h, w, labels)
+    fused_linear_ce_sum(h.clone().requires_grad_(), weight, top, chunk, hits)
+    out["hits"] = (hits.item(), _hits(h, w, top))
     # LMHead on [B, T, H]: labels give the CE sum; without, the logits as a DTensor sharded on the vocabulary
     weight.grad = None
     h_c = h.clone().view(1, *h.shape).requires_grad_()
@@ -197,6 +200,7 @@ def test_vocab_parallel_fused_equals_whole_logits(vocab, chunk, rows):
         for key in ("loss", "eval_loss", "head_loss"):
             assert abs(out[key] - ref.item()) <= 1e-6 * abs(ref.item()), key
         assert out["grad_placements"]
+        assert out["hits"][0] == out["hits"][1] > 0
         assert out["logits_placements"] == (Shard(2),)
         assert rel_err(out["logits"], logits_ref.detach()) < 1e-6
         # fp32: the fused d hidden is 3.9e-7 off the reference's (measured), as on one rank
@@ -266,3 +270,34 @@ def test_fused_model_labels_path_equals_logits_path(tied):
     ref_grads = dict(ref_model.named_parameters())
     for name, p in model.named_parameters():
         assert rel_err(p.grad, ref_grads[name].grad) < 1e-6, name
+
+
+def _argmax_labels(h, w, labels):
+    """`labels` with every other labelled token's label set to its logits' argmax, so that top-1 hits exist."""
+    out = labels.clone()
+    labelled = (labels != -100).nonzero()[::2, 0]
+    out[labelled] = (h @ w.t())[labelled].argmax(-1)
+    return out
+
+
+def _hits(h, w, labels) -> int:
+    return int((((h @ w.t()).argmax(-1) == labels) & (labels != -100)).sum())
+
+
+@pytest.mark.parametrize("kernel, chunk", [("torch", 0), ("torch", 8), ("fused", 0), ("fused", 37)])
+def test_every_head_ce_counts_the_top1_hits(kernel, chunk):
+    """`LMHead.ce_sum`'s `hits` (the MTP head's accuracy) on each CE path, with and without grad: the labelled
+    tokens whose label is the logits' argmax; its CE sum as the whole-logits CE."""
+    from qwenft.models.linear_ce import LMHead
+
+    h, w, labels = _inputs()
+    labels = _argmax_labels(h, w, labels)
+    head = LMHead(h.shape[1], w.shape[0], ce_chunk_tokens=chunk, ce_kernel=kernel)
+    head.weight.data.copy_(w)
+    ref = F.cross_entropy((h @ w.t()).float(), labels, ignore_index=-100, reduction="sum")
+    for grad in (True, False):
+        hits = torch.zeros((), dtype=torch.long)
+        with torch.set_grad_enabled(grad):
+            loss = head.ce_sum(h.clone().requires_grad_(grad), labels, head.weight, hits)
+        assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item())
+        assert hits.item() == _hits(h, w, labels) > 0

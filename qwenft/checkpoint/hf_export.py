@@ -132,10 +132,12 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
     prefix = adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     hf_sd = adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings)
-    if mtp_head is not None and not any(k.startswith(MTP_PREFIX) for k in hf_sd):
+    mtp_config = dict(mtp_head.config) if mtp_head is not None else {}
+    if any(k.startswith(MTP_PREFIX) for k in hf_sd):  # a head the run trained (model.mtp=train|head)
+        mtp_config["mtp_num_hidden_layers"] = model_cfg.text.mtp_num_hidden_layers
+    elif mtp_head is not None:
         hf_sd.update(mtp_head.tensors)
-    write_hf_checkpoint(hf_sd, _with_token_ids(model_cfg, tokenizer), tmp,
-                        text_config_extra=mtp_head.config if mtp_head is not None else None)
+    write_hf_checkpoint(hf_sd, _with_token_ids(model_cfg, tokenizer), tmp, text_config_extra=mtp_config or None)
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     for item in preprocessors:
         item.save_pretrained(str(tmp))

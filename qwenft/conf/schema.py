@@ -68,6 +68,11 @@ class ModelOptions:
     # instead of its kernels, for host-bound layouts such as tensor parallelism; CUDA, no FSDP2, no activation
     # checkpointing, mesh.pp=1 (docs/performance.md, "Tensor parallel's ceiling")
     cuda_graphs: bool = False
+    # the multi-token-prediction head (docs/models.md, "The MTP head"): keep = pass the checkpoint's through to
+    # every export untouched; train = loss + mtp_loss_weight x its loss, into the trunk too; head = train the head
+    # alone on the trunk's detached output
+    mtp: str = "keep"
+    mtp_loss_weight: float = 0.1
 
 
 @dataclass

@@ -118,7 +118,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "true") -> int:
     if mode not in MODES:
         raise ValueError(f"model.activation_checkpointing={mode!r} is not valid; choose one of {', '.join(MODES)}")
     wrapped = 0
-    for layer in model.layers.values():
+    for layer in model.decoder_layers():
         if mode == "selective":
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, context_fn=save_matmuls)
         elif mode in ("true", layer.layer_type):

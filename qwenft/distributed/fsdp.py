@@ -65,7 +65,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
     for module in experts:
         if not ignored.issuperset(module.parameters()):
             fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    for unit in list(model.layers.values()) + edge_units(model):
+    # the MTP head (model.mtp=train|head): its layer a unit like the trunk's, its fc and norms one more
+    mtp = [] if getattr(model, "mtp", None) is None else [model.mtp]
+    for unit in model.decoder_layers() + mtp + edge_units(model):
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored or None)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,

@@ -17,7 +17,7 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool 
     `cuda_graphs` replays each graph as a CUDA graph, `gdn_graphs` fla's GatedDeltaNet kernels too."""
     from qwenft.models.qwen3_5.model import compile_layer
 
-    for layer in model.layers.values():
+    for layer in model.decoder_layers():
         compile_layer(layer, cuda_graphs, gdn_graphs)
 
 

@@ -126,7 +126,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
     """
     block_in = functools.partial(_block_input, mesh=tp_mesh, seq=sequence_parallel)
     block_out = functools.partial(_block_output, mesh=tp_mesh, seq=sequence_parallel)
-    for layer in model.layers.values():
+    for layer in model.decoder_layers():  # the MTP head's full-attention layer too
         for plan in TP_PLAN[layer.layer_type]:
             block = getattr(layer, plan.block)
             if isinstance(block, MoE):  # the MoE block stays replicated (table above)
@@ -143,10 +143,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel: bool = True,
             getattr(block, plan.row).register_forward_hook(block_out)
             if sequence_parallel:  # the norm sees T/tp tokens
                 shard_param(getattr(layer, plan.norm), "weight", tp_mesh, Replicate())
-    if sequence_parallel and len(model.layers):
-        layers = list(model.layers.values())
-        layers[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
-        layers[-1].register_forward_hook(functools.partial(_gather_tokens, mesh=tp_mesh))
+    if sequence_parallel:  # each stack's input is split and its output gathered: the trunk's, the MTP head's
+        for stack in (list(model.layers.values()), [] if model.mtp is None else list(model.mtp.layers.values())):
+            if stack:
+                stack[0].register_forward_pre_hook(functools.partial(_split_tokens, mesh=tp_mesh))
+                stack[-1].register_forward_hook(functools.partial(_gather_tokens, mesh=tp_mesh))
     if vocab_parallel:
         if model.embed_tokens is not None:
             shard_param(model.embed_tokens, "weight", tp_mesh, Shard(0))
@@ -316,13 +317,14 @@ def _block_output(linear, args, output, mesh, seq):
     return _FromBlock.apply(output, mesh, seq)
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None, device=None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters on different meshes, optionally over pipeline stages.
 
     TP + FSDP leaves (dp, tp) DTensors for sharded weights next to dp-only DTensors (or plain tensors) for
     replicated ones, and torch's version refuses to stack norms from different meshes. Each mesh's norm is
     reduced on its own, then combined (and over `pp_group`, each stage holding its own parameters). Returns
-    the total norm as a plain tensor, equal on all ranks, as one process would compute it.
+    the total norm as a plain tensor, equal on all ranks, as one process would compute it. `device`: where the
+    norm lives on a rank without gradients (a pipeline stage that holds none of `parameters`).
     """
     params = [p for p in parameters if p.grad is not None]
     groups = defaultdict(list)
@@ -332,7 +334,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_grou
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = params[0].device if params else None
+    device = params[0].device if params else device
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     total = total.float()
     if pp_group is not None:

@@ -46,7 +46,8 @@ def _write_grad(ptr, V, lse, target_col, scale, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, V, IGNORE: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, hits_ptr, V, IGNORE: tl.constexpr,
+                    HITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ptr = logits_ptr + row * stride
     row_max, row_sum = _row_max_sum(ptr, V, BLOCK)
@@ -56,18 +57,22 @@ def _ce_grad_kernel(logits_ptr, stride, target_ptr, loss_ptr, V, IGNORE: tl.cons
     safe_target = tl.where(valid, target, 0)
     x_target = tl.load(ptr + safe_target).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - x_target, 0.0))
+    if HITS:  # the label is the row's argmax (a tie counts): the same fp32 values the max was taken over
+        tl.store(hits_ptr + row, (valid & (x_target >= row_max)).to(tl.int32))
     _write_grad(ptr, V, lse, safe_target, tl.where(valid, 1.0, 0.0), BLOCK)
 
 
-def ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Per-token CE (0 where the label is `ignore_index`) in fp32; `logits_nv` becomes the CE's gradient."""
+def ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, ignore_index: int, with_hits: bool = False):
+    """Per-token CE (0 where the label is `ignore_index`) in fp32; `logits_nv` becomes the CE's gradient.
+    `with_hits`: also per token 1 where the label is the logits' argmax (int32), as (loss_n, hits_n)."""
     n, v = logits_nv.shape
     assert logits_nv.stride(1) == 1, "rows of the logits must be contiguous"
     loss_n = torch.empty(n, device=logits_nv.device, dtype=torch.float32)
+    hits_n = torch.empty(n if with_hits else 0, device=logits_nv.device, dtype=torch.int32)
     if n:
-        _ce_grad_kernel[(n,)](logits_nv, logits_nv.stride(0), labels_n, loss_n, v, IGNORE=ignore_index,
-                              BLOCK=BLOCK, num_warps=8)
-    return loss_n
+        _ce_grad_kernel[(n,)](logits_nv, logits_nv.stride(0), labels_n, loss_n, hits_n, v, IGNORE=ignore_index,
+                              HITS=with_hits, BLOCK=BLOCK, num_warps=8)
+    return (loss_n, hits_n) if with_hits else loss_n
 
 
 @triton.jit

@@ -46,17 +46,48 @@ class LMHead(nn.Linear):
         self.ce_chunk_tokens = ce_chunk_tokens
         self.ce_kernel = ce_kernel
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, mtp=None):
+        """Logits, or with `labels` the CE sum. `mtp` = (hidden, labels, detach): the multi-token-prediction
+        head's states and targets through the same weight in the same call (so an FSDP unit holding the head
+        gathers it once), `detach` keeping the head's loss out of the weight's gradient; then the return is
+        (logits or CE sum, the MTP CE sum, the MTP targets that are the logits' argmax)."""
+        out = self._logits_or_ce(hidden, labels)
+        if mtp is None:
+            return out
+        mtp_hidden, mtp_labels, detach = mtp
+        hits = torch.zeros((), dtype=torch.long, device=mtp_hidden.device)
+        return out, self.ce_sum(mtp_hidden, mtp_labels, self.weight.detach() if detach else self.weight, hits), hits
+
+    def _logits_or_ce(self, hidden, labels):
         if labels is None:
             if self.ce_kernel == "fused" and isinstance(self.weight, DTensor):
                 return _vocab_parallel_logits(hidden, self.weight)
             return super().forward(hidden)
-        if self.ce_kernel == "fused":
-            return fused_linear_ce_sum(hidden.flatten(0, -2), self.weight, labels.flatten(), self.ce_chunk_tokens)
-        if self.ce_chunk_tokens == 0:
+        if self.ce_kernel != "fused" and self.ce_chunk_tokens == 0:
             return F.cross_entropy(super().forward(hidden).flatten(0, -2).float(), labels.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
-        return chunked_linear_ce_sum(hidden.flatten(0, -2), self.weight, labels.flatten(), self.ce_chunk_tokens)
+        return self.ce_sum(hidden, labels, self.weight)
+
+    def ce_sum(self, hidden, labels, weight, hits: torch.Tensor | None = None) -> torch.Tensor:
+        """CE of `hidden @ weight.T` summed over `labels`, by this head's kernel and chunking; `hits` (a 0-d int64
+        tensor) += the labelled tokens whose label is the argmax (a tie counts as a hit)."""
+        h_nh, labels_n = hidden.flatten(0, -2), labels.flatten()
+        if self.ce_kernel == "fused":
+            return fused_linear_ce_sum(h_nh, weight, labels_n, self.ce_chunk_tokens, hits)
+        if self.ce_chunk_tokens:
+            return chunked_linear_ce_sum(h_nh, weight, labels_n, self.ce_chunk_tokens, hits)
+        if isinstance(weight, DTensor):
+            raise ValueError("the MTP head's loss on a vocab-parallel lm_head needs model.kernels.ce=fused (or "
+                             "mesh.vocab_parallel=false)")
+        logits_nv = F.linear(h_nh, weight).float()
+        if hits is not None:
+            hits += _hits(logits_nv.gather(1, labels_n.clamp(min=0)[:, None])[:, 0], logits_nv.amax(-1), labels_n)
+        return F.cross_entropy(logits_nv, labels_n, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _hits(target_n: torch.Tensor, max_n: torch.Tensor, labels_n: torch.Tensor) -> torch.Tensor:
+    """How many labelled tokens have their label's logit at the row's max (top-1 correct; a tie counts)."""
+    return ((target_n >= max_n) & (labels_n != IGNORE_INDEX)).sum()
 
 
 def _vocab_parallel_logits(hidden: torch.Tensor, weight: DTensor) -> DTensor:
@@ -68,7 +99,7 @@ def _vocab_parallel_logits(hidden: torch.Tensor, weight: DTensor) -> DTensor:
 
 
 def chunked_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels_n: torch.Tensor,
-                          chunk_tokens: int) -> torch.Tensor:
+                          chunk_tokens: int, hits: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over tokens with a label of CE(hidden @ weight.T, label), in fp32; same value and gradients as
     `F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")`.
 
@@ -81,7 +112,7 @@ def chunked_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labe
                          "set model.kernels.ce=fused, mesh.vocab_parallel=false or model.ce_chunk_tokens=0")
     if chunk_tokens < 1:
         raise ValueError(f"model.ce_chunk_tokens={chunk_tokens} must be >= 1 here (0 = unchunked, handled by the caller)")
-    return _ChunkedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk_tokens)
+    return _ChunkedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk_tokens, hits)
 
 
 def _chunk_logits(h_ch: torch.Tensor, weight_vh: torch.Tensor) -> torch.Tensor:
@@ -91,7 +122,7 @@ def _chunk_logits(h_ch: torch.Tensor, weight_vh: torch.Tensor) -> torch.Tensor:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk_tokens: int):
+    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk_tokens: int, hits):
         n = hidden_nh.shape[0]
         valid_n = labels_n != IGNORE_INDEX
         target_n = labels_n.clamp(min=0)  # any index for ignored tokens; masked out below
@@ -102,6 +133,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             logits_cv = _chunk_logits(hidden_nh[s:e], weight_vh)
             target_c = logits_cv.gather(1, target_n[s:e, None])[:, 0]
             max_c = logits_cv.amax(dim=-1)
+            if hits is not None:
+                hits += _hits(target_c, max_c, labels_n[s:e])
             # log-sum-exp in place: one fp32 [chunk, vocab] buffer, where torch.logsumexp would take a second
             lse_n[s:e] = logits_cv.sub_(max_c[:, None]).exp_().sum(dim=-1).log_().add_(max_c)
             loss += ((lse_n[s:e] - target_c) * valid_n[s:e]).sum()
@@ -128,15 +161,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 torch.mm(grad_cv, weight_vh, out=grad_hidden[s:e])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_cv.t(), hidden_nh[s:e])
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def _ce_grad_torch_(logits_nv: torch.Tensor, labels_n: torch.Tensor) -> torch.Tensor:
+def _ce_grad_torch_(logits_nv: torch.Tensor, labels_n: torch.Tensor, hits: torch.Tensor | None = None) -> torch.Tensor:
     """`ce_kernel.ce_grad_` in torch ops (CPU, or CUDA without Triton): per-token CE, logits -> gradient."""
     x = logits_nv.to(torch.promote_types(logits_nv.dtype, torch.float32))
     lse_n = torch.logsumexp(x, dim=-1)
     valid_n = labels_n != IGNORE_INDEX
     target_n = labels_n.clamp(min=0)[:, None]
+    if hits is not None:
+        hits += _hits(x.gather(1, target_n)[:, 0], x.amax(dim=-1), labels_n)
     loss_n = (lse_n - x.gather(1, target_n)[:, 0]) * valid_n
     grad = (x - lse_n[:, None]).exp_()
     grad.scatter_add_(1, target_n, -torch.ones_like(lse_n[:, None]))
@@ -182,22 +217,27 @@ def _triton_kernels(t: torch.Tensor):
     return ce_kernel
 
 
-def _ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor) -> torch.Tensor:
+def _ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, hits: torch.Tensor | None = None) -> torch.Tensor:
     kernels = _triton_kernels(logits_nv)
     if kernels is None:
-        return _ce_grad_torch_(logits_nv, labels_n)
-    return kernels.ce_grad_(logits_nv, labels_n, IGNORE_INDEX)
+        return _ce_grad_torch_(logits_nv, labels_n, hits)
+    if hits is None:
+        return kernels.ce_grad_(logits_nv, labels_n, IGNORE_INDEX)
+    loss_n, hit_n = kernels.ce_grad_(logits_nv, labels_n, IGNORE_INDEX, with_hits=True)
+    hits += hit_n.sum()
+    return loss_n
 
 
 def _chunk_ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, vocab_start: int, group,
-                    grad: bool = True) -> torch.Tensor:
+                    grad: bool = True, hits: torch.Tensor | None = None) -> torch.Tensor:
     """One chunk's per-token CE in fp32, its logits turned into d CE / d logits (with `grad`; a whole-vocabulary
     chunk either way, one kernel doing both). `group` None: the logits cover the whole vocabulary. Else they are
     the columns [vocab_start, vocab_start + V_local) of a vocabulary sharded over `group`, and the CE is the same
     on every rank: two all-reduces of fp32 per-token values (the row max; the rescaled sums of exponentials with
-    the label's logit, which one rank holds and the others give as 0), never logits."""
+    the label's logit, which one rank holds and the others give as 0), never logits. `hits` += the labelled
+    tokens whose label's logit is the row's max."""
     if group is None:
-        return _ce_grad_(logits_nv, labels_n)
+        return _ce_grad_(logits_nv, labels_n, hits)
     kernels = _triton_kernels(logits_nv)
     if kernels is None:
         stats_3n = _shard_stats_torch(logits_nv, labels_n, vocab_start)
@@ -208,6 +248,8 @@ def _chunk_ce_grad_(logits_nv: torch.Tensor, labels_n: torch.Tensor, vocab_start
     stats_3n[1].mul_((stats_3n[0] - max_n).exp_())
     dist.all_reduce(stats_3n[1:], group=group)  # sum of exp(x - max) over the vocabulary; the label's logit
     lse_n = stats_3n[1].log().add_(max_n)
+    if hits is not None:
+        hits += _hits(stats_3n[2], max_n, labels_n)
     if grad:
         if kernels is None:
             _shard_ce_grad_torch_(logits_nv, labels_n, lse_n, vocab_start)
@@ -231,7 +273,7 @@ def _scale_(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor 
 
 
 def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels_n: torch.Tensor,
-                        chunk_tokens: int = 0) -> torch.Tensor:
+                        chunk_tokens: int = 0, hits: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over labelled tokens of CE(hidden @ weight.T, label), with the gradients formed in the forward.
 
     The CE is linear in its output, so its gradients are known as soon as the logits are: each chunk of
@@ -256,11 +298,11 @@ def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels
         weight_vh = local(weight_vh)  # its rows' gradient goes to the weight's `.grad`, Shard(0) like the weight
     chunk = chunk_tokens or hidden_nh.shape[0]
     if torch.is_grad_enabled() and (hidden_nh.requires_grad or weight_vh.requires_grad):
-        return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk, vocab_start, group)
+        return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk, vocab_start, group, hits)
     loss = torch.zeros((), device=hidden_nh.device, dtype=torch.float32)
     for s in range(0, hidden_nh.shape[0], chunk):
         loss += _chunk_ce_grad_(hidden_nh[s:s + chunk] @ weight_vh.t(), labels_n[s:s + chunk], vocab_start, group,
-                                grad=False).sum()
+                                grad=False, hits=hits).sum()
     return loss
 
 
@@ -276,7 +318,7 @@ def _vocab_shard(weight: DTensor) -> tuple[int, dist.ProcessGroup]:
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk: int, vocab_start: int, group):
+    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk: int, vocab_start: int, group, hits):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden_nh) if want_hidden else None
         grad_weight = None
@@ -286,7 +328,7 @@ class _FusedLinearCE(torch.autograd.Function):
             h_ch = hidden_nh[s:s + chunk]
             logits_cv = h_ch @ weight_vh.t()
             # logits_cv now holds d ce / d logits
-            loss += _chunk_ce_grad_(logits_cv, labels_n[s:s + chunk], vocab_start, group).sum()
+            loss += _chunk_ce_grad_(logits_cv, labels_n[s:s + chunk], vocab_start, group, hits=hits).sum()
             if want_hidden:
                 torch.mm(logits_cv, weight_vh, out=grad_hidden[s:s + chunk])
                 if group is not None:  # this rank's vocabulary rows' share of it
@@ -305,4 +347,4 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return _scale_(grad_hidden, grad_loss), _scale_(grad_weight, grad_loss), None, None, None, None
+        return _scale_(grad_hidden, grad_loss), _scale_(grad_weight, grad_loss), None, None, None, None, None

@@ -28,12 +28,13 @@ SAFETENSORS_SINGLE = "model.safetensors"
 
 def build_model(cfg: ModelConfig, kernels: str = "auto", layer_ids=None, embed: bool = True, head: bool = True,
                 device="meta", dtype: torch.dtype | None = None, ce_chunk_tokens: int = 0,
-                attention_kernel: str = "auto", ce_kernel: str = "torch", moe_kernel: str = "auto") -> Qwen3_5Model:
+                attention_kernel: str = "auto", ce_kernel: str = "torch", moe_kernel: str = "auto",
+                mtp: str = "keep") -> Qwen3_5Model:
     """The native model on `device` (default meta: shapes only). `dtype` casts all but GDN's fp32 params."""
     with torch.device(device):
         model = Qwen3_5Model(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
                              ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel,
-                             moe_kernel=moe_kernel)
+                             moe_kernel=moe_kernel, mtp=mtp)
     if dtype is not None:
         model.to_dtype(dtype)
     return model
@@ -188,7 +189,8 @@ def _first(items, n=5) -> str:
 def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype | None = None,
                     seed: int = 0) -> nn.Module:
     """Materialize `model` (meta -> `device`) and fill it from an HF Qwen3.5 checkpoint, reading only each
-    rank's rows. Accepts `model.`- and `model.language_model.`-prefixed layouts; `mtp.*` is skipped, and
+    rank's rows. Accepts `model.`- and `model.language_model.`-prefixed layouts; `mtp.*` is read into the MTP head
+    when the model has one (model.mtp=train|head) and skipped otherwise, and
     `model.visual.*` too when the model has no vision tower. LoRA adapters (qwenft.models.lora) get peft's
     initialisation from `seed`."""
     from safetensors import safe_open
@@ -210,6 +212,9 @@ def load_hf_weights(model: nn.Module, ckpt_dir, device=None, dtype: torch.dtype 
     sources = {n: adapter.hf_source(n, cfg.text, prefix, tied, per_expert) for n in shapes}
 
     needed = {k for s in sources.values() for k in adapter.source_keys(s, cfg.text.num_experts)}
+    if any(n.startswith(adapter.MTP_PREFIX) for n in shapes) and not any(k.startswith(adapter.MTP_PREFIX) for k in files):
+        raise ValueError(f"model.mtp={model.mtp_mode}: checkpoint {ckpt_dir} has no mtp.* tensors (no MTP head to "
+                         f"train); use model.mtp=keep")
     missing = needed - set(files)
     if missing:
         raise ValueError(f"checkpoint {ckpt_dir} is missing {len(missing)} keys the model needs: {_first(missing)}")

@@ -91,7 +91,7 @@ def _candidates(model: nn.Module, text_cfg, vision: bool) -> dict[str, list[tupl
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or id(module) in routers:
             continue
-        if not (name.startswith("layers.") or (vision and name.startswith("visual."))):
+        if not (name.startswith(("layers.", "mtp.")) or (vision and name.startswith("visual."))):
             continue
         start = 0 if name.startswith("visual.") else adapter.hf_source(name + ".weight", text_cfg, "").row_start or 0
         found.setdefault(hf_module_name(name, text_cfg), []).append((start, name, module))

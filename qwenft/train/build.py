@@ -64,7 +64,34 @@ def model_config(cfg: Config):
         if n > t.num_hidden_layers:
             raise ValueError(f"model.num_layers={n} but the model has {t.num_hidden_layers} layers")
         model_cfg.text = dataclasses.replace(t, num_hidden_layers=n, layer_types=t.layer_types[:n])
+    _check_mtp(cfg, model_cfg)
     return model_cfg
+
+
+def _check_mtp(cfg: Config, model_cfg) -> None:
+    """model.mtp and model.mtp_loss_weight; a random init trains a fresh one-layer head."""
+    from qwenft.models.qwen3_5.mtp import MODES
+
+    mode = cfg.model.mtp
+    if mode not in MODES:
+        raise ValueError(f"model.mtp={mode!r} is not valid; choose one of {', '.join(MODES)}")
+    if not cfg.model.mtp_loss_weight >= 0:
+        raise ValueError(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} must be >= 0")
+    if mode == "keep":
+        return
+    if cfg.model.path is None:
+        model_cfg.text.mtp_num_hidden_layers = 1
+    elif model_cfg.text.mtp_num_hidden_layers == 0:
+        raise ValueError(f"model.mtp={mode}: model.path={cfg.model.path} has no MTP head (no mtp_num_hidden_layers "
+                         f"in its config.json); use model.mtp=keep")
+
+
+def mtp_training_line(cfg: Config) -> str:
+    """The start-log line of a run that trains the MTP head."""
+    source = f"from {cfg.model.path}" if cfg.model.path else "a fresh one-layer head (random init)"
+    what = "with the trunk" if cfg.model.mtp == "train" else "alone, on the trunk's detached output"
+    return (f"mtp: model.mtp={cfg.model.mtp} trains the MTP head {what}, {source}, loss weight "
+            f"{cfg.model.mtp_loss_weight}; every HF export writes the trained head")
 
 
 def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
@@ -137,7 +164,7 @@ def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple
     dtype = spec.dtypes.master if lora is None else spec.dtypes.compute
     model_kwargs = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
                         ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=spec.parallel.ce_kernel,
-                        moe_kernel=cfg.model.kernels.moe)
+                        moe_kernel=cfg.model.kernels.moe, mtp=cfg.model.mtp)
     layers = spec.parallel.stage_layers
     out = []
     for i in spec.stage_ids(mesh["pp"].get_local_rank()):
@@ -282,6 +309,9 @@ class Job:
     preprocessors: list  # what an HF export saves next to the weights
     model_parts: list[nn.Module]  # this rank's model, or the modules of its pipeline stages
     params: list[nn.Parameter]  # the trained ones, on this rank
+    # model.mtp=head: the MTP head's trained parameters, clipped apart from the trunk's (whose norm and clipping stay
+    # as without the head); empty otherwise
+    head_params: list[nn.Parameter]
     step: StepFn  # forward + backward of one step's microbatches -> the loss summed over them and dp x cp ranks
     loss_fn: object  # the step's pipeline.schedule.TokenCE: token CE (+ MoE aux loss); holds the step's routing
     validate: Callable[[], float] | None  # the validation loss (eval.every_steps), else None
@@ -376,8 +406,12 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         resume.check_data_position(resume_from, cfg, data)
     if is_main and save_config is not None:
         save_config(run_dir)
-    # the source's MTP head, copied now so that every export has it even once model.path is gone
-    on_rank0(is_main, lambda: log.info(mtp.keep(cfg.model.path, run_dir, resumed=resume_from is not None)))
+    # the source's MTP head, copied now so that every export has it even once model.path is gone (a trained head,
+    # model.mtp=train|head, replaces its tensors in the exports; its config keys stay)
+    kept = []
+    on_rank0(is_main, lambda: kept.append(mtp.keep(cfg.model.path, run_dir, resumed=resume_from is not None)))
+    if kept:
+        log.info(kept[0] if cfg.model.mtp == "keep" else mtp_training_line(cfg))
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
@@ -403,6 +437,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     else:
         step = accumulation_step(modules[0], spec, loss_fn, batch_mesh(mesh).get_group(), device)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    head_params = [p for m in modules if getattr(m, "mtp", None) is not None and cfg.model.mtp == "head"
+                   for p in m.mtp.parameters() if p.requires_grad]
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,
              n_params / 1e6, sum(p.numel() for p in params) / 1e6)
@@ -436,8 +472,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         log.info("resumed from %s; continuing at step %d", resume_from, start_step)
 
     return Job(cfg=cfg, spec=spec, model_cfg=model_cfg, mesh=mesh, device=device, run_dir=run_dir, is_main=is_main,
-               data=data, preprocessors=preprocessors, model_parts=modules, params=params, step=step, loss_fn=loss_fn,
+               data=data, preprocessors=preprocessors, model_parts=modules, params=params,
+               head_params=head_params, step=step, loss_fn=loss_fn,
                validate=_validation(cfg, model_cfg, spec, mesh, device, modules), optimizer=optimizer,
                scheduler=scheduler, checkpointer=checkpointer, metrics=metrics, max_steps=max_steps,
-               start_step=start_step, flops_per_token=metrics_lib.flops_per_token(model_cfg.text, cfg.data.seq_len),
+               start_step=start_step, flops_per_token=metrics_lib.flops_per_token(model_cfg.text, cfg.data.seq_len,
+                                                                            mtp=cfg.model.mtp != "keep"),
                peak_flops=metrics_lib.peak_flops(device))

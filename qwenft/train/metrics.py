@@ -119,17 +119,21 @@ def matmul_params(t) -> dict[str, int]:
             "lm_head": t.hidden_size * t.vocab_size}
 
 
-def flops_per_token(t, seq_len: int, chunk: int = 64) -> float:
+def flops_per_token(t, seq_len: int, chunk: int = 64, mtp: bool = False) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token of a Qwen3.5 text model.
 
     6 per matmul parameter (MoE: per active one, `matmul_params`); plus, per full-attention layer, the causal
     QK^T and PV products over seq_len (2 products x 2 FLOPs x seq_len/2 keys x heads x head_dim, x3); plus, per GatedDeltaNet layer, the
     chunked delta rule per value head (state read, correction and update: ~4 dk*dv products; intra-chunk
     attention: chunk*(dk+dv)), x2 FLOPs x3. Packing lowers the real attention term (documents are
-    shorter than seq_len); this counts the unpacked upper bound, the convention of MFU reports.
+    shorter than seq_len); this counts the unpacked upper bound, the convention of MFU reports. `mtp`: a trained
+    MTP head too (model.mtp=train|head): its fc [H, 2H], one full-attention layer and a second lm_head pass.
     """
     params = matmul_params(t)
     total = 6 * params["lm_head"]
+    if mtp:
+        total += 6 * (params["lm_head"] + 2 * t.hidden_size**2 + params["full_attention"])
+        total += 3 * 2 * 2 * (seq_len / 2) * t.num_attention_heads * t.head_dim
     dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
     for kind in t.layer_types:
         total += 6 * params[kind]

@@ -124,7 +124,10 @@ def _plain_param(stage: int, name: str, p: torch.nn.Parameter, expert: bool) -> 
 
 def _unit_name(module_name: str) -> str:
     """The FSDP unit of an FSDP module, by its name: a decoder layer (GDN's fp32 decay units inside a layer
-    count as the layer's), the embedding, the head (final norm + lm_head, `fsdp.edge_units`) or the root."""
+    count as the layer's), the embedding, the head (final norm + lm_head, `fsdp.edge_units`) or the root. The MTP
+    head's units (model.mtp=train|head) count as the head's: they are gathered around the loss, as it is."""
+    if module_name.startswith("mtp"):
+        return "head"
     if module_name.startswith("layers."):
         return ".".join(module_name.split(".")[:2])
     return {"embed_tokens": "embed_tokens", "norm": "head", "lm_head": "head"}.get(module_name, "root")
@@ -171,7 +174,7 @@ def _stage_activations(ctx: _Context, module) -> tuple[float, float, float]:
     off = on = recompute = 0.0
     # context parallel: a full-attention layer keeps the keys and values it gathered from the other spans
     gathered = 2 * c * t.num_key_value_heads // tp * t.head_dim * tokens * (ctx.layout.cp - 1)
-    for layer in module.layers.values():
+    for layer in module.decoder_layers():  # the MTP head's layer too
         kind = layer.layer_type
         full = layer_activation_bytes(t, kind, tp, c, sp) * tokens + (gathered if kind == FULL_ATTENTION else 0)
         off += full
@@ -184,6 +187,9 @@ def _stage_activations(ctx: _Context, module) -> tuple[float, float, float]:
             continue
         recompute = max(recompute, full)
     boundary = 2 * c * t.hidden_size * tokens  # the stage's input and output hidden states
+    if getattr(module, "mtp", None) is not None:  # the head's inputs: next-token embeddings, fc's input, three norms
+        head = (c * t.hidden_size * 3 + 3 * 8 * t.hidden_size) * tokens
+        off, on = off + head, on + head
     vision_off, vision_on = _vision_activations(ctx, module)
     return off + boundary + vision_off, on + boundary + vision_on, recompute
 
@@ -226,6 +232,9 @@ def _logits(ctx: _Context, modules, chunks: int) -> tuple[int, int, int]:
         head_chunks = n
     else:
         head_chunks = -(-chunks // ctx.spec.parallel.virtual_stages)
+    if any(getattr(m, "mtp", None) is not None for _, m in modules):
+        # the MTP head's CE runs after the trunk's in the same forward: the first one's kept bytes sit beside it
+        peak, held = peak + held, 2 * held
     others = held * (head_chunks - 1)
     written = 0 if ctx.spec.parallel.ce_in_model else ctx.compute_bytes * vocab * ctx.tokens
     return peak + others, others, written

@@ -18,7 +18,7 @@ from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
 from qwenft.train.build import Job, build_job, lora_config
-from qwenft.train.step import moe_step_metrics, span_labels
+from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, with_mtp_labels
 from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
 
@@ -42,6 +42,7 @@ class StepStats:
     label_tokens: int
     lr: float  # the rate this step trained with
     moe: dict = field(default_factory=dict)  # an MoE model's aux loss and expert load (step.moe_step_metrics)
+    mtp: dict = field(default_factory=dict)  # a trained MTP head's loss and accuracy (step.mtp_step_metrics)
 
 
 def run(cfg: Config, return_state: bool = False, on_step=None, command_args: list[str] | None = None) -> RunResult:
@@ -127,15 +128,27 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     """Forward + backward of one step's microbatches, gradient clipping, then the optimizer and lr steps unless
     the loss or grad norm is not finite (train.on_nonfinite)."""
     cfg = job.cfg
+    trains_head = job.spec.parallel.mtp_weight is not None
+    if trains_head:  # the MTP head's targets from the whole rows, before a cp rank cuts its span
+        micro_batches = [with_mtp_labels(mb) for mb in micro_batches]
     micro_batches = [span_labels(mb, job.mesh) for mb in micro_batches]
     label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(job.device)
     dist.all_reduce(label_tokens, group=job.loss_group)
+    if trains_head:
+        job.loss_fn.mtp_tokens = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches).to(job.device)
+        dist.all_reduce(job.loss_fn.mtp_tokens, group=job.loss_group)
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)
     step_loss = job.step(micro_batches, label_tokens)
-    moe = moe_step_metrics(job)
+    moe, mtp_metrics = moe_step_metrics(job), mtp_step_metrics(job)
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-    grad_norm = clip_grad_norm_(job.params, max_norm, pp_group=job.pp_group if job.spec.layout.pp > 1 else None)
+    pp_group = job.pp_group if job.spec.layout.pp > 1 else None
+    params = job.params
+    if job.cfg.model.mtp == "head":  # the head's gradients clipped alone: the trunk's norm and clipping as without it
+        head = {id(p) for p in job.head_params}
+        params = [p for p in params if id(p) not in head]
+        clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device)
+    grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device)
     lr = job.scheduler.get_last_lr()[0]
     loss_value = step_loss.item()
     # loss and grad norm are reduced over every rank, so all ranks take the same branch
@@ -151,7 +164,7 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         log.warning("step %d skipped: non-finite loss=%s or grad_norm=%s (train.on_nonfinite=skip, %d skipped "
                     "so far)", step, loss_value, grad_norm.item(), result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_value, grad_norm.item(), int(label_tokens.item()), lr, moe)
+    return StepStats(loss_value, grad_norm.item(), int(label_tokens.item()), lr, moe, mtp_metrics)
 
 
 def keep_grads(model_parts) -> None:
@@ -178,9 +191,11 @@ def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_step
     (and on the console when there is no progress bar)."""
     tokens, world = job.spec.batching.tokens_per_step, job.spec.layout.world_size
     flops = job.flops_per_token * tokens / elapsed / world
+    mtp = (" | mtp_loss %.4f | mtp_accuracy %.3f" % (stats.mtp["mtp_loss"], stats.mtp["mtp_accuracy"])
+           if stats.mtp else "")
     logging.getLogger("qwenft.steps").info(
-        "step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %.2f s | %.0f tokens/s/GPU | peak %.2f GiB",
-        step, job.max_steps, stats.loss, stats.lr, stats.grad_norm, elapsed, tokens / elapsed / world,
+        "step %d/%d | loss %.4f%s | lr %.3e | grad_norm %.3f | %.2f s | %.0f tokens/s/GPU | peak %.2f GiB",
+        step, job.max_steps, stats.loss, mtp, stats.lr, stats.grad_norm, elapsed, tokens / elapsed / world,
         peak_memory_gib(job.device))
     job.metrics.log({
         "step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
@@ -189,7 +204,7 @@ def log_step(job: Job, step: int, stats: StepStats, elapsed: float, skipped_step
         "tokens_per_sec_per_gpu": tokens / elapsed / world,
         "tflops_per_gpu": flops / 1e12,
         "mfu": flops / job.peak_flops if job.peak_flops else None,
-        "peak_memory_gib": peak_memory_gib(job.device), "skipped_steps": skipped_steps, **stats.moe,
+        "peak_memory_gib": peak_memory_gib(job.device), "skipped_steps": skipped_steps, **stats.moe, **stats.mtp,
         **{f"tokens/{name}": n for name, n in job.data.source_tokens().items()},
     })
 

@@ -62,6 +62,7 @@ class ParallelSpec:
     compile: bool  # model.compile: per-layer torch.compile
     cuda_graphs: bool  # model.cuda_graphs: the compiled graphs replayed as CUDA graphs
     fsdp: bool  # FSDP2 wraps the model: dp > 1, or weights stored in another dtype than they compute in
+    mtp_weight: float | None  # model.mtp_loss_weight where the MTP head trains (model.mtp=train|head), else None
 
     @property
     def num_stages(self) -> int:
@@ -236,7 +237,18 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
         compile=cfg.model.compile, cuda_graphs=check_cuda_graphs(cfg, layout, device, fsdp, dtypes),
-        fsdp=fsdp)
+        fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
+
+
+def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
+    """model.mtp_loss_weight where the MTP head trains, else None; raises where the layout cannot run it."""
+    if cfg.model.mtp == "keep":
+        return None
+    if layout.tp > 1 and cfg.mesh.vocab_parallel and ce_kernel != "fused":
+        raise ValueError(f"model.mtp={cfg.model.mtp} with mesh.tp={layout.tp} and mesh.vocab_parallel=true needs "
+                         f"model.kernels.ce=fused (its loss runs on the vocab-parallel lm_head's local rows); set it, "
+                         f"or mesh.vocab_parallel=false")
+    return cfg.model.mtp_loss_weight
 
 
 def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes) -> bool:

@@ -15,14 +15,23 @@ from qwenft.train.spec import RunSpec
 
 
 def span_labels(mb: dict, mesh) -> dict:
-    """The microbatch with its labels cut to this rank's span of the stream under context parallel (the model
-    cuts everything else after its embedding, `context_parallel.CPShard`); as it is at mesh.cp=1."""
+    """The microbatch with its labels (and the MTP head's) cut to this rank's span of the stream under context
+    parallel (the model cuts everything else after its embedding, `context_parallel.CPShard`); as it is at
+    mesh.cp=1."""
     if cp_size(mesh) == 1:
         return mb
     from qwenft.models.qwen3_5.context_parallel import split_labels
 
     cp = mesh["cp"]
-    return {**mb, "labels": split_labels(mb["labels"], cp.get_local_rank(), cp.size())}
+    return {**mb, **{key: split_labels(mb[key], cp.get_local_rank(), cp.size())
+                     for key in ("labels", "mtp_labels") if key in mb}}
+
+
+def with_mtp_labels(mb: dict) -> dict:
+    """The microbatch with the MTP head's targets (`mtp.mtp_labels`), from the whole rows, before any cp split."""
+    from qwenft.models.qwen3_5.mtp import mtp_labels
+
+    return {**mb, "mtp_labels": mtp_labels(mb["labels"], mb["cu_seqlens"])}
 
 
 StepFn = Callable[[list[dict], torch.Tensor], torch.Tensor]
@@ -38,7 +47,6 @@ def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.
     loss_fn = loss_fn or TokenCE(ce_in_model=ce_in_model)
     loss_fn.label_tokens = label_tokens
     loss_fn.reset()
-    step_loss = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         set_microbatch_grad_sync(model, i == len(micro_batches) - 1, reduce_grad_per_microbatch)
         mb = device_batch(mb, device)
@@ -47,11 +55,11 @@ def accumulate(model: nn.Module, micro_batches: list[dict], label_tokens: torch.
         if model.cfg.text.is_moe:
             padding = mb.get("padding_mask")
             moe = {"return_routing": True, "router_mask": None if padding is None else ~padding}
-        output = forward_batch(model, mb, **({"labels": labels} if ce_in_model else {}), **moe)
+        mtp = {"mtp_labels": mb["mtp_labels"]} if "mtp_labels" in mb else {}
+        output = forward_batch(model, mb, **({"labels": labels} if ce_in_model else {}), **moe, **mtp)
         loss = loss_fn(output, labels)
         loss.backward()
-        step_loss += loss.detach()
-    return step_loss
+    return loss_fn.main_sum
 
 
 def token_loss(spec: RunSpec, model_cfg):
@@ -64,7 +72,7 @@ def token_loss(spec: RunSpec, model_cfg):
     # share is 1/cp of it
     layout = spec.layout
     aux_weight = t.router_aux_loss_coef / (b.num_microbatches * layout.dp * layout.cp) if t.is_moe else 0.0
-    return TokenCE(ce_in_model=spec.parallel.ce_in_model, aux_weight=aux_weight)
+    return TokenCE(ce_in_model=spec.parallel.ce_in_model, aux_weight=aux_weight, mtp_weight=spec.parallel.mtp_weight)
 
 
 def accumulation_step(model: nn.Module, spec: RunSpec, loss_fn, loss_group, device) -> StepFn:
@@ -97,6 +105,23 @@ def moe_step_metrics(job: "Job") -> dict:
     microbatches = job.spec.batching.num_microbatches * job.spec.layout.dp * job.spec.layout.cp
     return {"aux_loss": totals[0].item() / microbatches,
             "expert_load_max_over_mean": [round(r, 3) for r in ratio.tolist()]}
+
+
+def mtp_step_metrics(job: "Job") -> dict:
+    """The MTP head's numbers in the step just run (a collective: every rank calls it): `mtp_loss`, its CE per
+    target token over the global batch, and `mtp_accuracy`, the share of those targets that are the head's top-1
+    (teacher-forced: the acceptance rate one draft token would see). {} without a trained head."""
+    loss_fn = job.loss_fn
+    if loss_fn.mtp_weight is None:
+        return {}
+    totals = torch.zeros(2, device=job.device, dtype=torch.float64)
+    if loss_fn.mtp_sum is not None:  # the rank that computed the loss (the last pipeline stage's)
+        totals[0], totals[1] = loss_fn.mtp_sum, loss_fn.mtp_hits
+    dist.all_reduce(totals, group=job.loss_group)
+    if job.spec.layout.pp > 1:
+        dist.all_reduce(totals, group=job.pp_group)
+    tokens = max(int(loss_fn.mtp_tokens.item()), 1)
+    return {"mtp_loss": totals[0].item() / tokens, "mtp_accuracy": totals[1].item() / tokens}
 
 
 def pipeline_stages(parts: list[tuple[int, nn.Module]], spec: RunSpec, mesh, device) -> list:

@@ -24,6 +24,10 @@ def test_ce_kernel_equals_torch_ops():
     assert _rel(loss, ref_loss) < 1e-6
     assert _rel(ours.float(), ref.float()) < 1e-3  # both fp32 math rounded once to bf16; exp differs in the last bits
     assert not ours[::5].any()  # unlabelled tokens: no gradient
+    labels[1::5] = logits[1::5].float().argmax(-1)  # top-1 hits to count (the MTP head's accuracy)
+    _, hits_n = ce_grad_(logits.clone(), labels, IGNORE_INDEX, with_hits=True)
+    want = ((logits.float().argmax(-1) == labels) & (labels != IGNORE_INDEX)).int()
+    assert torch.equal(hits_n, want) and want.sum() >= 60
 
 
 def test_vocab_parallel_ce_kernels_equal_torch_ops():

@@ -50,30 +50,57 @@ class TokenCE:
     global batch's microbatches, since the gradients are summed over dp ranks. `aux_sum` and `load_le` collect
     the step's aux losses (without the weight) and tokens per layer and expert on the rank that computes the loss;
     `reset()` them before each step.
+
+    MTP (`mtp_weight` set, model.mtp=train|head): the output ends with the MTP head's CE sum and top-1 hits
+    (`Qwen3_5Model.forward`), and `mtp_weight` x that CE / the MTP targets of the whole global batch (`mtp_tokens`,
+    set before each step like `label_tokens`) joins the loss. `main_sum` collects the step's loss without that term
+    (the logged `loss`, the same as without MTP), `mtp_sum` and `mtp_hits` the head's CE and hits, for its metrics.
     """
 
-    def __init__(self, ce_in_model: bool = False, aux_weight: float = 0.0):
+    def __init__(self, ce_in_model: bool = False, aux_weight: float = 0.0, mtp_weight: float | None = None):
         self.label_tokens = torch.ones(())
+        self.mtp_tokens = torch.ones(())
         self.ce_in_model = ce_in_model
         self.aux_weight = aux_weight
+        self.mtp_weight = mtp_weight
         self.reset()
 
     def reset(self) -> None:
-        self.aux_sum = self.load_le = None
+        self.calls: list[dict] = []  # per microbatch: its loss without the MTP term, aux, load_le, mtp_ce, mtp_hits
+
+    def keep_last(self, n: int) -> None:
+        """Keep the last `n` calls' records: a pipeline schedule's first step also calls the loss once to infer
+        the backward's shapes, before its microbatches."""
+        self.calls = self.calls[len(self.calls) - n:] if n else []
+
+    def _total(self, key):
+        values = [call[key] for call in self.calls if key in call]
+        return sum(values[1:], values[0]) if values else None
+
+    main_sum = property(lambda self: self._total("main"))
+    aux_sum = property(lambda self: self._total("aux"))
+    load_le = property(lambda self: self._total("load_le"))
+    mtp_sum = property(lambda self: self._total("mtp_ce"))
+    mtp_hits = property(lambda self: self._total("mtp_hits"))
 
     def __call__(self, output, labels):
-        routing = None
-        if isinstance(output, tuple):
-            output, routing = output
+        output, *rest = output if isinstance(output, tuple) else (output,)
+        call, mtp = {}, None
+        if self.mtp_weight is not None and len(rest) >= 2:
+            *rest, mtp, hits = rest
+            call.update(mtp_ce=mtp.detach(), mtp_hits=hits)
         ce = output if self.ce_in_model else token_ce_sum(output, labels)
         loss = ce / self.label_tokens.clamp(min=1)
-        if routing is None:
+        if rest:
+            (routing,) = rest
+            aux = routing_aux_loss(routing)
+            call.update(aux=aux.detach(), load_le=routing[:, 1].detach())
+            loss = loss + self.aux_weight * aux
+        call["main"] = loss.detach()
+        self.calls.append(call)
+        if mtp is None:
             return loss
-        aux = routing_aux_loss(routing)
-        load_le = routing[:, 1].detach()
-        self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
-        self.load_le = load_le if self.load_le is None else self.load_le + load_le
-        return loss + self.aux_weight * aux
+        return loss + self.mtp_weight * mtp / self.mtp_tokens.clamp(min=1)
 
 
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
@@ -96,6 +123,7 @@ class PipelineBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     padding_mask: torch.Tensor | None = None
+    mtp_labels: torch.Tensor | None = None  # model.mtp=train|head: the MTP head's targets, to the last stage
 
     @classmethod
     def from_microbatches(cls, microbatches: list[dict], device) -> "PipelineBatch":
@@ -109,8 +137,8 @@ class PipelineBatch:
         if positions[0].dim() == 3:  # M-RoPE [3, B, T] -> [B, 3, T]: the schedule splits dim 0 into microbatches
             positions = [p.transpose(0, 1) for p in positions]
         position_ids = torch.cat(positions).contiguous().to(device)
-        padding = {"padding_mask": cat("padding_mask")} if "padding_mask" in microbatches[0] else {}
-        return cls(cat("input_ids"), position_ids, cat("labels"), **images, **padding)
+        optional = {key: cat(key) for key in ("padding_mask", "mtp_labels") if key in microbatches[0]}
+        return cls(cat("input_ids"), position_ids, cat("labels"), **images, **optional)
 
     def kwargs(self, labels: bool = False) -> dict:
         """Stage kwargs; `labels=True` adds the labels, for a last stage that computes the loss itself."""
@@ -121,6 +149,8 @@ class PipelineBatch:
             kw.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
         if self.padding_mask is not None:
             kw["padding_mask"] = self.padding_mask
+        if self.mtp_labels is not None:
+            kw["mtp_labels"] = self.mtp_labels
         return kw
 
 
@@ -128,6 +158,13 @@ def _summed_loss(stages, losses: list, device) -> torch.Tensor:
     """This rank's summed microbatch losses (zero unless it runs the last stage)."""
     if any(s.is_last for s in stages) and losses:
         return torch.stack([loss.detach().float() for loss in losses]).sum()
+    return torch.zeros((), device=device)
+
+
+def _token_loss(stages, loss_fn: TokenCE, device) -> torch.Tensor:
+    """This rank's summed loss of the step without the MTP head's term (zero unless it runs the last stage)."""
+    if any(s.is_last for s in stages) and loss_fn.main_sum is not None:
+        return loss_fn.main_sum.float()
     return torch.zeros((), device=device)
 
 
@@ -146,7 +183,8 @@ def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_t
     losses: list = []
     schedule.step(*_first_stage_args(stages, batch), target=batch.labels, losses=losses, return_outputs=False,
                   **batch.kwargs(labels=loss_fn.ce_in_model))
-    loss = _summed_loss(stages, losses, label_tokens.device)
+    loss_fn.keep_last(len(losses))
+    loss = _token_loss(stages, loss_fn, label_tokens.device)
     dist.all_reduce(loss, group=dp_group)
     dist.all_reduce(loss, group=pp_group)
     return loss

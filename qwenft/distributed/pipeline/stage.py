@@ -31,8 +31,16 @@ class StageModel(Qwen3_5Model):
     those tokens out of the routing statistics.
     """
 
-    def forward(self, x, routing=None, *, position_ids, pixel_values=None, image_grid_thw=None, labels=None,
-                padding_mask=None):
+    def forward(self, x, *carried, position_ids, pixel_values=None, image_grid_thw=None, labels=None,
+                padding_mask=None, mtp_labels=None):
+        # what an earlier stage returned after its hidden states: the routing so far (MoE), then the next tokens'
+        # embeddings (model.mtp=train|head)
+        carried = list(carried)
+        mtp = {}
+        if self.mtp_mode != "keep":
+            mtp = {"mtp_labels": mtp_labels, **({"mtp_embeds": carried.pop()} if carried and self.embed_tokens is None
+                                                 else {})}
+        routing = carried.pop() if carried else None
         if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
             position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
@@ -43,22 +51,23 @@ class StageModel(Qwen3_5Model):
                        router_mask=None if padding_mask is None else ~padding_mask)
         if self.embed_tokens is None:
             return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens, labels=labels,
-                                   **moe)
+                                   **moe, **mtp)
         if image_grid_thw is not None:
             image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]
             pixel_values = pixel_values[: int(image_grid_thw.prod(-1).sum())] if len(image_grid_thw) else None
             image_grid_thw = image_grid_thw if len(image_grid_thw) else None
         return super().forward(input_ids=x, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                               pixel_values=pixel_values, image_grid_thw=image_grid_thw, labels=labels, **moe)
+                               pixel_values=pixel_values, image_grid_thw=image_grid_thw, labels=labels, **moe, **mtp)
 
 
 def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str, ce_chunk_tokens: int = 0,
-                      attention_kernel: str = "auto", ce_kernel: str = "torch", moe_kernel: str = "auto") -> StageModel:
+                      attention_kernel: str = "auto", ce_kernel: str = "torch", moe_kernel: str = "auto",
+                      mtp: str = "keep") -> StageModel:
     """Like `qwenft.models.loader.build_model`, on meta, as a `StageModel` (same parameter names)."""
     with torch.device("meta"):
         return StageModel(cfg, layer_ids=layer_ids, embed=embed, head=head, kernels=kernels,
                           ce_chunk_tokens=ce_chunk_tokens, attention_kernel=attention_kernel, ce_kernel=ce_kernel,
-                          moe_kernel=moe_kernel)
+                          moe_kernel=moe_kernel, mtp=mtp)
 
 
 def reshard_policy(schedule: str, reduce_grad_per_microbatch: bool) -> bool:

@@ -27,8 +27,10 @@ CAUSAL_LM_PREFIX = "model."
 VLM_PREFIX = "model.language_model."
 VISUAL_PREFIX = "model.visual."
 # In released checkpoints but not part of this model: the multi-token-prediction head (qwenft.checkpoint.mtp keeps
-# it raw for the exports).
-IGNORED_HF_PREFIXES = ("mtp.",)
+# The multi-token-prediction head: top-level `mtp.*` in released checkpoints, the same names natively (mtp.py);
+# skipped by a model without the head (model.mtp=keep, which passes the tensors through to exports untouched)
+MTP_PREFIX = "mtp."
+IGNORED_HF_PREFIXES = (MTP_PREFIX,)
 
 _GDN_RENAMES = {"z_proj": "in_proj_z", "a_proj": "in_proj_a", "b_proj": "in_proj_b"}
 
@@ -77,6 +79,10 @@ def hf_source(native_key: str, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, 
     if native_key == "lm_head.weight":
         return Source(prefix + "embed_tokens.weight") if tied else Source("lm_head.weight")
     parts = native_key.split(".")
+    if parts[0] == "mtp":  # top-level, native names; its layer is full attention (no GDN splits)
+        if per_expert and parts[1] == "layers" and parts[3:5] == ["mlp", "experts"]:
+            return ExpertSource(".".join(parts[:5]) + ".", _EXPERT_PROJECTIONS[parts[5]])
+        return Source(native_key)
     if per_expert and parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
         return ExpertSource(prefix + ".".join(parts[:4]) + ".", _EXPERT_PROJECTIONS[parts[4]])
     if parts[0] == "layers" and parts[2] == "linear_attn":

@@ -47,6 +47,8 @@ class TextConfig:
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     router_aux_loss_coef: float = 0.001
+    # layers of the multi-token-prediction head (`mtp.*`, models/qwen3_5/mtp.py): 1 in the released checkpoints
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -287,7 +289,8 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "sh
 
 def _hf_text_kwargs(t: TextConfig, tie: bool) -> dict:
     kw = {f.name: getattr(t, f.name) for f in dataclasses.fields(TextConfig)}
-    for k in ("rope_theta", "partial_rotary_factor", "mrope_section"):
+    # mtp_num_hidden_layers: written by the export that writes the head's tensors (to_hf_config's text_extra)
+    for k in ("rope_theta", "partial_rotary_factor", "mrope_section", "mtp_num_hidden_layers"):
         kw.pop(k)
     # each transformers class takes only its own fields: the MoE config has no intermediate_size
     for k in (("intermediate_size",) if t.is_moe else MOE_FIELDS):

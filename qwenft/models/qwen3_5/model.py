@@ -16,6 +16,7 @@ from .configs import FULL_ATTENTION, ModelConfig, TextConfig
 from .gdn import GatedDeltaNet, param_dtype, positions_in_document
 from .gdn_graph import GraphedMix
 from .moe import MLP, MoE, RouterStats, routing_rows
+from .mtp import MODES as MTP_MODES, MTPHead, next_in_document
 from ..linear_ce import LMHead
 
 
@@ -164,9 +165,11 @@ class Qwen3_5Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_ids=None, embed: bool = True, head: bool = True,
                  kernels: str = "torch", ce_chunk_tokens: int = 0, attention_kernel: str = "auto",
-                 ce_kernel: str = "torch", moe_kernel: str = "auto"):
+                 ce_kernel: str = "torch", moe_kernel: str = "auto", mtp: str = "keep"):
         super().__init__()
         t = cfg.text
+        if mtp not in MTP_MODES:
+            raise ValueError(f"model.mtp={mtp!r} is not valid; choose one of {', '.join(MTP_MODES)}")
         self.cfg = cfg
         ids = range(t.num_hidden_layers) if layer_ids is None else list(layer_ids)
         bad = [i for i in ids if not 0 <= i < t.num_hidden_layers]
@@ -183,6 +186,10 @@ class Qwen3_5Model(nn.Module):
         self.cp_group = None  # the context-parallel ranks' group (`context_parallel.apply_cp`), None: no split
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
         self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens, ce_kernel) if head else None
+        # model.mtp=train|head: the multi-token-prediction head sits with lm_head; every stage knows the mode, since
+        # the embeddings it takes travel from the first stage (`forward`)
+        self.mtp_mode = mtp
+        self.mtp = MTPHead(t, kernels, attention_kernel, moe_kernel) if head and mtp != "keep" else None
         self.tie_weights()
 
     def tie_weights(self):
@@ -193,6 +200,11 @@ class Qwen3_5Model(nn.Module):
     def init_buffers(self):
         """Recompute non-persistent buffers (garbage after meta init + `to_empty`)."""
         self.rotary.reset()
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers this module holds: the trunk's, then the MTP head's (tensor parallelism, activation
+        checkpointing, compile and FSDP treat them alike)."""
+        return list(self.layers.values()) + ([] if self.mtp is None else list(self.mtp.layers.values()))
 
     def router_stats(self) -> dict[int, RouterStats]:
         """{layer id: routing of the last forward} for this module's MoE layers (empty for a dense model); feed
@@ -208,7 +220,7 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,
                 pixel_values=None, image_grid_thw=None, inputs_embeds=None, labels=None,
-                router_mask=None, routing=None, return_routing: bool = False):
+                router_mask=None, routing=None, return_routing: bool = False, mtp_embeds=None, mtp_labels=None):
         """First stage: `input_ids` [B, T] (or `inputs_embeds` [B, T, H], replacing the embedding lookup);
         later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
         row, or per document when `cu_seqlens` (int32 offsets into the flattened B*T) is given.
@@ -220,8 +232,16 @@ class Qwen3_5Model(nn.Module):
 
         `return_routing=True` (MoE) returns `(output, routing)`: `routing` ([num_hidden_layers, 3, E],
         `moe.routing_rows`) is the given `routing` (an earlier pipeline stage's, None = zeros) plus this
-        module's layers' routing of this forward, with grad, for the aux loss (`moe.routing_aux_loss`)."""
-        if self.embed_tokens is not None and hidden_states is None:
+        module's layers' routing of this forward, with grad, for the aux loss (`moe.routing_aux_loss`).
+
+        model.mtp=train|head (`mtp_mode`): the first stage takes each position's next-token embedding
+        (`mtp.next_in_document` of its input embeddings, images scattered in) and a stage without the head returns
+        it after its output (and routing) for the next stage, which takes it as `mtp_embeds`. The head, given
+        `mtp_labels` (`mtp.mtp_labels`, cut to the cp span like `labels`), runs the MTP head and adds to its output
+        the MTP CE sum and its top-1 hits: `(out, [routing,] mtp_ce, mtp_hits)`. In `head` mode the head's inputs
+        and lm_head's weight are detached for it, so the trunk learns nothing from the MTP loss."""
+        first = self.embed_tokens is not None and hidden_states is None
+        if first:
             if inputs_embeds is None:
                 if input_ids is None:
                     raise ValueError("the first stage needs input_ids or inputs_embeds")
@@ -235,6 +255,8 @@ class Qwen3_5Model(nn.Module):
             h = hidden_states if hidden_states is not None else inputs_embeds
             if h is None:
                 raise ValueError("a stage without embed_tokens needs hidden_states [B, T, H]")
+        if first and self.mtp_mode != "keep":
+            mtp_embeds = next_in_document(h)
         B, T = h.shape[:2]
         if position_ids is None:
             if image_grid_thw is not None and input_ids is not None:  # images shift later text positions
@@ -250,20 +272,33 @@ class Qwen3_5Model(nn.Module):
             from .context_parallel import cp_shard
 
             cp = cp_shard(cu_seqlens, self.cp_group)
-            if self.embed_tokens is not None and hidden_states is None:
+            if first:
                 h = cp.split(h)
+                mtp_embeds = None if mtp_embeds is None else cp.split(mtp_embeds)
             position_ids = cp.split(position_ids, lead=position_ids.ndim - 2)
             router_mask = None if router_mask is None else cp.split(router_mask, fill=False)
         rope = self.rotary(position_ids, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, cu_seqlens, router_mask, **({"cp": cp} if cp is not None else {}))
-        out = h if self.lm_head is None else self.lm_head(self.norm(h), labels=labels)
-        if not return_routing:
-            return out
-        t = self.cfg.text
-        own = routing_rows(self.router_stats(), t.num_hidden_layers, t.num_experts, h)
-        if cp is not None:  # the whole stream's routing on every span, as one process counts it
-            from .context_parallel import all_reduce
+        extra = ()
+        if self.lm_head is None:
+            out = h
+            if self.mtp_mode != "keep":
+                extra = (mtp_embeds,)
+        elif self.mtp is not None and mtp_labels is not None:
+            normed = self.norm(h)
+            detach = self.mtp_mode == "head"
+            mtp_in = (normed.detach(), mtp_embeds.detach()) if detach else (normed, mtp_embeds)
+            y = self.mtp(*mtp_in, rope, cu_seqlens, router_mask, cp)
+            out, *extra = self.lm_head(normed, labels=labels, mtp=(y, mtp_labels, detach))
+        else:
+            out = self.lm_head(self.norm(h), labels=labels)
+        if return_routing:
+            t = self.cfg.text
+            own = routing_rows(self.router_stats(), t.num_hidden_layers, t.num_experts, h)
+            if cp is not None:  # the whole stream's routing on every span, as one process counts it
+                from .context_parallel import all_reduce
 
-            own = all_reduce(own, cp)
-        return out, own if routing is None else routing + own
+                own = all_reduce(own, cp)
+            extra = (own if routing is None else routing + own, *extra)
+        return (out, *extra) if extra else out
