@@ -307,3 +307,41 @@ def test_lora_targets_the_head(tmp_path):
                                         "checkpoint.export_hf=false"), return_state=True)
     adapted = {k.rpartition(".lora_")[0] for k in result.state_dict if k.startswith("mtp.") and ".lora_" in k}
     assert {"mtp.fc", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.mlp.down_proj"} <= adapted
+
+
+@pytest.mark.slow
+def test_moe_head_loads_per_expert_and_exports_the_trained_head(tmp_path):
+    """An MoE checkpoint whose head stores one tensor per expert (transformers' layout), model.mtp=train at lr 1e-30 (a step below every weight's rounding):
+    the loader stacks the head's experts, and the export writes the trained head (its experts fused, as the
+    trunk's) in place of the kept copy, equal to the source's tensors."""
+    from safetensors import safe_open
+
+    from helpers import make_hf_moe_model
+    from qwenft.models.loader import checkpoint_files
+    from test_export_mtp import ONE_STEP, _give_head, _model_cfg
+
+    src, run_dir = tmp_path / "src", tmp_path / "run"
+    cfg = _model_cfg("tiny_moe")
+    make_hf_moe_model(cfg).save_pretrained(src)
+    head = _give_head(src, shards=True)
+    train_alone(tiny_overrides(run_dir, f"model.path={src}", *ONE_STEP, "model.kernels.moe=loop", "model.mtp=train",
+                               "optim.lr=1e-30", "optim.weight_decay=0", "checkpoint.export_hf=true"))
+    files = checkpoint_files(run_dir / "hf")
+    out = {}
+    for key, path in files.items():
+        if key.startswith("mtp."):
+            with safe_open(path, "pt") as f:
+                out[key] = f.get_tensor(key)
+    experts = "mtp.layers.0.mlp.experts."
+    assert not any(k.startswith(experts) and k.split(".")[5].isdigit() for k in out)
+    stacked = {"gate_up_proj": torch.stack([torch.cat([head[f"{experts}{j}.gate_proj.weight"],
+                                                       head[f"{experts}{j}.up_proj.weight"]])
+                                            for j in range(cfg.text.num_experts)]),
+               "down_proj": torch.stack([head[f"{experts}{j}.down_proj.weight"] for j in range(cfg.text.num_experts)])}
+    for name, want in stacked.items():
+        assert torch.equal(out[experts + name].to(want.dtype), want), name
+    for key, want in head.items():
+        if not key.startswith(experts):
+            assert torch.equal(out[key].to(want.dtype), want), key
+    config = json.loads((run_dir / "hf" / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1 and config["mtp_use_dedicated_embeddings"] is False
