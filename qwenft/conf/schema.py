@@ -73,6 +73,9 @@ class ModelOptions:
     # alone on the trunk's detached output
     mtp: str = "keep"
     mtp_loss_weight: float = 0.1
+    # FP8 matmuls for the decoder layers' large linears through torchao (pip install 'qwenft[fp8]'): off,
+    # rowwise, rowwise_with_gw_hp or tensorwise (docs/performance.md, "FP8")
+    fp8: str = "off"
 
 
 @dataclass

@@ -42,8 +42,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
                 reshard_after_forward: bool = True, compile_layers: bool = False, cuda_graphs: bool = False,
                 fsdp: bool = True,
-                fsdp_prefetch: int = 0) -> nn.Module:
-    """TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
+                fsdp_prefetch: int = 0, fp8: str = "off") -> nn.Module:
+    """`fp8` (model.fp8): the decoder layers' large linears become torchao float8 linears first
+    (qwenft.distributed.float8). TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
     context parallel over mesh["cp"] (`apply_cp`), then activation checkpointing, then (compile_layers)
     per-layer torch.compile (`cuda_graphs`: replayed as CUDA graphs, which `qwenft.train.spec.check_cuda_graphs`
     allows), then (`fsdp`, see `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp_cp"] (the experts over
@@ -55,6 +56,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     afterwards (qwenft.models.loader), which fills only each rank's shards. Call
     `tensor_parallel.validate_tp` before building the model so bad head counts fail early.
     """
+    if fp8 != "off":  # first: TP, FSDP2 and compile see the float8 linears (float8.convert_fp8)
+        from qwenft.distributed.float8 import convert_fp8
+
+        convert_fp8(model, fp8)
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)

@@ -140,6 +140,10 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
     from qwenft.distributed.parallelize import parallelize
 
     par = spec.parallel
+    if par.compile and cfg.model.fp8.startswith("rowwise") and par.activation_checkpointing != "false":
+        # rowwise float8 under compile and activation checkpointing: the recompute's casts must round as the
+        # forward's did, or the backward reads NaN (pytorch#150859)
+        torch._inductor.config.emulate_precision_casts = True
     if par.compile and par.schedule in SPLIT_BACKWARD:
         # these schedules run a stage's backward twice (input gradients, then weight gradients, the graph
         # retained between them): a compiled backward may not free its saved tensors in the first
@@ -149,7 +153,7 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
                 reshard_after_forward=par.reshard_after_forward, compile_layers=par.compile,
                 cuda_graphs=par.cuda_graphs,
-                fsdp=par.fsdp, fsdp_prefetch=cfg.mesh.fsdp_prefetch)
+                fsdp=par.fsdp, fsdp_prefetch=cfg.mesh.fsdp_prefetch, fp8=cfg.model.fp8)
 
 
 def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:
@@ -442,6 +446,11 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,
              n_params / 1e6, sum(p.numel() for p in params) / 1e6)
+    if cfg.model.fp8 != "off":
+        from qwenft.distributed.float8 import describe
+
+        log.info(describe([fqn for m in modules for fqn, mod in m.named_modules()
+                           if type(mod).__name__ == "Float8Linear"], cfg.model.fp8))
 
     optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
                                 cfg.optim.eps, cfg.optim.fused, state_dtype=cfg.optim.state_dtype, seed=cfg.seed)

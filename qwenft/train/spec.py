@@ -240,6 +240,31 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
 
 
+def check_fp8(cfg: Config, layout: Layout, batching: Batching) -> None:
+    """model.fp8; raises where the run cannot take float8 linears."""
+    from qwenft.distributed.float8 import RECIPES
+
+    recipe = cfg.model.fp8
+    if recipe not in RECIPES:
+        raise ValueError(f"model.fp8={recipe!r} is not valid; choose one of {', '.join(RECIPES)}")
+    if recipe == "off":
+        return
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ValueError(f"model.fp8={recipe} needs torchao: pip install 'qwenft[fp8]' (or model.fp8=off)") from None
+    if layout.tp > 1:
+        raise ValueError(f"model.fp8={recipe} with mesh.tp={layout.tp}: float8 linears do not run tensor-parallel "
+                         f"yet; use mesh.tp=1 or model.fp8=off")
+    if cfg.peft.method != "none":
+        raise ValueError(f"model.fp8={recipe} with peft={cfg.peft.method}: float8 linears do not take LoRA adapters "
+                         f"yet; use peft=none or model.fp8=off")
+    tokens = batching.microbatch_size * cfg.data.seq_len // layout.cp
+    if tokens % 16:
+        raise ValueError(f"model.fp8={recipe}: a microbatch holds {tokens} tokens a rank (train.micro_batch_size x "
+                         f"data.seq_len / mesh.cp), and float8 GEMMs need a multiple of 16; change data.seq_len")
+
+
 def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
     """model.mtp_loss_weight where the MTP head trains, else None; raises where the layout cannot run it."""
     if cfg.model.mtp == "keep":
@@ -289,5 +314,6 @@ def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec
     """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu")."""
     check_mesh_keys(cfg, layout)
     batching = resolve_batching(cfg, layout.dp)
+    check_fp8(cfg, layout, batching)
     dtypes = resolve_dtypes(cfg, device)
     return RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device, dtypes))

@@ -1,0 +1,86 @@
+"""model.fp8: which linears become torchao float8 linears, training with them on the CPU, checkpoints across the
+setting, the config errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import compose, read_metrics, tiny_overrides, train_alone
+
+pytest.importorskip("torchao.float8")
+
+
+def _linears(model) -> dict[str, str]:
+    return {fqn: type(m).__name__ for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe"])
+def test_exactly_the_large_decoder_linears_convert(name):
+    """The trunk's and the MTP head's large projections become Float8Linear; lm_head, the router (`mlp.gate`),
+    `shared_expert_gate`, GatedDeltaNet's a/b and attention's k/v projections stay nn.Linear."""
+    from qwenft.distributed.float8 import convert_fp8
+    from qwenft.models.loader import build_model
+    from qwenft.models.qwen3_5.configs import FULL_ATTENTION, named_config
+
+    cfg = named_config(name)
+    cfg.text.mtp_num_hidden_layers = 1
+    model = build_model(cfg, kernels="torch", mtp="train")
+    converted = convert_fp8(model, "rowwise")
+    mlp = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"] if cfg.text.is_moe else \
+        ["gate_proj", "up_proj", "down_proj"]
+    want = set()
+    for prefix, kind in [(f"layers.{i}.", k) for i, k in enumerate(cfg.text.layer_types)] + [("mtp.layers.0.",
+                                                                                              FULL_ATTENTION)]:
+        mixer = (["self_attn.q_proj", "self_attn.o_proj"] if kind == FULL_ATTENTION else
+                 [f"linear_attn.{p}_proj" for p in ("q", "k", "v", "z", "out")])
+        want |= {prefix + p for p in mixer} | {prefix + "mlp." + p for p in mlp}
+    assert set(converted) == want
+    kinds = _linears(model)
+    assert {fqn for fqn, kind in kinds.items() if kind == "Float8Linear"} == want
+    kept = {fqn for fqn, kind in kinds.items() if kind != "Float8Linear"}
+    assert {"lm_head", "mtp.fc", "layers.3.self_attn.k_proj", "layers.3.self_attn.v_proj",
+            "layers.0.linear_attn.a_proj", "layers.0.linear_attn.b_proj"} <= kept
+    if cfg.text.is_moe:
+        assert {"layers.0.mlp.gate", "layers.0.mlp.shared_expert_gate"} <= kept  # the router and the shared gate
+
+
+@pytest.mark.slow
+def test_training_with_fp8_follows_the_unconverted_run(tmp_path):
+    """recipe=tiny with model.fp8=rowwise on the CPU: the start log lists the converted linears, the first step's
+    loss (the same weights, float8 matmuls) is within float8 rounding of the unconverted run's, and the loss falls
+    as the unconverted run's does; the checkpoint resumes with model.fp8=off (the same keys)."""
+    runs = {recipe: tmp_path / recipe for recipe in ("off", "rowwise")}
+    for recipe, run_dir in runs.items():
+        train_alone(tiny_overrides(run_dir, "train.max_steps=6", f"model.fp8={recipe}", "checkpoint.every_steps=3",
+                                   "checkpoint.export_hf=false"))
+    off, fp8 = ([r["loss"] for r in read_metrics(runs[k]) if "loss" in r] for k in ("off", "rowwise"))
+    # e4m3 keeps 3 mantissa bits: each operand within 2^-4 relative, averaged over the 64-128-term dot products
+    assert abs(fp8[0] - off[0]) < 0.02 * off[0], (fp8, off)
+    assert fp8[-1] < fp8[0] - 0.1 and abs(fp8[-1] - off[-1]) < 0.05 * off[-1], (fp8, off)
+    log = (runs["rowwise"] / "train.log").read_text()
+    assert "fp8: model.fp8=rowwise (torchao float8) on 29 linears (" in log, log
+    result = train_alone(tiny_overrides(runs["rowwise"], "train.max_steps=7", "model.fp8=off",
+                                        "checkpoint.every_steps=3", "checkpoint.export_hf=false"))
+    assert len(result.losses) == 1 and read_metrics(runs["rowwise"])[-1]["step"] == 7  # resumed after step 6
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.fp8=fp4"], "model.fp8='fp4' is not valid; choose one of off, rowwise, rowwise_with_gw_hp, tensorwise"),
+    (["model.fp8=rowwise", "mesh.tp=2"], "model.fp8=rowwise with mesh.tp=2: float8 linears do not run "
+                                         "tensor-parallel yet; use mesh.tp=1 or model.fp8=off"),
+    (["model.fp8=tensorwise", "peft=lora"], "model.fp8=tensorwise with peft=lora: float8 linears do not take LoRA "
+                                            "adapters yet; use peft=none or model.fp8=off"),
+    (["model.fp8=rowwise", "data.seq_len=100", "train.micro_batch_size=1", "train.global_batch_size=1"],
+     "model.fp8=rowwise: a microbatch holds 100 tokens a rank (train.micro_batch_size x data.seq_len / mesh.cp), "
+     "and float8 GEMMs need a multiple of 16; change data.seq_len"),
+])
+def test_bad_fp8_settings_fail_with_one_line(tmp_path, overrides, message):
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.build import model_config
+    from qwenft.train.spec import resolve_spec
+
+    cfg = compose(tiny_overrides(tmp_path, *overrides))
+    with pytest.raises(ValueError) as info:
+        layout = resolve_layout(cfg.mesh.tp, 1, 1, cfg.mesh.tp)
+        resolve_spec(cfg, layout, model_config(cfg), "cpu")
+    assert str(info.value) == message
