@@ -155,8 +155,8 @@ def play_cp_span(span: int) -> None:
 
     shard_of = context_parallel.cp_shard
 
-    def cp_shard(cu_seqlens, group):
-        return dataclasses.replace(shard_of(cu_seqlens, group), rank=span)
+    def cp_shard(cu_seqlens, group, balanced=False):
+        return dataclasses.replace(shard_of(cu_seqlens, group, balanced), rank=span)
 
     context_parallel.cp_shard = cp_shard
 

@@ -125,6 +125,10 @@ long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/ca
 bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4
 bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4
+# attention by halves (mesh.cp_balanced_attention): every span's rank computes one early and one late half, the same
+# work whichever span it plays
+bench fake_cp4_128k_balanced 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
 bench one_gpu_32k 90 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768 ;;
 cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
 PYTHONUNBUFFERED=1 timeout 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \

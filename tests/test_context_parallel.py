@@ -74,12 +74,12 @@ def _reference(batch: dict, slow_decay: bool = False):
     return _loss_and_grads(_model(slow_decay=slow_decay), batch, batch["labels"])
 
 
-def _cp_rank(rank, world_size, batch):
-    """This cp rank's loss and gradients, summed over the cp ranks."""
+def _cp_rank(rank, world_size, batch, balanced=False):
+    """This cp rank's loss and gradients, summed over the cp ranks (`balanced`: attention by halves)."""
     from qwenft.models.qwen3_5.context_parallel import split_labels
 
     model = _model()
-    model.cp_group = dist.group.WORLD
+    model.cp_group, model.cp_balanced = dist.group.WORLD, balanced
     loss, grads = _loss_and_grads(model, batch, split_labels(batch["labels"], rank, world_size))
     dist.all_reduce(loss)
     for g in grads.values():
@@ -105,6 +105,31 @@ def test_cp_equals_one_process(layout, cp):
     want = _reference(batch)
     for got in run_distributed(_cp_rank, cp, batch):
         _assert_close(got, want)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_balanced_attention_equals_one_process(layout, cp):
+    """mesh.cp_balanced_attention: each rank computes the attention of one early and one late half of the stream
+    (at cp3 a rank sends both its halves to one rank) and returns the outputs; loss and gradients as one process."""
+    batch = _batch(LAYOUTS[layout])
+    want = _reference(batch)
+    for got in run_distributed(_cp_rank, cp, batch, True):
+        _assert_close(got, want)
+
+
+def test_balanced_attention_sees_the_mean_keys_on_every_rank():
+    """The point of the halves: for one document filling the stream, the keys the queries a rank computes see
+    (causally) are the same on every rank, where contiguous spans give the last rank (2 cp - 1) x the first's."""
+    from qwenft.models.qwen3_5.context_parallel import CPShard
+
+    cp, total = 4, 96
+    cu = torch.tensor([0, total])
+    for rank in range(cp):
+        shard = CPShard(None, rank, cp, total, cu, torch.device("cpu"), balanced=True)
+        halves = [shard.half(h) for h in shard.computes(rank)]
+        seen = sum(sum(range(s + 1, e + 1)) for s, e in halves)
+        assert seen == sum(range(1, total + 1)) // cp, (rank, seen)
 
 
 def test_cp_pads_rows_and_splits_across_them():
@@ -178,7 +203,9 @@ def assert_same_run(result, reference, grads_after: int | None = None):
     ["mesh.cp=2", "mesh.pp=2", "pipeline.schedule=zbv"],
     # the exchanges run again, in the same order on every rank, when the backward recomputes a layer
     ["mesh.cp=2", "mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"],
-], ids=["cp2-tp2", "cp2-pp2-knob", "cp2-pp2-zbv", "cp2-dp2-knob-ac"])
+    # attention by halves, its all-to-alls under the recompute too
+    ["mesh.cp=2", "mesh.cp_balanced_attention=true", "model.activation_checkpointing=true"],
+], ids=["cp2-tp2", "cp2-pp2-knob", "cp2-pp2-zbv", "cp2-dp2-knob-ac", "cp2-balanced-ac"])
 def test_training_equals_one_process(tmp_path, reference, extra):
     world = 1
     for key in extra:
@@ -191,6 +218,7 @@ def test_training_equals_one_process(tmp_path, reference, extra):
 
 @pytest.mark.parametrize("extra, message", [
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
+    (["mesh.cp_balanced_attention=true"], "mesh.cp_balanced_attention=true needs mesh.cp > 1"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with this flash-linear-attention has no context-parallel"),
 ])

@@ -22,6 +22,9 @@ class MeshOptions:
     # context parallel degree: each microbatch's packed stream split into cp contiguous spans, one per rank, for
     # sequences longer than one rank's activations hold (docs/parallelism.md, "Context parallel")
     cp: int = 1
+    # cp > 1: full attention's queries computed by halves, each rank one early and one late half of the stream,
+    # so that every rank sees as many keys (contiguous spans load the last rank most for long documents)
+    cp_balanced_attention: bool = False
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
     sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence

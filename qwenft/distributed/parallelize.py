@@ -21,12 +21,13 @@ def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool 
         compile_layer(layer, cuda_graphs, gdn_graphs)
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, balanced_attention: bool = False) -> None:
     """Context parallel over `cp_mesh`: the model splits each microbatch's stream into spans
     after the embedding (`Qwen3_5Model.forward`), and its layers exchange what crosses spans over this group
     (qwenft.models.qwen3_5.context_parallel). Parameters stay whole on the cp ranks; FSDP2 shards them over dp x
     cp, which also sums their gradients over the spans."""
     model.cp_group = cp_mesh.get_group()
+    model.cp_balanced = balanced_attention  # full attention by halves (`context_parallel.attend_balanced`)
 
 
 def gdn_graphs(cuda_graphs: bool, tp: int) -> bool:
@@ -42,7 +43,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 vocab_parallel: bool = True, sequence_parallel: bool = False,
                 reshard_after_forward: bool = True, compile_layers: bool = False, cuda_graphs: bool = False,
                 fsdp: bool = True,
-                fsdp_prefetch: int = 0, fp8: str = "off") -> nn.Module:
+                fsdp_prefetch: int = 0, fp8: str = "off", cp_balanced_attention: bool = False) -> nn.Module:
     """`fp8` (model.fp8): the decoder layers' large linears become torchao float8 linears first
     (qwenft.distributed.float8). TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when the mesh has it), then
     context parallel over mesh["cp"] (`apply_cp`), then activation checkpointing, then (compile_layers)
@@ -68,7 +69,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
         apply_ep(model, mesh["ep"])
         expert_mesh = mesh["dp_outer_cp"]
     if cp_size(mesh) > 1:
-        apply_cp(model, mesh["cp"])
+        apply_cp(model, mesh["cp"], cp_balanced_attention)
     # model.activation_checkpointing's modes (activation_checkpointing.MODES); a bool means true or false
     mode = {True: "true", False: "false"}.get(activation_checkpointing, activation_checkpointing)
     if mode != "false":

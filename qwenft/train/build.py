@@ -153,7 +153,8 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
                 vocab_parallel=cfg.mesh.vocab_parallel, sequence_parallel=cfg.mesh.sequence_parallel,
                 reshard_after_forward=par.reshard_after_forward, compile_layers=par.compile,
                 cuda_graphs=par.cuda_graphs,
-                fsdp=par.fsdp, fsdp_prefetch=cfg.mesh.fsdp_prefetch, fp8=cfg.model.fp8)
+                fsdp=par.fsdp, fsdp_prefetch=cfg.mesh.fsdp_prefetch, fp8=cfg.model.fp8,
+                cp_balanced_attention=cfg.mesh.cp_balanced_attention)
 
 
 def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:

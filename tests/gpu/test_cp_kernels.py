@@ -209,7 +209,8 @@ def test_flash_attention_over_gathered_keys_equals_the_row(world, dtype):
         shard = CPShard(None, rank, world, T, cu_cpu, torch.device("cuda"))
         leaves = [q.detach().to(dtype).requires_grad_(), k.detach().to(dtype).requires_grad_(),
                   v.detach().to(dtype).requires_grad_()]
-        span = attend_span(leaves[0][:, :, shard.start:shard.end], leaves[1], leaves[2], scale, shard, "auto")
+        span = attend_span(leaves[0][:, :, shard.start:shard.end], leaves[1], leaves[2], scale, shard, shard.start,
+                           shard.end, "auto")
         (span.float() * probe.transpose(1, 2)[:, shard.start:shard.end]).sum().backward()
         out[:, shard.start:shard.end] = span.detach().float()
         for g, leaf in zip(grads, leaves):

@@ -16,7 +16,11 @@ computes positions and the global document offsets before the split (`CPShard.sp
   has M = 0: no state reaches its end from before. A document that starts inside a span never sees an incoming
   state.
 - Full attention: keys and values are all-gathered over cp, each span's queries attend causally within their
-  own document over the gathered keys; the gather's backward returns dK, dV to their owners.
+  own document over the gathered keys; the gather's backward returns dK, dV to their owners. Causal attention
+  makes the later spans' queries see more keys (the last of cp spans does (2 cp - 1) / cp times the mean work for
+  one long document). `balanced` (mesh.cp_balanced_attention) evens that out: each span is cut in two halves,
+  and rank r computes the queries of halves r and 2 cp - 1 - r of the stream's 2 cp, one early and one late
+  (`attend_balanced`); an all-to-all takes the queries there and brings the outputs back.
 
 The backward mirrors each exchange through autograd (`_Gather`). Every rank takes part in each exchange's
 backward: where a rank's output does not read what was gathered (the first span reads no incoming state),
@@ -47,6 +51,7 @@ class CPShard:
     tokens: int  # B x T before padding
     cu_seqlens_cpu: torch.Tensor  # int64
     device: torch.device
+    balanced: bool = False  # attention's queries computed by halves, an early and a late one a rank
 
     @property
     def total(self) -> int:
@@ -81,20 +86,31 @@ class CPShard:
         """`segments` as int64 offsets on the stream's device (the span's own packed layout)."""
         return torch.tensor(self.segments, dtype=torch.long, device=self.device)
 
-    @functools.cached_property
-    def flash_offsets(self) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
-        """For the flash kernel: the first stream token that a query of the span sees (the start of the document
-        the span begins in); each document piece's int32 offsets among the span's queries and among the keys
-        [first, end), on the stream's device; and the longest piece's queries and keys. Only the first piece has
-        fewer queries than keys: its queries are its keys' last ones."""
-        cu = self.cu_seqlens_cpu.tolist()
-        first = max(c for c in cu if c <= self.start)
-        inside = [c for c in cu if self.start < c < self.end]
-        cu_q = [0, *(c - self.start for c in inside), self.length]
-        cu_k = [0, *(c - first for c in inside), self.end - first]
-        longest = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
-        on_device = (copy_to_device(torch.tensor(c, dtype=torch.int32), self.device) for c in (cu_q, cu_k))
-        return first, *on_device, *longest
+    def flash_offsets(self, start: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
+        """For the flash kernel, the queries [start, end) of the stream: the first stream token that one of them
+        sees (the start of the document `start` is in); each document piece's int32 offsets among the queries
+        and among the keys [first, end), on the stream's device; and the longest piece's queries and keys. Only
+        the first piece has fewer queries than keys: its queries are its keys' last ones. Once per range."""
+        def make():
+            cu = self.cu_seqlens_cpu.tolist()
+            first = max(c for c in cu if c <= start)
+            inside = [c for c in cu if start < c < end]
+            cu_q = [0, *(c - start for c in inside), end - start]
+            cu_k = [0, *(c - first for c in inside), end - first]
+            longest = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
+            on_device = (copy_to_device(torch.tensor(c, dtype=torch.int32), self.device) for c in (cu_q, cu_k))
+            return first, *on_device, *longest
+        return self._cached(("flash", start, end), make)
+
+    def half(self, h: int) -> tuple[int, int]:
+        """The stream range [start, end) of half `h` of the 2 cp halves (rank h // 2's span, cut at its middle)."""
+        span_start = (h // 2) * self.length
+        middle = span_start + self.length // 2
+        return (span_start, middle) if h % 2 == 0 else (middle, span_start + self.length)
+
+    def computes(self, rank: int) -> tuple[int, int]:
+        """The halves whose attention `rank` computes under `balanced`: an early one and its mirror."""
+        return rank, 2 * self.size - 1 - rank
 
     def fla_context(self, kernel_size: int):
         """fla's `FLACPContext` of this span (its documents' local offsets and how many spans each edge document
@@ -143,9 +159,10 @@ class CPShard:
         return flat.narrow(lead, self.start, self.length).unsqueeze(lead)
 
 
-def cp_shard(cu_seqlens: torch.Tensor, group) -> CPShard:
+def cp_shard(cu_seqlens: torch.Tensor, group, balanced: bool = False) -> CPShard:
     """This rank's `CPShard` of a microbatch whose documents are `cu_seqlens` (offsets into the flattened B x T
-    stream, ending at B x T); the stream is padded to a multiple of the cp size with one pad document."""
+    stream, ending at B x T); the stream is padded to a multiple of the cp size with one pad document.
+    `balanced`: attention by halves (`attend_balanced`)."""
     from .varlen import varlen_info
 
     if cu_seqlens is None:
@@ -156,7 +173,7 @@ def cp_shard(cu_seqlens: torch.Tensor, group) -> CPShard:
     padded = -(-tokens // size) * size
     if padded != tokens:
         cu = torch.cat([cu, torch.tensor([padded])])
-    return CPShard(group, rank, size, tokens, cu, cu_seqlens.device)
+    return CPShard(group, rank, size, tokens, cu, cu_seqlens.device, balanced)
 
 
 def split_labels(labels: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -322,27 +339,79 @@ def attend(q_bhld, k_bhld, v_bhld, scale: float, shard: CPShard, kernel: str = "
     [1, L, H, D]. Keys and values are all-gathered (their gradients go back to their owners)."""
     keys, values = (gather(t, shard) for t in (k_bhld, v_bhld))  # [cp, 1, Hkv, L, D]
     keys, values = (t.permute(1, 2, 0, 3, 4).flatten(2, 3) for t in (keys, values))  # [1, Hkv, T, D]
-    return attend_span(q_bhld, keys, values, scale, shard, kernel)
+    if shard.balanced:
+        return attend_balanced(q_bhld, keys, values, scale, shard, kernel)
+    return attend_span(q_bhld, keys, values, scale, shard, shard.start, shard.end, kernel)
 
 
-def attend_span(q_bhld, keys, values, scale: float, shard: CPShard, kernel: str = "auto") -> torch.Tensor:
-    """The span's queries [1, H, L, D] over the whole stream's keys and values [1, Hkv, T, D] -> [1, L, H, D].
-    `kernel`: model.kernels.attention. The flash kernel takes each document piece of the span as a sequence
-    whose keys run from its document's start (the first piece's queries are its keys' last ones); masked SDPA,
-    the CPU's path, an [L, end] mask."""
+def attend_span(q_bhld, keys, values, scale: float, shard: CPShard, start: int, end: int,
+                kernel: str = "auto") -> torch.Tensor:
+    """The queries [1, H, l, D] of the stream's tokens [start, end) over the whole stream's keys and values
+    [1, Hkv, T, D] -> [1, l, H, D]. `kernel`: model.kernels.attention. The flash kernel takes each document
+    piece of the range as a sequence whose keys run from its document's start (the first piece's queries are
+    its keys' last ones); masked SDPA, the CPU's path, an [l, end] mask."""
     from .attention import flash_varlen, resolve_attention_kernel
 
     if resolve_attention_kernel(kernel, True, q_bhld.device, q_bhld.dtype) == "flash_varlen":
-        first, *offsets = shard.flash_offsets
-        q = q_bhld[0].transpose(0, 1).contiguous()  # [L, H, D]
-        k, v = (t[0, :, first:shard.end].transpose(0, 1).contiguous() for t in (keys, values))  # [end - first, Hkv, D]
+        first, *offsets = shard.flash_offsets(start, end)
+        q = q_bhld[0].transpose(0, 1).contiguous()  # [l, H, D]
+        k, v = (t[0, :, first:end].transpose(0, 1).contiguous() for t in (keys, values))  # [end - first, Hkv, D]
         return flash_varlen(q, k, v, scale, *offsets).unsqueeze(0)
-    seen = shard.end  # no query of this span sees a key after it
-    keys, values = keys[:, :, :seen], values[:, :, :seen]
-    q_doc = shard.document_ids(shard.start, shard.end)
-    k_doc = shard.document_ids(0, seen)
-    q_pos = torch.arange(shard.start, shard.end, device=q_doc.device)
-    k_pos = torch.arange(seen, device=q_doc.device)
-    mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # [L, seen]
+    keys, values = keys[:, :, :end], values[:, :, :end]  # no query of the range sees a key after it
+    q_doc = shard.document_ids(start, end)
+    k_doc = shard.document_ids(0, end)
+    q_pos = torch.arange(start, end, device=q_doc.device)
+    k_pos = torch.arange(end, device=q_doc.device)
+    mask = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None])  # [l, end]
     out = F.scaled_dot_product_attention(q_bhld, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` [n, ...] sent out in consecutive pieces of `send` rows, one per rank in order, and the pieces
+    of `recv` rows received from each, concatenated; the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.sizes, ctx.group = (send, recv), group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv = ctx.sizes
+        out = grad.new_empty(sum(send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=send, input_split_sizes=recv,
+                               group=ctx.group)
+        return out, None, None, None
+
+
+def attend_balanced(q_bhld, keys, values, scale: float, shard: CPShard, kernel: str = "auto") -> torch.Tensor:
+    """`attend_span` by halves: this span's two halves of queries go to the ranks that compute them (half h to
+    rank h, or 2 cp - 1 - h for the later ones), this rank computes halves rank and 2 cp - 1 - rank, and the
+    outputs come back -> [1, L, H, D]. Every rank's attention then covers one early and one late half: the same
+    keys seen, whatever the rank."""
+    cp, rank = shard.size, shard.rank
+    owner = {h: h if h < cp else 2 * cp - 1 - h for h in range(2 * cp)}
+    mine = (2 * rank, 2 * rank + 1)  # the halves this rank holds, in stream order
+    sizes = {h: (lambda r: r[1] - r[0])(shard.half(h)) for h in range(2 * cp)}
+    q_lhd = q_bhld[0].transpose(0, 1)  # [L, H, D], the span's queries in stream order
+    send = [sum(sizes[h] for h in mine if owner[h] == d) for d in range(cp)]
+    order = sorted(mine, key=lambda h: owner[h])  # the send buffer: pieces by destination rank
+    pieces = {h: q_lhd[:sizes[mine[0]]] if h == mine[0] else q_lhd[sizes[mine[0]]:] for h in mine}
+    computed = sorted(shard.computes(rank), key=lambda h: h // 2)  # received: by source rank
+    recv = [sum(sizes[h] for h in computed if h // 2 == s) for s in range(cp)]
+    got = _AllToAll.apply(torch.cat([pieces[h] for h in order]), send, recv, shard.group)
+    outs, offset = [], 0
+    for h in computed:
+        start, end = shard.half(h)
+        q_half = got[offset:offset + sizes[h]].transpose(0, 1).unsqueeze(0)  # [1, H, l, D]
+        outs.append(attend_span(q_half, keys, values, scale, shard, start, end, kernel)[0])  # [l, H, D]
+        offset += sizes[h]
+    back = _AllToAll.apply(torch.cat(outs), recv, send, shard.group)  # this rank's halves, ordered as `order`
+    by_half, offset = {}, 0
+    for h in order:
+        by_half[h] = back[offset:offset + sizes[h]]
+        offset += sizes[h]
+    return torch.cat([by_half[h] for h in mine]).unsqueeze(0)

@@ -184,6 +184,7 @@ class Qwen3_5Model(nn.Module):
         self.rotary = RotaryEmbedding(t)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(t, i, kernels, attention_kernel, moe_kernel) for i in ids})
         self.cp_group = None  # the context-parallel ranks' group (`context_parallel.apply_cp`), None: no split
+        self.cp_balanced = False  # full attention's queries by halves over the cp ranks (mesh.cp_balanced_attention)
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps) if head else None
         self.lm_head = LMHead(t.hidden_size, t.vocab_size, ce_chunk_tokens, ce_kernel) if head else None
         # model.mtp=train|head: the multi-token-prediction head sits with lm_head; every stage knows the mode, since
@@ -271,7 +272,7 @@ class Qwen3_5Model(nn.Module):
         if self.cp_group is not None:  # the seam: from here on this rank holds its span of the stream
             from .context_parallel import cp_shard
 
-            cp = cp_shard(cu_seqlens, self.cp_group)
+            cp = cp_shard(cu_seqlens, self.cp_group, self.cp_balanced)
             if first:
                 h = cp.split(h)
                 mtp_embeds = None if mtp_embeds is None else cp.split(mtp_embeds)
