@@ -345,3 +345,16 @@ def test_moe_head_loads_per_expert_and_exports_the_trained_head(tmp_path):
             assert torch.equal(out[key].to(want.dtype), want), key
     config = json.loads((run_dir / "hf" / "config.json").read_text())
     assert config["mtp_num_hidden_layers"] == 1 and config["mtp_use_dedicated_embeddings"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_moe_head_under_expert_parallel_trains_as_one_process(tmp_path):
+    """tiny_moe with a trained head: the head's MoE block shares out its experts over ep like the trunk's (dp2 x
+    ep2); losses, parameters and last gradients as one process."""
+    moe = ("model.name=tiny_moe", "model.kernels.moe=loop", "model.mtp=train")
+    (reference,) = run_distributed(train_with_grads, 1, parity_overrides(tmp_path / "ref", *moe))
+    assert any(k.startswith("mtp.layers.0.mlp.experts.") for k in reference.state_dict)
+    for result in run_distributed(train_with_grads, 2, parity_overrides(tmp_path / "ep2", *moe, "mesh.dp=2",
+                                                                        "mesh.ep=2")):
+        assert_same_training(result, reference)
