@@ -158,10 +158,76 @@ def test_image_token_count_mismatch_is_one_line_error(hf_ckpt, batch):
               pixel_values=pixel_values, image_grid_thw=grid)
 
 
-def test_video_tokens_are_refused():
-    ids = torch.tensor([[1, 2, START, VIDEO, VIDEO, END]])
-    with pytest.raises(ValueError, match="video_token_id=501"):
-        mrope_position_ids(ids, None, tiny_vlm())
+def _video(t: int, h: int, w: int, stamp: int = 2) -> list[int]:
+    """A video's ids as Qwen3.5's template lays them out: per frame (temporal patch), `stamp` timestamp text
+    tokens, then vision-start, its h x w / merge^2 video tokens, vision-end."""
+    frame = [START] + [VIDEO] * (h * w // 4) + [END]
+    return [tok for f in range(t) for tok in [300 + f] * stamp + frame]
+
+
+def _video_batch(seed: int = 3):
+    """Two rows: a video of 2 frames, text, an image; text, a video of 3 frames (another grid), text."""
+    videos = torch.tensor([[2, 4, 4], [3, 2, 6]])
+    images = torch.tensor([[1, 6, 2]])
+    rows = [[5, *_video(2, 4, 4), 3, START, *[IMAGE] * 3, END, 2], [4, *_video(3, 2, 6, stamp=1), 6]]
+    length = max(map(len, rows))
+    input_ids = torch.tensor([r + [0] * (length - len(r)) for r in rows])
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(int(images.prod(-1).sum()), PATCH_DIM, generator=gen)
+    frames = torch.randn(int(videos.prod(-1).sum()), PATCH_DIM, generator=gen)
+    return input_ids, pixels, images, frames, videos
+
+
+def _types(input_ids):
+    return (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
+
+
+def test_mrope_position_ids_with_videos_match_transformers(hf_ckpt):
+    """Videos split per frame (timestamps between them) and an image, padded rows: positions as transformers'
+    `get_rope_index`."""
+    hf, _ = hf_ckpt
+    input_ids, _, images, _, videos = _video_batch()
+    mask = (input_ids != 0).long()
+    ref, _ = hf.model.get_rope_index(input_ids, _types(input_ids), image_grid_thw=images, video_grid_thw=videos,
+                                     attention_mask=mask)
+    got = mrope_position_ids(input_ids, images, tiny_vlm(), attention_mask=mask, video_grid_thw=videos)
+    assert torch.equal(got, ref)
+
+
+def test_logits_and_grads_with_two_videos_and_an_image_match_transformers(hf_ckpt):
+    """A batch with two videos (2 and 3 temporal patches, timestamps between frames) and an image: the native
+    model's logits within 1e-5 of transformers' in fp32, and every gradient (the vision tower's included)."""
+    hf, path = hf_ckpt
+    model, cfg = native_from(path)
+    input_ids, pixels, images, frames, videos = _video_batch()
+    labels = torch.randint(0, 400, input_ids.shape, generator=torch.Generator().manual_seed(4))
+    hf.zero_grad()
+    ref = hf(input_ids=input_ids, pixel_values=pixels, image_grid_thw=images, pixel_values_videos=frames,
+             video_grid_thw=videos, mm_token_type_ids=_types(input_ids)).logits
+    torch.nn.functional.cross_entropy(ref.flatten(0, 1), labels.flatten()).backward()
+    logits = model(input_ids=input_ids, pixel_values=pixels, image_grid_thw=images, pixel_values_videos=frames,
+                   video_grid_thw=videos)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    assert rel(logits, ref) < 1e-5
+    grads = adapter.to_hf_state_dict({n: p.grad for n, p in model.named_parameters()}, cfg.text,
+                                     adapter.VLM_PREFIX, tied=cfg.tie_word_embeddings)
+    for k, g in ((k, p.grad) for k, p in hf.named_parameters()):
+        tol = 1e-4 if k.endswith(("A_log", "dt_bias")) else 1e-5  # as test_logits_and_grads_match_transformers
+        assert rel(grads[k], g) < tol, k
+
+
+def test_video_frames_missing_from_the_ids_fail_in_one_line(hf_ckpt):
+    """The ids hold a frame fewer than video_grid_thw says: positions and features both refuse it in one line."""
+    _, path = hf_ckpt
+    model, _ = native_from(path)
+    _, pixels, images, frames, videos = _video_batch()
+    ids = torch.tensor([[5, *_video(2, 4, 4), 3, START, *[IMAGE] * 3, END, 2, 4, *_video(2, 2, 6), 6]])
+    with pytest.raises(ValueError, match=r"^video_grid_thw has 5 frames but input_ids hold 4 video frames$"):
+        mrope_position_ids(ids, images, tiny_vlm(), video_grid_thw=videos)
+    with pytest.raises(ValueError, match=r"^input_ids hold 14 video tokens \(video_token_id=501\) but "
+                                         r"pixel_values_videos/video_grid_thw give 17 video features"):
+        model(input_ids=ids, pixel_values=pixels, image_grid_thw=images, pixel_values_videos=frames,
+              video_grid_thw=videos)
 
 
 def test_packed_documents_with_images_match_transformers_per_document(hf_ckpt):

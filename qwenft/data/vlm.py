@@ -388,8 +388,8 @@ class VLMData(SFTData):
 def document_positions(doc: VLMDocument, processor: VLMProcessor) -> torch.Tensor:
     """M-RoPE positions `[3, len(doc)]` of one document, from 0 (transformers' get_rope_index rule)."""
     grids = torch.tensor(doc.grids, dtype=torch.long).reshape(-1, 3)
-    positions, used = document_mrope_position_ids(torch.tensor(doc.input_ids), grids, processor.image_token_id,
-                                                  processor.merge_size)
+    positions, used, _ = document_mrope_position_ids(torch.tensor(doc.input_ids), grids, processor.image_token_id,
+                                                     processor.merge_size)
     assert used == len(doc.grids), (used, doc.grids)
     return positions
 

@@ -221,6 +221,7 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids=None, hidden_states=None, position_ids=None, cu_seqlens=None,
                 pixel_values=None, image_grid_thw=None, inputs_embeds=None, labels=None,
+                pixel_values_videos=None, video_grid_thw=None,
                 router_mask=None, routing=None, return_routing: bool = False, mtp_embeds=None, mtp_labels=None):
         """First stage: `input_ids` [B, T] (or `inputs_embeds` [B, T, H], replacing the embedding lookup);
         later stages: `hidden_states` [B, T, H]. position_ids [B, T] or [3, B, T] (M-RoPE); None = 0.. per
@@ -247,10 +248,11 @@ class Qwen3_5Model(nn.Module):
                 if input_ids is None:
                     raise ValueError("the first stage needs input_ids or inputs_embeds")
                 inputs_embeds = self.embed_tokens(input_ids)
-                if pixel_values is not None:
+                if pixel_values is not None or pixel_values_videos is not None:
                     if self.visual is None:
                         raise ValueError("pixel_values given but the model has no vision tower (cfg.vision is None)")
-                    inputs_embeds = self.visual(input_ids, inputs_embeds, pixel_values, image_grid_thw)
+                    inputs_embeds = self.visual(input_ids, inputs_embeds, pixel_values, image_grid_thw,
+                                                pixel_values_videos, video_grid_thw)
             h = inputs_embeds
         else:
             h = hidden_states if hidden_states is not None else inputs_embeds
@@ -260,10 +262,11 @@ class Qwen3_5Model(nn.Module):
             mtp_embeds = next_in_document(h)
         B, T = h.shape[:2]
         if position_ids is None:
-            if image_grid_thw is not None and input_ids is not None:  # images shift later text positions
-                from .vision import mrope_position_ids
+            if (image_grid_thw is not None or video_grid_thw is not None) and input_ids is not None:
+                from .vision import mrope_position_ids  # images and videos shift later text positions
 
-                position_ids = mrope_position_ids(input_ids, image_grid_thw, self.cfg, cu_seqlens=cu_seqlens)
+                position_ids = mrope_position_ids(input_ids, image_grid_thw, self.cfg, cu_seqlens=cu_seqlens,
+                                                  video_grid_thw=video_grid_thw)
             elif cu_seqlens is None:
                 position_ids = torch.arange(T, device=h.device).expand(B, T)
             else:

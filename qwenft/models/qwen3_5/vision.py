@@ -6,7 +6,7 @@ file adds is what the tower lacks for a meta-device build: `init_vision_buffers`
 rotary `inv_freq` buffers, which are non-persistent (absent from checkpoints) and hold garbage after
 `to_empty`.
 
-`mrope_position_ids` reproduces transformers' `Qwen3_5Model.get_rope_index` (text + images) as a
+`mrope_position_ids` reproduces transformers' `Qwen3_5Model.get_rope_index` (text, images, videos) as a
 standalone function of `input_ids`, so the data pipeline can compute positions before the model
 runs (pipeline stages after the first never see `input_ids`), and per packed document.
 """
@@ -20,7 +20,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5VisionRotaryEmbedding,
 )
 
-from qwenft.mrope import document_mrope_position_ids
+from qwenft.mrope import document_mrope_position_ids, split_video_grids
 
 
 def tiny_vision_config(out_hidden_size: int) -> dict:
@@ -49,13 +49,22 @@ class VisionTower(Qwen3_5VisionModel):
     features at the image placeholder tokens out. `init_buffers` is the loader's re-init hook.
     """
 
-    def __init__(self, config: Qwen3_5VisionConfig, image_token_id: int):
+    def __init__(self, config: Qwen3_5VisionConfig, image_token_id: int, video_token_id: int | None = None):
         super().__init__(config)
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
 
-    def forward(self, input_ids, inputs_embeds, pixel_values, image_grid_thw) -> torch.Tensor:
-        features = self.image_features(pixel_values, image_grid_thw)
-        return scatter_image_features(inputs_embeds, input_ids, features, self.image_token_id)
+    def forward(self, input_ids, inputs_embeds, pixel_values, image_grid_thw, pixel_values_videos=None,
+                video_grid_thw=None) -> torch.Tensor:
+        """Images' features at the image tokens, videos' at the video tokens (a video's frames in order: the
+        tower takes its (t, h, w) grid whole, two frames a temporal patch, as transformers' does)."""
+        if pixel_values is not None:
+            features = self.image_features(pixel_values, image_grid_thw)
+            inputs_embeds = scatter_image_features(inputs_embeds, input_ids, features, self.image_token_id)
+        if pixel_values_videos is not None:
+            features = self.image_features(pixel_values_videos, video_grid_thw)
+            inputs_embeds = scatter_image_features(inputs_embeds, input_ids, features, self.video_token_id, "video")
+        return inputs_embeds
 
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged features `[n_image_tokens, out_hidden_size]`, images concatenated in order."""
@@ -75,7 +84,7 @@ def build_vision(cfg) -> VisionTower:
             f"vision out_hidden_size {cfg.vision['out_hidden_size']} must equal text hidden_size "
             f"{cfg.text.hidden_size} (image features replace token embeddings)"
         )
-    return VisionTower(Qwen3_5VisionConfig.from_dict(cfg.vision), cfg.image_token_id)
+    return VisionTower(Qwen3_5VisionConfig.from_dict(cfg.vision), cfg.image_token_id, cfg.video_token_id)
 
 
 def init_vision_buffers(tower: Qwen3_5VisionModel) -> None:
@@ -89,15 +98,17 @@ def init_vision_buffers(tower: Qwen3_5VisionModel) -> None:
 
 
 def scatter_image_features(
-    inputs_embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int
+    inputs_embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int,
+    kind: str = "image",
 ) -> torch.Tensor:
-    """Put image features, in order, at the image placeholder tokens of `inputs_embeds [B, T, H]`."""
+    """Put image (or video, `kind`) features, in order, at the placeholder tokens of `inputs_embeds [B, T, H]`."""
     image_mask = input_ids == image_token_id
     n_tokens = int(image_mask.sum())
     if n_tokens != features.shape[0]:
+        inputs = "pixel_values/image_grid_thw" if kind == "image" else "pixel_values_videos/video_grid_thw"
         raise ValueError(
-            f"input_ids hold {n_tokens} image tokens (image_token_id={image_token_id}) but pixel_values/"
-            f"image_grid_thw give {features.shape[0]} image features; they must be equal"
+            f"input_ids hold {n_tokens} {kind} tokens ({kind}_token_id={image_token_id}) but {inputs} give "
+            f"{features.shape[0]} {kind} features; they must be equal"
         )
     features = features.to(inputs_embeds.dtype)
     return inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), features)
@@ -109,10 +120,12 @@ def mrope_position_ids(
     cfg,
     attention_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """M-RoPE position ids `[3, B, T]` for `input_ids [B, T]`, as transformers' `get_rope_index`.
 
-    `image_grid_thw [n_images, 3]` lists the batch's images in reading order. With `attention_mask`,
+    `image_grid_thw [n_images, 3]` lists the batch's images in reading order, `video_grid_thw [n_videos, 3]` its
+    videos (each frame a run of video tokens of its own, positioned as an image of t = 1). With `attention_mask`,
     masked-out tokens get position 0 and are skipped (left or right padding). With `cu_seqlens`
     (offsets into the flattened `B*T` tokens), positions restart at 0 for each packed document.
     """
@@ -120,9 +133,7 @@ def mrope_position_ids(
         raise ValueError("mrope_position_ids takes attention_mask (padding) or cu_seqlens (packing), not both")
     image_token_id = cfg.image_token_id
     merge = cfg.vision["spatial_merge_size"] if cfg.vision else 1
-    if (input_ids == cfg.video_token_id).any():  # transformers splits videos per frame; not reproduced here
-        raise ValueError(f"input_ids hold video tokens (video_token_id={cfg.video_token_id}); qwenft supports "
-                         "images only")
+    frames = split_video_grids(video_grid_thw)
     batch, seqlen = input_ids.shape
 
     if cu_seqlens is not None:
@@ -132,15 +143,20 @@ def mrope_position_ids(
     else:
         documents = list(input_ids)
 
-    pieces, used = [], 0
+    pieces, used, used_frames = [], 0, 0
     for doc in documents:
         grids = None if image_grid_thw is None else image_grid_thw[used:]
-        positions, n_images = document_mrope_position_ids(doc, grids, image_token_id, merge)
+        frame_grids = None if frames is None else frames[used_frames:]
+        positions, n_images, n_frames = document_mrope_position_ids(doc, grids, image_token_id, merge, frame_grids,
+                                                                    cfg.video_token_id)
         pieces.append(positions)
-        used += n_images
+        used, used_frames = used + n_images, used_frames + n_frames
     n_grids = 0 if image_grid_thw is None else len(image_grid_thw)
     if used != n_grids:
         raise ValueError(f"image_grid_thw has {n_grids} rows but input_ids hold {used} images")
+    n_frames = 0 if frames is None else len(frames)
+    if used_frames != n_frames:
+        raise ValueError(f"video_grid_thw has {n_frames} frames but input_ids hold {used_frames} video frames")
 
     if attention_mask is None:
         return torch.cat(pieces, dim=1).reshape(3, batch, seqlen)
