@@ -156,7 +156,7 @@ def _export(args: list[str]) -> int:
     hf_export.check_out_dir(out)
     model_cfg = dcp.model_config_from_meta(meta)
     if lora is not None and not merged:
-        state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora)
+        state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora, mtp=cfg.model.mtp)
         tied = model_cfg.tie_word_embeddings
         hf_export.write_peft_adapter({k: v for k, v in state.items() if in_adapter_dir(k, lora, tied)}, model_cfg,
                                      lora, cfg.model.path or cfg.model.name, out)
@@ -171,19 +171,21 @@ def _export(args: list[str]) -> int:
     _, _, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None, source)
     head = mtp.read(run_dir)  # the source's MTP head, kept in the run dir at its start
     if merged:
-        trained = dcp.load_model_state(path, model_cfg, torch.float32, lora)
+        trained = dcp.load_model_state(path, model_cfg, torch.float32, lora, mtp=cfg.model.mtp)
         state = hf_export.merge_into_base(trained, model_cfg, lora, Path(cfg.model.path), cfg.seed,
-                                          getattr(torch, dtype))
+                                          getattr(torch, dtype), mtp=cfg.model.mtp)
     else:
-        state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype))
+        state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), mtp=cfg.model.mtp)
     source_dir = cfg.model.path if cfg.model.path and Path(cfg.model.path).is_dir() else None
     if cfg.model.path and source_dir is None:
         print(f"note: model.path={cfg.model.path} (from {run_dir / 'config.yaml'}) does not exist; the export's "
               f"generation_config.json has the tokenizer's end ids but not the base model's sampling defaults",
               file=sys.stderr)
     hf_export.write_hf(state, model_cfg, preprocessors, out, source_dir, mtp_head=head)
+    trained = sum(k.startswith(mtp.MTP_PREFIX) for k in state)
     print(f"exported {path} ({dtype}{', adapters merged into ' + cfg.model.path if merged else ''}) to {out}, "
-          + (f"with the MTP head kept from {head.source} ({len(head.tensors)} tensors)" if head else
+          + (f"with the MTP head the run trained (model.mtp={cfg.model.mtp}, {trained} tensors)" if trained else
+             f"with the MTP head kept from {head.source} ({len(head.tensors)} tensors)" if head else
              "without an MTP head (the run kept none: a random init, or none in its model.path)"))
     return 0
 

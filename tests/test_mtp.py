@@ -311,8 +311,8 @@ def test_lora_targets_the_head(tmp_path):
 
 @pytest.mark.slow
 def test_moe_head_loads_per_expert_and_exports_the_trained_head(tmp_path):
-    """An MoE checkpoint whose head stores one tensor per expert (transformers' layout), model.mtp=train at lr 1e-30 (a step below every weight's rounding):
-    the loader stacks the head's experts, and the export writes the trained head (its experts fused, as the
+    """An MoE checkpoint whose head stores one tensor per expert (transformers' layout), model.mtp=train at lr 1e-30
+    (a step below every weight's rounding): the loader stacks the head's experts, and the export writes the trained head (its experts fused, as the
     trunk's) in place of the kept copy, equal to the source's tensors."""
     from safetensors import safe_open
 
@@ -358,3 +358,57 @@ def test_moe_head_under_expert_parallel_trains_as_one_process(tmp_path):
     for result in run_distributed(train_with_grads, 2, parity_overrides(tmp_path / "ep2", *moe, "mesh.dp=2",
                                                                         "mesh.ep=2")):
         assert_same_training(result, reference)
+
+
+def test_qwenft_export_of_a_checkpoint_writes_the_trained_head(tmp_path, capfd):
+    """`qwenft export` of a model.mtp=train run's checkpoint writes the head from the checkpoint (equal to the
+    run's final parameters) and mtp_num_hidden_layers, and says so."""
+    from safetensors import safe_open
+
+    from helpers import qwenft_alone
+
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = train_alone(tiny_overrides(run_dir, "train.max_steps=2", "model.mtp=train", "checkpoint.every_steps=2",
+                                        "checkpoint.export_hf=false"), return_state=True)
+    capfd.readouterr()
+    assert qwenft_alone("export", f"run_dir={run_dir}", f"out={out}", "dtype=float32") == 0
+    assert "with the MTP head the run trained (model.mtp=train, 15 tensors)" in capfd.readouterr().out
+    head = {k: v for k, v in result.state_dict.items() if k.startswith("mtp.")}
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {k for k in f.keys() if k.startswith("mtp.")} == set(head)
+        for name, value in head.items():
+            assert torch.equal(f.get_tensor(name), value.float()), name
+    assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+
+
+@pytest.mark.slow
+def test_lora_on_the_head_merges_the_same_at_the_end_of_the_run_and_in_qwenft_export(tmp_path):
+    """peft=lora with model.mtp=train on a checkpoint with a head: the run's merged export and `qwenft export
+    merged=true` of its checkpoint write the same head, its adapters merged (not the kept source tensors)."""
+    from safetensors import safe_open
+
+    from helpers import qwenft_alone
+    from qwenft.models.loader import checkpoint_files
+    from test_export_mtp import ONE_STEP, _give_head, _model_cfg
+
+    src, run_dir = tmp_path / "src", tmp_path / "run"
+    make_hf_model(_model_cfg("tiny")).save_pretrained(src)
+    source = _give_head(src, shards=False)
+    train_alone(tiny_overrides(run_dir, f"model.path={src}", *ONE_STEP, "peft=lora", "model.mtp=train",
+                               "optim.lr=1e-2", "checkpoint.every_steps=1", "checkpoint.export_hf=merged"))
+    assert qwenft_alone("export", f"run_dir={run_dir}", f"out={tmp_path / 'out'}", "merged=true") == 0
+
+    def head(out):
+        found = {}
+        for key, path in checkpoint_files(out).items():
+            if key.startswith("mtp."):
+                with safe_open(path, "pt") as f:
+                    found[key] = f.get_tensor(key)
+        return found
+
+    ran, exported = head(run_dir / "hf"), head(tmp_path / "out")
+    assert set(ran) == set(exported) == set(source)
+    for key in source:
+        assert torch.equal(ran[key], exported[key]), key
+    q_proj = "mtp.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ran[q_proj], source[q_proj].to(ran[q_proj].dtype))

@@ -468,16 +468,18 @@ def _per_group(scheduler_state: dict, groups: int) -> dict:
 _PER_GROUP_KEYS = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
-def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None) -> dict[str, torch.Tensor]:
+def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None,
+                     mtp: str = "keep") -> dict[str, torch.Tensor]:
     """The model's parameters from a checkpoint of any mesh, on this one CPU process, in `dtype` (GDN's
     A_log/dt_bias stay fp32): full tensors under their native names, without the optimizer state (DCP reads
     only the keys asked for). With `lora` (a LoRA run's checkpoint) only the trained parameters it holds: the
-    adapters, and embeddings / lm_head with peft.train_embeddings / train_head."""
+    adapters, and embeddings / lm_head with peft.train_embeddings / train_head. `mtp`: the run's model.mtp (a
+    trained MTP head's `mtp.*` parameters are read too)."""
     from qwenft.models.loader import build_model
     from qwenft.models.lora import apply_lora
     from qwenft.models.qwen3_5.gdn import param_dtype
 
-    meta_model = build_model(model_config, kernels="torch", device="meta")
+    meta_model = build_model(model_config, kernels="torch", device="meta", mtp=mtp)
     if lora is not None:
         apply_lora(meta_model, lora, adapter_dtype=dtype)
     state = {name: torch.empty(p.shape, dtype=param_dtype(name.rsplit(".", 1)[-1], dtype))

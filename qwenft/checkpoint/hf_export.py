@@ -235,15 +235,16 @@ def export_peft_adapter(modules: list[torch.nn.Module], model_cfg, lora, base_mo
 
 
 def merge_into_base(trained: dict[str, torch.Tensor], model_cfg, lora, base_dir: Path, seed: int,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, mtp: str = "keep") -> dict[str, torch.Tensor]:
     """A LoRA checkpoint's trained parameters (`dcp.load_model_state(..., lora=lora)`) merged into the base
     weights read from `base_dir` (the run's model.path), in fp32, as `export_merged_hf` merges them: full native
-    parameters in `dtype` (GDN's decay in fp32), for `write_hf`."""
+    parameters in `dtype` (GDN's decay in fp32), for `write_hf`. `mtp`: the run's model.mtp (a trained MTP head's
+    base weights come from `base_dir` too, with its adapters merged)."""
     from qwenft.models.loader import build_model, load_hf_weights
     from qwenft.models.lora import apply_lora, merge_adapters
     from qwenft.models.qwen3_5.gdn import param_dtype
 
-    model = build_model(model_cfg, kernels="torch", device="meta", dtype=torch.float32)
+    model = build_model(model_cfg, kernels="torch", device="meta", dtype=torch.float32, mtp=mtp)
     apply_lora(model, lora, adapter_dtype=torch.float32)
     load_hf_weights(model, base_dir, device="cpu", dtype=torch.float32, seed=seed)
     state = {name: p.detach() for name, p in model.named_parameters()}
