@@ -412,3 +412,22 @@ def test_lora_on_the_head_merges_the_same_at_the_end_of_the_run_and_in_qwenft_ex
         assert torch.equal(ran[key], exported[key]), key
     q_proj = "mtp.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(ran[q_proj], source[q_proj].to(ran[q_proj].dtype))
+
+
+@pytest.mark.parametrize("before, after", [("keep", "train"), ("head", "keep")])
+def test_resuming_with_the_head_switched_on_or_off_fails_in_one_line(tmp_path, before, after):
+    """A checkpoint holds a trained head exactly when its run had model.mtp=train or head: a resume that would lose
+    it, or look for one that is not there, is refused before anything is loaded; train <-> head resumes."""
+    from helpers import raised_line, train
+
+    run_dir = tmp_path / "run"
+    common = ("checkpoint.every_steps=1", "checkpoint.export_hf=false")
+    train_alone(tiny_overrides(run_dir, "train.max_steps=1", f"model.mtp={before}", *common))
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(train, 1, tiny_overrides(run_dir, "train.max_steps=2", f"model.mtp={after}", *common))
+    there = ("a trained MTP head (model.mtp=train or head)" if before != "keep" else "no MTP head (model.mtp=keep)")
+    assert raised_line(info) == (f"ValueError: checkpoint.resume=auto: {run_dir / 'checkpoints' / 'step-000001'} "
+                                 f"holds {there}, this run has model.mtp={after}; resume with the model.mtp it was "
+                                 f"trained with, or set checkpoint.resume=none")
+    if before == "head":
+        train_alone(tiny_overrides(run_dir, "train.max_steps=2", "model.mtp=train", *common))

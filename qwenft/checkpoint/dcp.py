@@ -115,11 +115,19 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict | None = None,
-                       peft: dict | None = None) -> None:
+                       peft: dict | None = None, mtp: str | None = None) -> None:
     """Refuse (before anything is loaded) a checkpoint of another model: DCP would fail on the first shape that
     disagrees, or load silently where none does (another layer_types, rope_theta, ...). Also one saved with
     other `optim_dtypes` (optim.state_dtype / master_dtype: another optimizer class and state layout), or with
-    other trained parameters (`peft`: full finetuning against LoRA, or LoRA of another rank or targets)."""
+    other trained parameters (`peft`: full finetuning against LoRA, or LoRA of another rank or targets; `mtp`,
+    model.mtp: a trained MTP head in the checkpoint and none in the run, or the other way round)."""
+    if mtp is not None:
+        saved_head = any(k.startswith("model.mtp.") for k in
+                         dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        if saved_head != (mtp != "keep"):
+            there = "a trained MTP head (model.mtp=train or head)" if saved_head else "no MTP head (model.mtp=keep)"
+            raise ValueError(f"checkpoint.resume={resume}: {path} holds {there}, this run has model.mtp={mtp}; "
+                             f"resume with the model.mtp it was trained with, or set checkpoint.resume=none")
     meta = read_meta(path)
     saved_peft, peft = meta.get("peft") or {"method": "none"}, peft or {"method": "none"}
     if saved_peft != peft:

@@ -407,7 +407,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         generation_config(tokenizer, cfg.model.path)
     if resume_from is not None:
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
-                                    peft=peft_meta(cfg))
+                                    peft=peft_meta(cfg), mtp=cfg.model.mtp)
         resume.check_data_position(resume_from, cfg, data)
     if is_main and save_config is not None:
         save_config(run_dir)
