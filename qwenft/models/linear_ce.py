@@ -50,7 +50,7 @@ class LMHead(nn.Linear):
         """Logits, or with `labels` the CE sum. `mtp` = (hidden, labels, detach): the multi-token-prediction
         head's states and targets through the same weight in the same call (so an FSDP unit holding the head
         gathers it once), `detach` keeping the head's loss out of the weight's gradient; then the return is
-        (logits or CE sum, the MTP CE sum, the MTP targets that are the logits' argmax)."""
+        (logits or CE sum, the MTP CE sum, how many MTP targets are their logits' argmax)."""
         out = self._logits_or_ce(hidden, labels)
         if mtp is None:
             return out
