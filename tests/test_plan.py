@@ -86,6 +86,20 @@ def test_one_microbatch_plans_the_knob_off_as_the_knob_on():
     assert two.peaks["knob_off"]["ac_on"] > two.peaks["knob_on"]["ac_on"]
 
 
+@pytest.mark.parametrize("ac", ["true", "selective"])
+def test_each_activation_checkpointing_mode_is_planned_as_a_run_of_that_mode(ac):
+    """`ac_mode_peaks` (every mode from one prediction) equals the peak a prediction of the config set to that mode
+    gives, on every rank; `cheapest_ac_mode` takes the first mode in cost order under 90% of the limit."""
+    cfg, plans = _plan("recipe=qwen3_5_27b_pp2dp4", f"model.activation_checkpointing={ac}")
+    for mode in plan_lib.AC_BY_COST:
+        _, of_mode = _plan("recipe=qwen3_5_27b_pp2dp4", f"model.activation_checkpointing={mode}")
+        assert [p.ac_mode_peaks[mode] for p in plans] == [p.total_bytes for p in of_mode], mode
+    chosen, worst = plan_lib.cheapest_ac_mode(plans, 139.0)
+    assert worst["false"] > 0.9 * 139 * plan_lib.GIB and chosen == "selective"  # AC off: 126.93 GiB
+    assert plan_lib.cheapest_ac_mode(plans, 160.0)[0] == "false"
+    assert plan_lib.cheapest_ac_mode(plans, 30.0)[0] is None
+
+
 def test_tp4_quarters_a_ranks_parameter_bytes(tp4pp4):
     """27B on 4 stages: tp4 holds a quarter of tp1's bytes per rank, plus the replicated norm weights."""
     _, tp1 = _plan("recipe=qwen3_5_27b_tp4pp4", "mesh.tp=1")

@@ -57,6 +57,8 @@ class RankPlan:
     microbatches_in_flight: int
     peaks: dict = field(default_factory=dict)  # {"knob_off"|"knob_on": {"ac_off"|"ac_on": bytes}}
     total_bytes: int = 0
+    # the peak at the config's knob for each model.activation_checkpointing mode, cheapest first (AC_BY_COST)
+    ac_mode_peaks: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- activation estimate (per token)
@@ -165,11 +167,16 @@ def ac_mode(cfg: Config) -> str:
     return "true" if cfg.model.activation_checkpointing == "false" else cfg.model.activation_checkpointing
 
 
-def _stage_activations(ctx: _Context, module) -> tuple[float, float, float]:
-    """One microbatch through one stage: (AC off, AC on (`ac_mode`), the biggest checkpointed layer's
-    activations, which its recompute holds in the backward)."""
+# model.activation_checkpointing's modes by the compute their recompute costs: none; the elementwise ops of every
+# layer (matmul outputs kept); the full-attention layers (1 in 4); the GatedDeltaNet layers (3 in 4); every layer
+AC_BY_COST = ("false", "selective", "full_attention", "linear_attention", "true")
+
+
+def _stage_activations(ctx: _Context, module, mode: str | None = None) -> tuple[float, float, float]:
+    """One microbatch through one stage: (AC off, AC on (`mode`, default `ac_mode`), the biggest checkpointed
+    layer's activations, which its recompute holds in the backward)."""
     t, c, tp, sp = ctx.model_cfg.text, ctx.compute_bytes, ctx.layout.tp, ctx.cfg.mesh.sequence_parallel
-    mode, tokens = ac_mode(ctx.cfg), ctx.tokens
+    mode, tokens = mode or ac_mode(ctx.cfg), ctx.tokens
     layer_input = c * t.hidden_size / (tp if sp else 1)  # what a checkpointed layer keeps
     off = on = recompute = 0.0
     # context parallel: a full-attention layer keeps the keys and values it gathered from the other spans
@@ -303,7 +310,7 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     if not par.fsdp:  # no FSDP (spec.uses_fsdp): autograd accumulates into .grad whatever the knob says
         for per_knob in (grads, unsharded, grads_in_flight, head_grads):
             per_knob["knob_on"] = per_knob["knob_off"]
-    peaks = {}
+    peaks, at_knob = {}, {}
     for knob in ("knob_off", "knob_on"):
         base = param_bytes + optimizer + grads[knob]
         # Knob off nothing is resharded within a step (pipeline.stage.reshard_policy, pp = 1 too); otherwise FSDP
@@ -316,14 +323,23 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
         head = (kept or head_gathered) + head_grads[knob] if logits else kept
         at_loss = (head + logits if par.ce_in_model
                    else max(kept + logits, head + logits_written + logits_of_others))
-        peaks[knob] = {}
-        for ac in ("ac_off", "ac_on"):
-            loss_moment = (base + chunks * chunk[ac]
+
+        def peak(chunk_bytes, recompute_bytes, base=base, knob=knob, forward_gathered=forward_gathered,
+                 at_loss=at_loss):
+            loss_moment = (base + chunks * chunk_bytes
                            + max(forward_gathered + logits_written + logits_of_others, at_loss))
-            backward_end = (base + unsharded[knob] + grads_in_flight[knob] + (chunks - 1) * chunk[ac]
-                            + recompute[ac] + logits_of_others)
-            peaks[knob][ac] = round(max(loss_moment, backward_end))
+            backward_end = (base + unsharded[knob] + grads_in_flight[knob] + (chunks - 1) * chunk_bytes
+                            + recompute_bytes + logits_of_others)
+            return round(max(loss_moment, backward_end))
+
+        peaks[knob] = {ac: peak(chunk[ac], recompute[ac]) for ac in ("ac_off", "ac_on")}
+        at_knob[knob] = peak
     knob = "knob_on" if par.reduce_grad_per_microbatch else "knob_off"
+    ac_mode_peaks = {}
+    for mode in AC_BY_COST:  # the same rank under each mode, for `cheapest_ac_mode`
+        stages = [_stage_activations(ctx, m, mode) for _, m in modules]
+        ac_mode_peaks[mode] = at_knob[knob](sum(s[1] for s in stages) / len(stages),
+                                            max(s[2] for s in stages) if mode != "false" else 0.0)
     return RankPlan(
         rank=rank, pp_rank=coords["pp"], dp_rank=coords["dp"], tp_rank=coords["tp"],
         stages=[s for s, _ in modules], layers=sum(len(m.layers) for _, m in modules),
@@ -334,7 +350,18 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
         grad_bytes=grads, grad_in_flight_bytes=grads_in_flight, optimizer_bytes=optimizer,
         activation_bytes={ac: round(chunks * chunk[ac] + recompute[ac]) for ac in chunk},
         logits_bytes=round(logits), microbatches_in_flight=chunks, peaks=peaks,
-        total_bytes=peaks[knob][_settings(cfg)[1]])
+        total_bytes=peaks[knob][_settings(cfg)[1]], ac_mode_peaks=ac_mode_peaks)
+
+
+AC_MARGIN = 0.1  # of plan.gpu_memory_gib kept free by `cheapest_ac_mode`: the plan's error and the allocator's slack
+
+
+def cheapest_ac_mode(plans: list[RankPlan], limit_gib: float) -> tuple[str | None, dict[str, int]]:
+    """The cheapest model.activation_checkpointing mode (AC_BY_COST) whose planned peak on every rank stays under
+    (1 - AC_MARGIN) x `limit_gib`, or None when none does; and each mode's highest peak over the ranks."""
+    worst = {mode: max(p.ac_mode_peaks[mode] for p in plans) for mode in AC_BY_COST}
+    fits = [mode for mode in AC_BY_COST if worst[mode] <= (1 - AC_MARGIN) * limit_gib * GIB]
+    return (fits[0] if fits else None), worst
 
 
 # ---------------------------------------------------------------- every rank
@@ -449,6 +476,11 @@ def format_table(plans: list[RankPlan], cfg: Config) -> str:
                   f"{worst.total_bytes / size:.2f} {unit} (limit {limit:g} GiB)"
                   + (f"; {sum(p.total_bytes > limit * GIB for p in plans)} rank(s) OVER" if worst.total_bytes > limit * GIB
                      else "")]
+    chosen, by_mode = cheapest_ac_mode(plans, limit)
+    per_mode = ", ".join(f"{mode} {peak / size:.2f}" for mode, peak in by_mode.items())
+    lines.append(f"activation checkpointing: {f'{chosen} is the cheapest mode' if chosen else 'no mode fits'} under "
+                 f"{(1 - AC_MARGIN) * limit:.1f} GiB ({1 - AC_MARGIN:.0%} of the limit); highest rank per mode "
+                 f"({unit}), cheapest first: {per_mode}")
     return "\n".join(lines)
 
 
@@ -461,4 +493,5 @@ def to_json(plans: list[RankPlan], cfg: Config) -> dict:
                          "activation_checkpointing": cfg.model.activation_checkpointing, "ac_on_mode": ac_mode(cfg)},
             "gpu_memory_gib": cfg.plan.gpu_memory_gib,
             "over": [p.rank for p in plans if p.total_bytes > cfg.plan.gpu_memory_gib * GIB],
+            "cheapest_ac_mode": cheapest_ac_mode(plans, cfg.plan.gpu_memory_gib)[0],
             "ranks": [dataclasses.asdict(p) for p in plans]}
