@@ -393,13 +393,13 @@ def attend_balanced(q_bhld, keys, values, scale: float, shard: CPShard, kernel: 
     outputs come back -> [1, L, H, D]. Every rank's attention then covers one early and one late half: the same
     keys seen, whatever the rank."""
     cp, rank = shard.size, shard.rank
-    owner = {h: h if h < cp else 2 * cp - 1 - h for h in range(2 * cp)}
+    owner = {h: h if h < cp else 2 * cp - 1 - h for h in range(2 * cp)}  # the inverse of `CPShard.computes`
     mine = (2 * rank, 2 * rank + 1)  # the halves this rank holds, in stream order
-    sizes = {h: (lambda r: r[1] - r[0])(shard.half(h)) for h in range(2 * cp)}
+    sizes = {h: shard.half(h)[1] - shard.half(h)[0] for h in range(2 * cp)}
     q_lhd = q_bhld[0].transpose(0, 1)  # [L, H, D], the span's queries in stream order
     send = [sum(sizes[h] for h in mine if owner[h] == d) for d in range(cp)]
     order = sorted(mine, key=lambda h: owner[h])  # the send buffer: pieces by destination rank
-    pieces = {h: q_lhd[:sizes[mine[0]]] if h == mine[0] else q_lhd[sizes[mine[0]]:] for h in mine}
+    pieces = dict(zip(mine, q_lhd.split([sizes[h] for h in mine])))
     computed = sorted(shard.computes(rank), key=lambda h: h // 2)  # received: by source rank
     recv = [sum(sizes[h] for h in computed if h // 2 == s) for s in range(cp)]
     got = _AllToAll.apply(torch.cat([pieces[h] for h in order]), send, recv, shard.group)

@@ -258,7 +258,8 @@ class Qwen3_5Model(nn.Module):
             h = hidden_states if hidden_states is not None else inputs_embeds
             if h is None:
                 raise ValueError("a stage without embed_tokens needs hidden_states [B, T, H]")
-        if first and self.mtp_mode != "keep":
+        # carried to a later stage, or used here when the head runs (not in an evaluation without its targets)
+        if first and self.mtp_mode != "keep" and (self.lm_head is None or mtp_labels is not None):
             mtp_embeds = next_in_document(h)
         B, T = h.shape[:2]
         if position_ids is None:
