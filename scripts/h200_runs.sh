@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp|cp_tests|mtp [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp|cp_balanced|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_tests or mtp}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -27,7 +27,7 @@ bench() {  # name limit_s nproc gpus bench-args overrides...
   shift 5
   echo "=== $name $(date +%T)"
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" torchrun --nproc-per-node "$nproc" \
+  CUDA_VISIBLE_DEVICES=$gpus timeout -s KILL "$limit" torchrun --nproc-per-node "$nproc" \
     --master-port $((29500 + RANDOM % 1000)) scripts/bench.py $bargs --json "$out/$name.json" $base "$@" \
     run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
@@ -130,6 +130,40 @@ bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3
 bench fake_cp4_128k_balanced 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
 bench one_gpu_32k 90 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768 ;;
+cp_balanced)  # attention by halves against contiguous spans at 131,072 tokens a row (fake cp4, the last span: the
+# heaviest contiguous one; a balanced rank does the same work whichever span it plays), then one GPU at 32,768;
+# the first run compiles fla's kernels on a fresh machine, the one-GPU run the unsplit ones
+start=$(date +%s)
+python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
+bench fake_cp4_128k_balanced 270 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
+bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4
+bench one_gpu_32k $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
+  data.seq_len=32768 ;;
+fp8)  # float8 matmuls (torchao, which the GPU kit lacks: pip install its wheel first) against bf16, AC off,
+# compiled, bf16 numerics; the first run compiles fla's and inductor's kernels
+bench bf16_ac_off_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+  model.compile=true
+for recipe in tensorwise rowwise rowwise_with_gw_hp; do
+  bench "fp8_${recipe}_ac_off_compile" 130 1 0 "--warmup 2" train.max_steps=6 $bf16 \
+    model.activation_checkpointing=false model.compile=true model.fp8=$recipe
+done ;;
+fp8_numerics)  # 300 steps of the 0.8B shape from one init on one data order: bf16 against each float8 recipe, AC
+# off, compiled; the loss curves go to $out/<run>.metrics.jsonl
+python -c "import sys; from pathlib import Path; from qwenft.data.tiny_chat import generate, write_jsonl
+write_jsonl(generate(n_train=40000, n_val=0, seed=1)[0], Path(sys.argv[1]))" "$out/chat40k.jsonl"
+for recipe in off tensorwise rowwise rowwise_with_gw_hp; do
+  name="numerics_0_8b_fp8_$recipe"
+  echo "=== $name $(date +%T)"
+  timeout -s KILL 130 python -m qwenft train recipe=tiny model=qwen3_5_0_8b data.path="$out/chat40k.jsonl" \
+    data.seq_len=1024 train.global_batch_size=8 train.micro_batch_size=8 train.max_steps=300 optim.lr=3e-4 \
+    lr_scheduler.warmup_steps=20 model.activation_checkpointing=false model.compile=true model.fp8=$recipe \
+    checkpoint.export_hf=false run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
+  echo "=== $name rc=$? $(date +%T)"; tail -2 "$out/$name.log"
+  cp "$out/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+done ;;
 cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
 PYTHONUNBUFFERED=1 timeout 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
   > "$out/test_cp_kernels.log" 2>&1
@@ -138,6 +172,6 @@ mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained hea
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_tests or mtp" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics" >&2
    exit 2 ;;
 esac
