@@ -126,9 +126,10 @@ cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768
 # attention). A fresh machine compiles fla's kernels, the cp ones too, in the first run's first step (about 4 min).
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
 long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
-bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4
+bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4 \
+  mesh.cp_balanced_attention=false
 bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
-  data.seq_len=131072 mesh.cp=4
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=false
 # attention by halves (mesh.cp_balanced_attention): every span's rank computes one early and one late half, the same
 # work whichever span it plays
 bench fake_cp4_128k_balanced 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
@@ -143,7 +144,7 @@ long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/ca
 bench fake_cp4_128k_balanced 270 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
 bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
-  data.seq_len=131072 mesh.cp=4
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=false
 bench one_gpu_32k $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
   data.seq_len=32768 ;;
 fp8)  # float8 matmuls (torchao, which the GPU kit lacks: pip install its wheel first) against bf16, AC off,

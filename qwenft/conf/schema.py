@@ -23,8 +23,9 @@ class MeshOptions:
     # sequences longer than one rank's activations hold (docs/parallelism.md, "Context parallel")
     cp: int = 1
     # cp > 1: full attention's queries computed by halves, each rank one early and one late half of the stream,
-    # so that every rank sees as many keys (contiguous spans load the last rank most for long documents)
-    cp_balanced_attention: bool = False
+    # so that every rank sees as many keys (contiguous spans load the last rank most for long documents);
+    # false = each rank its own span's queries; no effect at cp = 1
+    cp_balanced_attention: bool = True
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
     sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence

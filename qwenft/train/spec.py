@@ -91,9 +91,6 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
     """Mesh and pipeline keys that contradict the layout; raised before anything is built."""
     if cfg.mesh.sequence_parallel and layout.tp == 1:
         raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
-    if cfg.mesh.cp_balanced_attention and layout.cp == 1:
-        raise ValueError("mesh.cp_balanced_attention=true needs mesh.cp > 1 (it balances attention over the context "
-                         "parallel ranks)")
     if layout.pp > 1 and cfg.eval.every_steps and cfg.pipeline.schedule in V_SHAPED:
         raise ValueError(f"eval.every_steps={cfg.eval.every_steps} with pipeline.schedule={cfg.pipeline.schedule}: "
                          f"torch's V-shaped schedules ({', '.join(V_SHAPED)}) cannot run a forward-only pass; use "
