@@ -45,6 +45,10 @@ class KernelsOptions:
     # an MoE model's routed experts: grouped_mm (torch._grouped_mm, one kernel for all experts), loop (one
     # matmul pair per expert); auto = grouped_mm for bf16 on CUDA, else loop
     moe: str = "auto"
+    # where compiled kernels persist between runs: torch.compile's (inductor/), Triton's, fla's among them
+    # (triton/), TileLang's (tilelang/); null = each library's default (inductor's is under /tmp, which a SLURM
+    # job's node may not keep). A second run of the same shapes then skips the compile (docs/slurm.md)
+    cache_dir: Optional[str] = None
 
 
 @dataclass

@@ -36,7 +36,8 @@ from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eva
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
-                                 refuse_fresh_start_over_checkpoints, set_cpu_threads, setup_logging)
+                                 refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
+                                 setup_logging)
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
 from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
                                token_loss)
@@ -353,6 +354,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     dp_rank = mesh["dp"].get_local_rank()
     device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
 
+    caches = set_kernel_caches(cfg.model.kernels.cache_dir)  # before anything compiles; a bad dir fails here
     run_dir = agree_run_dir(cfg)
     is_main = rank == 0
     ckpt_root = run_dir / "checkpoints"
@@ -367,6 +369,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))
     if device.type == "cpu":
         set_cpu_threads()
+    log.info(caches)
     for damaged in passed_over:
         log.warning("checkpoint.resume=auto: %s; resuming from %s instead", damaged, resume_from)
     if resume_from is not None:
