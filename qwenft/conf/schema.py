@@ -369,10 +369,12 @@ def validate(cfg: Config) -> None:
     if image.min_pixels and image.max_pixels and image.min_pixels > image.max_pixels:
         raise ValueError(f"data.image.min_pixels={image.min_pixels} is above data.image.max_pixels={image.max_pixels}")
     video = cfg.data.video
-    for key in ("min_pixels", "max_pixels", "min_frames", "max_frames", "max_video_bytes"):
+    for key in ("min_pixels", "max_pixels", "min_frames", "max_frames"):
         value = getattr(video, key)
         if value is not None and value < 1:
             raise ValueError(f"data.video.{key}={value} must be >= 1 (or null for the checkpoint's)")
+    if video.max_video_bytes < 1:
+        raise ValueError(f"data.video.max_video_bytes={video.max_video_bytes} must be >= 1")
     if video.fps is not None and not video.fps > 0:
         raise ValueError(f"data.video.fps={video.fps} must be > 0 (or null for the checkpoint's)")
     for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
