@@ -64,6 +64,7 @@ class VLMProcessor:
     min_pixels: int
     max_pixels: int
     video: VideoSettings | None = None
+    video_processor: object = None  # the checkpoint's transformers video processor, for HF exports (its config)
     image_token: str = "<|image_pad|>"
     video_token: str = "<|video_pad|>"
 
@@ -160,10 +161,12 @@ def load_processor(path_or_name: str, min_pixels: int | None = None, max_pixels:
         tokenizer.chat_template = (path / "chat_template.jinja").read_text()
     image_processor = AutoImageProcessor.from_pretrained(path)
     size = image_processor.size
-    video_settings = VideoSettings.from_processor(Qwen3VLVideoProcessor.from_pretrained(path), **(video or {}))
+    video_processor = Qwen3VLVideoProcessor.from_pretrained(path)
     return VLMProcessor(tokenizer, image_processor,
                         min_pixels if min_pixels is not None else size["shortest_edge"],
-                        max_pixels if max_pixels is not None else size["longest_edge"], video_settings)
+                        max_pixels if max_pixels is not None else size["longest_edge"],
+                        VideoSettings.from_processor(video_processor, **(video or {})),
+                        video_processor if (path / "video_preprocessor_config.json").is_file() else None)
 
 
 # ---------------------------------------------------------------- rows -> messages + image and video sources

@@ -214,7 +214,8 @@ def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> 
                  for key in ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames", "max_video_bytes")}
         processor = load_processor(source, min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels,
                                    video=video)
-        return processor.tokenizer, processor, [processor.tokenizer, processor.image_processor]
+        exported = [processor.tokenizer, processor.image_processor, processor.video_processor]
+        return processor.tokenizer, processor, [p for p in exported if p is not None]
     from qwenft.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(source)
