@@ -86,7 +86,9 @@ def reference_processor(proc, cache, **video_kwargs):
 
     class Processor(Qwen3VLProcessor):
         def check_argument_for_proper_class(self, name, argument):  # its class lookup needs torchvision
-            return type(argument) if name == "video_processor" else super().check_argument_for_proper_class(name, argument)
+            if name == "video_processor":
+                return type(argument)
+            return super().check_argument_for_proper_class(name, argument)
 
     path = tiny_vlm_processor_dir(cache)
     return Processor(Qwen2VLImageProcessorPil.from_pretrained(path), proc.tokenizer,
@@ -127,7 +129,8 @@ def write_video(path, frames: np.ndarray, fps: int) -> None:
 def files(tmp_path_factory):
     """Frame lists (PNG files), video files (23 frames at 10 fps; a broken one) and a picture."""
     root = tmp_path_factory.mktemp("video_data")
-    for name, (n, h, w) in {"walk": (5, 50, 70), "run": (4, 40, 40), "long": (7, 32, 32), "one": (1, 32, 32)}.items():
+    shapes = {"walk": (5, 50, 70), "run": (4, 40, 40), "long": (7, 32, 32), "one": (1, 32, 32), "tri": (3, 64, 64)}
+    for name, (n, h, w) in shapes.items():
         (root / name).mkdir()
         for i, frame in enumerate(moving_square(n, h, w, seed=n + h)):
             Image.fromarray(frame).save(root / name / f"{i}.png")
@@ -180,6 +183,9 @@ PARITY = {
     # transformers takes a list's times as frames_indices / fps: fps 1 gives the seconds themselves
     "frame_list_timestamps": ([video(frame_paths("run", 4), timestamps=[0.0, 0.4, 1.3, 2.25]), text("When?")], {},
                               [("frames", "run", 4, {"fps": 1.0, "frames_indices": [0.0, 0.4, 1.3, 2.25]})]),
+    # 3 frames count as 4 in smart_resize's budget check (rounded to even): 64 px frames stay, over by 4/3
+    "frame_list_odd_at_budget": ([video(frame_paths("tri", 3), fps=2), text("?")], {"max_pixels": 3 * 64 * 64},
+                                 [("frames", "tri", 3, {"fps": 2.0, "frames_indices": list(range(3))})]),
     "file": ([text("Watch: "), video("clip.mp4"), text("Which way?")], {}, [("file", "clip.mp4", 2.0, None)]),
     "file_fps_and_budget": ([video("clip.mp4"), text("Which way?"), image("pic.png")],
                             {"fps": 4, "max_frames": 6, "max_pixels": 6 * 32 * 48},
@@ -229,6 +235,8 @@ def test_ids_pixels_and_positions_equal_transformers(case, proc, cache, files, t
     assert torch.equal(document_positions(doc, mine), positions[:, 0])
     video_positions = (ref["input_ids"][0] == mine.video_token_id).nonzero().flatten()
     assert all(doc.labels[t - 1] == IGNORE_INDEX for t in video_positions.tolist())  # never a target
+    if case == "frame_list_odd_at_budget":
+        assert doc.videos[0].grid == (2, 4, 4)
     if case == "file_fps_and_budget":  # sampled at 4 fps (9 frames), capped at 6; shrunk into the budget
         assert doc.videos[0].indices == tuple(sample_indices(23, 10.0, 4, 4, 6)) and len(doc.videos[0].indices) == 6
         assert video_grid_thw.prod().item() * 16 * 16 * 2 <= 6 * 32 * 48
@@ -315,7 +323,7 @@ BAD = [  # (reason, user parts, message)
     ("video_undecodable", [video(frame_paths("walk", 2) + ["walk/odd.png"])], "differ in size"),
     ("video_too_large", [video("clip.mp4")], "data.video.max_video_bytes=2000"),
     ("video_too_large", [video(frame_paths("long", 7))], "data.video.max_frames=6"),
-    ("video_too_large", [video(frame_paths("long", 6))], "over data.video.max_pixels=4096"),
+    ("video_too_large", [video(frame_paths("long", 6))], "at 32x32 px a frame, over data.video.max_pixels=4096"),
     ("video_too_short", [video(frame_paths("one", 1))], "needs at least 2"),
     ("video_source", [video("https://example.com/a.mp4")], "is a URL"),
     ("video_source", [video(frame_paths("run", 4), fps=-1)], "expected a number > 0"),

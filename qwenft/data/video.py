@@ -193,9 +193,9 @@ def resized_size(num_frames: int, height: int, width: int, s: VideoSettings) -> 
     elif t * h * w < s.min_pixels:
         beta = math.sqrt(s.min_pixels / (num_frames * height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    if t * h * w > max_pixels:
-        raise BadRow("video_too_large", f"video of {num_frames} frames needs {t * h * w} pixels at the smallest "
-                                        f"frame size ({h}x{w}), over data.video.max_pixels={max_pixels}")
+    if min(t, num_frames) * h * w > max_pixels:  # a side at its floor (factor px): the budget cannot hold it
+        raise BadRow("video_too_large", f"video of {num_frames} frames needs {num_frames * h * w} pixels even at "
+                                        f"{w}x{h} px a frame, over data.video.max_pixels={s.max_pixels}")
     return h, w
 
 
@@ -206,9 +206,9 @@ def check_video(spec: VideoSpec, s: VideoSettings) -> Video:
         if size > s.max_video_bytes:
             raise BadRow("video_too_large", f"video file {spec.path!r} has {size} bytes, over "
                                             f"data.video.max_video_bytes={s.max_video_bytes}")
-        total, video_fps, height, width = _probe_file(spec.path)
+        total, video_fps = _probe_file(spec.path)
         indices = sample_indices(total, video_fps, spec.fps or s.fps, s.min_frames, s.max_frames)
-        _decode_file(spec.path, indices, keep=False)
+        _, (height, width) = _decode_file(spec.path, indices, keep=False)
         times = [i / video_fps for i in indices]
     else:
         if len(spec.frames) > s.max_frames:
@@ -259,33 +259,33 @@ def _open(path: str):
         raise BadRow("video_undecodable", f"video file {path!r} cannot be opened ({e})") from None
 
 
-def _probe_file(path: str) -> tuple[int, float, int, int]:
-    """(frames, frames per second, height, width) from the file's video stream header, as transformers' PyAV
-    reader takes them; a stream that does not state its frame count is counted by decoding."""
+def _probe_file(path: str) -> tuple[int, float]:
+    """(frames, frames per second) from the file's video stream header, as transformers' PyAV reader takes
+    them; a stream that does not state its frame count is counted by decoding."""
     with _open(path) as container:
         if not container.streams.video:
             raise BadRow("video_undecodable", f"video file {path!r} has no video stream")
         stream = container.streams.video[0]
         if not stream.average_rate:
             raise BadRow("video_undecodable", f"video file {path!r} does not state its frame rate")
-        total, fps, height, width = int(stream.frames), float(stream.average_rate), stream.height, stream.width
+        total, fps = int(stream.frames), float(stream.average_rate)
     if total == 0:
-        total = _decode_file(path, None, keep=False)
-    if total < 1 or not height or not width:
-        raise BadRow("video_undecodable", f"video file {path!r} has no frames")
-    return total, fps, height, width
+        total, _ = _decode_file(path, None, keep=False)
+    return total, fps
 
 
 def _decode_file(path: str, indices: list[int] | None, keep: bool):
-    """Decode frames in order up to the last of `indices`: their RGB `uint8 [n, H, W, 3]` if `keep`, else how
-    many frames decoded (all of them when `indices` is None). A file that ends early is a bad row."""
+    """Decode frames in order up to the last of `indices` (all of them when None): their RGB
+    `uint8 [n, H, W, 3]` if `keep`, else (how many decoded, (height, width) of the first). A file that ends
+    early, or has no frames, is a bad row."""
     av = _av(path)
     wanted = set(indices or ())
     last = max(wanted) if indices else None
-    frames, count = [], 0
+    frames, count, size = [], 0, None
     try:
         with _open(path) as container:
             for frame in container.decode(video=0):
+                size = size or (frame.height, frame.width)
                 if keep and count in wanted:
                     frames.append(frame.to_ndarray(format="rgb24"))
                 count += 1
@@ -293,10 +293,10 @@ def _decode_file(path: str, indices: list[int] | None, keep: bool):
                     break
     except (av.FFmpegError, OSError, ValueError) as e:
         raise BadRow("video_undecodable", f"video file {path!r} cannot be decoded ({e})") from None
-    if last is not None and count <= last:
+    if count == 0 or (last is not None and count <= last):
         raise BadRow("video_undecodable", f"video file {path!r} decodes to {count} frames but its header "
-                                          f"promises at least {last + 1}")
-    return np.stack(frames) if keep else count
+                                          f"promises at least {(last or 0) + 1}")
+    return np.stack(frames) if keep else (count, size)
 
 
 def load_frames(video: Video) -> torch.Tensor:
