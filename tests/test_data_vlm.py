@@ -99,7 +99,8 @@ def test_parts_parsing_reads_every_image_source(files):
                                      image(pil), {"type": "image"}]},
         {"role": "assistant", "content": [text("An "), text("answer.")]},
     ], "images": [pil]}
-    messages, sources = parse_row(row, files)
+    messages, sources, videos = parse_row(row, files)
+    assert videos == []
     assert messages[1] == {"role": "assistant", "content": "An answer."}
     assert [p["type"] for p in messages[0]["content"]] == ["image", "text", "text"] + ["image"] * 6
     assert sources[0].path == str(files / "img/wide.png") and sources[1].path == str(files / "img/big.png")
@@ -108,7 +109,7 @@ def test_parts_parsing_reads_every_image_source(files):
     assert sources[5].image is pil and sources[6].image is pil
     assert [s.open().size for s in sources] == [(170, 50), (150, 200), (30, 20), (96, 64), (40, 40), (40, 40),
                                                 (40, 40)]
-    text_only, none = parse_row({"messages": [{"role": "user", "content": "hi"},
+    text_only, none, _ = parse_row({"messages": [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": "hello"}]}, files)
     assert text_only[0]["content"] == "hi" and none == []
 
@@ -118,7 +119,7 @@ def test_ids_and_pixels_equal_transformers_processor(proc, cache, files, min_pix
     mine = load_processor("tiny_vlm", min_pixels=min_pixels, max_pixels=max_pixels, cache_dir=cache)
     row = conversation(image("img/small.png"), text("What is in "), image("img/wide.png"), text("and here?"),
                        image("img/big.png"))
-    ids, _, sources, grids = tokenize_vlm_row(row, mine, files, "assistant", 1 << 20)
+    ids, _, sources, grids, _, _ = tokenize_vlm_row(row, mine, files, "assistant", 1 << 20)
     pixel_values, grid = mine.pixels([s.open() for s in sources])
 
     hf = hf_processor(proc, mine.min_pixels, mine.max_pixels)

@@ -95,6 +95,17 @@ class ImageOptions:
 
 
 @dataclass
+class VideoOptions:
+    """Video parts (docs/data.md, "Videos"); null = the checkpoint's video processor's value."""
+    min_pixels: Optional[int] = None  # bounds on t * h * w over all of a video's frames after resizing
+    max_pixels: Optional[int] = None  # (over it even at the smallest frame size: a bad row, video_too_large)
+    fps: Optional[float] = None  # frames a second sampled from a video file; a frame list's default rate
+    min_frames: Optional[int] = None  # frames sampled from a file: at least (if it has them) ...
+    max_frames: Optional[int] = None  # ... and at most; a longer frame list is a bad row
+    max_video_bytes: int = 512 * 2**20  # larger video files are bad rows (data.on_bad_row)
+
+
+@dataclass
 class SourceOptions:
     """One dataset of a mixture (data.sources)."""
     path: str = "???"  # like data.path
@@ -118,6 +129,7 @@ class DataOptions:
     cache_dir: Optional[str] = None  # where the token cache goes; null = .qwenft-cache beside the data
     num_proc: Optional[int] = None  # processes tokenizing into the cache; null = this machine's cores
     image: ImageOptions = field(default_factory=ImageOptions)
+    video: VideoOptions = field(default_factory=VideoOptions)
 
 
 @dataclass
@@ -362,6 +374,19 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"data.image.{key}={value} must be >= 1")
     if image.min_pixels and image.max_pixels and image.min_pixels > image.max_pixels:
         raise ValueError(f"data.image.min_pixels={image.min_pixels} is above data.image.max_pixels={image.max_pixels}")
+    video = cfg.data.video
+    for key in ("min_pixels", "max_pixels", "min_frames", "max_frames"):
+        value = getattr(video, key)
+        if value is not None and value < 1:
+            raise ValueError(f"data.video.{key}={value} must be >= 1 (or null for the checkpoint's)")
+    if video.max_video_bytes < 1:
+        raise ValueError(f"data.video.max_video_bytes={video.max_video_bytes} must be >= 1")
+    if video.fps is not None and not video.fps > 0:
+        raise ValueError(f"data.video.fps={video.fps} must be > 0 (or null for the checkpoint's)")
+    for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+        a, b = getattr(video, low), getattr(video, high)
+        if a and b and a > b:
+            raise ValueError(f"data.video.{low}={a} is above data.video.{high}={b}")
     if cfg.checkpoint.every_steps < 0:
         raise ValueError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be >= 0 (0 = never)")
     if cfg.checkpoint.keep < 1:

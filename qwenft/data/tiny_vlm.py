@@ -31,13 +31,15 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_e
 VLM_SPECIAL_TOKENS = SPECIAL_TOKENS + [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 
 # Qwen3-VL's rendering of content parts, without tools/thinking: an image part is
-# <|vision_start|><|image_pad|><|vision_end|>, text parts are concatenated.
+# <|vision_start|><|image_pad|><|vision_end|>, a video part the same with <|video_pad|> (the processor expands
+# it into timestamps and frames), text parts are concatenated.
 TINY_VLM_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
     "{%- else %}{%- for part in message['content'] %}"
     "{%- if part['type'] == 'image' or 'image' in part %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' or 'video' in part %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -47,6 +49,12 @@ TINY_VLM_CHAT_TEMPLATE = (
 # patch 16, merge 2: images resize to multiples of 32 px, 64x64 .. 96x96 -> 4 .. 9 image tokens each.
 IMAGE_PROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
                    "min_pixels": 64 * 64, "max_pixels": 96 * 96}
+# Qwen3-VL's video processor, small: a video's frames together within 4,096 .. 16 x 64 x 64 pixels (at most
+# 32 video tokens), sampled at 2 frames a second, 4 .. 16 frames; the image processor's mean and std.
+VIDEO_PROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "fps": 2, "min_frames": 4,
+                   "max_frames": 16, "size": {"shortest_edge": 64 * 64, "longest_edge": 16 * 64 * 64},
+                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                   "image_std": [0.26862954, 0.26130258, 0.27577711]}
 _VERSION = "1"  # bump when the data or processor recipe changes, to invalidate old caches
 DEFAULT_CACHE_DIR = Path("~/.cache/qwenft")
 
@@ -157,20 +165,23 @@ def _text_rows(path: Path) -> list[dict]:
 
 def tiny_vlm_processor_dir(cache_dir: str | os.PathLike | None = None, vocab_size: int = 512) -> Path:
     """A processor dir for the tiny VLM (built on first use): a byte-level BPE trained on the set's text
-    with Qwen's vision special tokens (ids 3..6), the template above, and transformers' Qwen2-VL image
-    processor configured small. `AutoTokenizer` and `AutoImageProcessor` reload it (so does `AutoProcessor`
-    where torchvision is installed: transformers' Qwen3-VL processor class requires it)."""
+    with Qwen's vision special tokens (ids 3..6), the template above, transformers' Qwen2-VL image
+    processor and Qwen3-VL video processor configured small. `AutoTokenizer`, `AutoImageProcessor` and
+    `Qwen3VLVideoProcessor` reload it (so does `AutoProcessor` where torchvision is installed: transformers'
+    Qwen3-VL processor class requires it)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     data = tiny_vlm_data_dir(cache_dir)
     train = data / "train.jsonl"
     key = _digest(hashlib.sha256(train.read_bytes()).hexdigest(), vocab_size, VLM_SPECIAL_TOKENS,
-                  TINY_VLM_CHAT_TEMPLATE, IMAGE_PROCESSOR)
+                  TINY_VLM_CHAT_TEMPLATE, IMAGE_PROCESSOR, VIDEO_PROCESSOR)
 
     def write(tmp: Path) -> None:
         tok = train_tiny_tokenizer(_text_rows(train), vocab_size, VLM_SPECIAL_TOKENS, TINY_VLM_CHAT_TEMPLATE)
         tok.save_pretrained(tmp)
         Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(tmp)
+        Qwen3VLVideoProcessor(**VIDEO_PROCESSOR).save_pretrained(tmp)  # its config only: running it needs torchvision
         (tmp / "chat_template.jinja").write_text(TINY_VLM_CHAT_TEMPLATE)
         (tmp / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}) + "\n")
 

@@ -1,34 +1,35 @@
-"""Image+text chat rows -> documents with expanded image placeholders -> packed micro batches with pixels.
+"""Image/video+text chat rows -> documents with expanded vision placeholders -> packed micro batches with pixels.
 
 API (what the runner uses for a model with a vision tower):
 
     processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
-                               min_pixels=..., max_pixels=...)          # -> VLMProcessor
+                               min_pixels=..., max_pixels=..., video={"fps": ..., ...})   # -> VLMProcessor
     data = build_vlm_data(path, processor, seq_len, micro_batch_size, dp_rank, dp_size, seed, packing,
                           train_on, truncation, on_bad_row, max_image_bytes=..., data_format="auto")   # -> VLMData
     batch = next(data)   # input_ids, labels [B, T]; position_ids [3, B, T] (M-RoPE, per document);
                          # cu_seqlens; padding_mask [B, T]; pixel_values [n_patches, C*t*p*p] float32;
-                         # image_grid_thw [n_images, 3]
+                         # image_grid_thw [n_images, 3]; pixel_values_videos; video_grid_thw [n_videos, 3]
 
 A row's `messages[i].content` is a string or a list of parts: `{"type": "text", "text": ...}`,
 `{"type": "image", "image": SRC}` (or OpenAI's `{"type": "image_url", "image_url": {"url": SRC}}`), where
 SRC is a path (relative to the dataset file, or absolute), a `data:image/...;base64,` URI, raw bytes, a
-`{"bytes", "path"}` dict (a `datasets` Image column read back as rows) or a PIL image. An image part with
-no SRC takes the next entry of the row's `images` column (TRL's layout).
+`{"bytes", "path"}` dict (a `datasets` Image column read back as rows) or a PIL image, and
+`{"type": "video", "video": a file path or a list of frame SRCs, "fps"?: ..., "timestamps"?: [...]}`
+(`qwenft.data.video`). An image (video) part with no value takes the next entry of the row's `images`
+(`videos`) column (TRL's layout).
 
 Rendering uses the checkpoint's own chat template (which turns an image part into
-`<|vision_start|><|image_pad|><|vision_end|>`), labels come from `chat.tokenize_messages` (assistant
-replies only, found on the rendered text), then each `<|image_pad|>` token is repeated
-`t*h*w / merge**2` times for its image's grid, as transformers' Qwen3-VL processor does to the text
-before tokenizing (a special token is one token, so both give the same ids: tested). Image tokens are
-never targets. The grid comes from the image's size alone (Qwen's `smart_resize` within min/max pixels),
-so at start-up every image is decoded once to check it and read its size; pixels are produced per micro
-batch by the checkpoint's image processor, in the order the image tokens appear in the batch.
+`<|vision_start|><|image_pad|><|vision_end|>`, a video part into the same with `<|video_pad|>`), labels
+come from `chat.tokenize_messages` (assistant replies only, found on the rendered text), then each
+`<|image_pad|>` token is repeated `t*h*w / merge**2` times for its image's grid and each `<|video_pad|>`
+becomes its timestamps and frames, as transformers' Qwen3-VL processor does to the text before tokenizing
+(a special token is one token, so both give the same ids: tested). Vision tokens are never targets. A grid
+comes from the image's size alone (Qwen's `smart_resize` within min/max pixels), or the video's frame
+count and size, so at start-up every image and video is decoded once to check it and size it; pixels are
+produced per micro batch (images by the checkpoint's image processor, videos by `qwenft.data.video`), in
+the order their tokens appear in the batch.
 """
 
-import base64
-import binascii
-import io
 import math
 import os
 from collections import Counter
@@ -42,30 +43,42 @@ from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
                               UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
 from qwenft.data.formats import as_messages_row, resolve_format
+from qwenft.data.images import DEFAULT_MAX_IMAGE_BYTES, ImageSource, image_source
 from qwenft.data.loader import SFTData, fingerprint, load_rows
 from qwenft.data.packing import build_row, cu_seqlens_from_position_ids, padding_mask
-from qwenft.mrope import document_mrope_position_ids
+from qwenft.data.video import (Video, VideoSettings, VideoSpec, check_video, video_pixels, video_spec,
+                               video_tokens)
+from qwenft.mrope import document_mrope_position_ids, split_video_grids
 
-DEFAULT_MAX_IMAGE_BYTES = 32 * 1024 * 1024
 IMAGE_PART_TYPES = ("image", "image_url")
+VIDEO_PART_TYPES = ("video",)
 
 
 @dataclass
 class VLMProcessor:
     """The checkpoint's tokenizer (with its chat template) and image processor, plus the numbers the data
-    pipeline needs from them. `min_pixels` / `max_pixels` bound the resized image area."""
+    pipeline needs from them. `min_pixels` / `max_pixels` bound the resized image area; `video` holds the
+    video processor's numbers (None: video parts are bad rows)."""
     tokenizer: object
     image_processor: object
     min_pixels: int
     max_pixels: int
+    video: VideoSettings | None = None
+    video_processor: object = None  # the checkpoint's transformers video processor, for HF exports (its config)
     image_token: str = "<|image_pad|>"
+    video_token: str = "<|video_pad|>"
 
     def __post_init__(self):
         ip = self.image_processor
         self.patch_size, self.merge_size = ip.patch_size, ip.merge_size
         self.temporal_patch_size = ip.temporal_patch_size
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
+        if self.video_token_id == self.tokenizer.unk_token_id:
+            self.video_token_id = None
         self.vision_start_token_id = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+        self.vision_end_token_id = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        self._stamp_ids = {}
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
             raise ValueError(f"the tokenizer has no {self.image_token} token; is this a Qwen3.5 VLM checkpoint?")
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -99,16 +112,40 @@ class VLMProcessor:
                                    size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels})
         return out["pixel_values"].float(), out["image_grid_thw"].long()
 
+    def video_pixels(self, videos: list[Video]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pixel_values_videos [n_patches, patch_dim]` float32 and `video_grid_thw [n_videos, 3]` of the videos."""
+        return video_pixels(videos, self.video)
+
+    def video_ids(self, video: Video) -> list[int]:
+        """What the template's one video token becomes: per temporal patch `<{s:.1f} seconds>`, vision-start,
+        h * w / merge**2 video tokens, vision-end (transformers' Qwen3-VL processor)."""
+        _, h, w = video.grid
+        frame = [self.vision_start_token_id] + [self.video_token_id] * (h * w // self.video.merge_size ** 2) + \
+            [self.vision_end_token_id]
+        ids = []
+        for seconds in video.times:
+            stamp = f"<{seconds:.1f} seconds>"  # between special tokens, so tokenized alone as in context
+            if stamp not in self._stamp_ids:
+                self._stamp_ids[stamp] = self.tokenizer(stamp, add_special_tokens=False)["input_ids"]
+            ids += self._stamp_ids[stamp] + frame
+        return ids
+
 
 def load_processor(path_or_name: str, min_pixels: int | None = None, max_pixels: int | None = None,
-                   cache_dir=None) -> VLMProcessor:
-    """`"tiny_vlm"` -> the generated tiny processor; a dir -> its tokenizer, chat template, image processor.
+                   cache_dir=None, video: dict | None = None) -> VLMProcessor:
+    """`"tiny_vlm"` -> the generated tiny processor; a dir -> its tokenizer, chat template, image processor
+    and video processor settings.
 
     Loads the tokenizer and image processor separately (not `AutoProcessor`): transformers' Qwen3-VL
-    processor class also builds a video processor, which needs torchvision; images need only these two.
-    `min_pixels` / `max_pixels` (None = the checkpoint's `size.shortest_edge` / `size.longest_edge`).
+    processor class also builds a video processor, which needs torchvision to run. qwenft only reads that
+    video processor's config (`video_preprocessor_config.json`, else transformers' fallback to
+    `preprocessor_config.json`) and processes videos itself (`qwenft.data.video`).
+    `min_pixels` / `max_pixels` (None = the checkpoint's `size.shortest_edge` / `size.longest_edge`);
+    `video`: overrides by `data.video.*` key name (`min_pixels`, `max_pixels`, `fps`, `min_frames`,
+    `max_frames`, `max_video_bytes`; None = the checkpoint's).
     """
     from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     if path_or_name == "tiny_vlm":
         from qwenft.data.tiny_vlm import tiny_vlm_processor_dir
@@ -124,140 +161,95 @@ def load_processor(path_or_name: str, min_pixels: int | None = None, max_pixels:
         tokenizer.chat_template = (path / "chat_template.jinja").read_text()
     image_processor = AutoImageProcessor.from_pretrained(path)
     size = image_processor.size
+    video_processor = Qwen3VLVideoProcessor.from_pretrained(path)
     return VLMProcessor(tokenizer, image_processor,
                         min_pixels if min_pixels is not None else size["shortest_edge"],
-                        max_pixels if max_pixels is not None else size["longest_edge"])
+                        max_pixels if max_pixels is not None else size["longest_edge"],
+                        VideoSettings.from_processor(video_processor, **(video or {})),
+                        video_processor if (path / "video_preprocessor_config.json").is_file() else None)
 
 
-# ---------------------------------------------------------------- rows -> messages + image sources
+# ---------------------------------------------------------------- rows -> messages + image and video sources
 
-@dataclass
-class ImageSource:
-    """Where an image's bytes are: a file path, encoded bytes, or a PIL image already in memory."""
-    path: str | None = None
-    data: bytes | None = None
-    image: Image.Image | None = None
-
-    def open(self) -> Image.Image:
-        """The decoded RGB image (raises BadRow `image_undecodable` / `image_too_large`)."""
-        try:
-            if self.image is not None:
-                image = self.image
-            else:
-                image = Image.open(self.path if self.path is not None else io.BytesIO(self.data))
-            image.load()
-            return image.convert("RGB")
-        except Image.DecompressionBombError as e:
-            raise BadRow("image_too_large", f"image {self.describe()} is too large to decode ({e})") from None
-        except (OSError, ValueError, SyntaxError) as e:
-            raise BadRow("image_undecodable", f"image {self.describe()} cannot be decoded ({e})") from None
-
-    def describe(self) -> str:
-        if self.path is not None:
-            return repr(self.path)
-        return f"of {len(self.data)} bytes" if self.data is not None else "(PIL image)"
+def _column(row, name: str) -> list:
+    column = row.get(name) or []
+    return column if isinstance(column, list) else [column]
 
 
-def image_source(value, base_dir: Path, max_image_bytes: int) -> ImageSource:
-    """An image part's value -> ImageSource; missing files, bad URIs and over-size images are BadRows."""
-    if isinstance(value, Image.Image):
-        return ImageSource(image=value)
-    if isinstance(value, dict):  # datasets' Image feature as a row: {"bytes": ..., "path": ...}
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        data = bytes(value)
-    elif isinstance(value, str) and value.startswith("data:"):
-        header, _, payload = value.partition(",")
-        if not header.endswith(";base64"):
-            raise BadRow("image_source", f"image data URI {value[:40]!r}... is not base64")
-        if len(payload) * 3 // 4 > max_image_bytes:
-            raise BadRow("image_too_large", f"image data URI holds over {max_image_bytes} bytes "
-                                            "(data.image.max_image_bytes)")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise BadRow("image_undecodable", f"image data URI is not valid base64 ({e})") from None
-    elif isinstance(value, str) and value:
-        if "://" in value:
-            raise BadRow("image_source", f"image {value!r} is a URL; qwenft reads local files and data URIs only")
-        path = Path(value) if os.path.isabs(value) else base_dir / value
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise BadRow("image_missing", f"image file {str(path)!r} does not exist") from None
-        if size > max_image_bytes:
-            raise BadRow("image_too_large", f"image file {str(path)!r} has {size} bytes, over "
-                                            f"data.image.max_image_bytes={max_image_bytes}")
-        return ImageSource(path=str(path))
-    else:
-        raise BadRow("image_source", f"image part holds {type(value).__name__}; expected a path, a data URI, "
-                                     "bytes or a PIL image")
-    if len(data) > max_image_bytes:
-        raise BadRow("image_too_large", f"image of {len(data)} bytes is over "
-                                        f"data.image.max_image_bytes={max_image_bytes}")
-    return ImageSource(data=data)
-
-
-def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> tuple[list[dict], list[ImageSource]]:
-    """Messages for the chat template (assistant content as a string; a turn with images as a list of
-    `{"type": "text"|"image"}` parts) and the images' sources in reading order; or BadRow."""
+def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+              ) -> tuple[list[dict], list[ImageSource], list[VideoSpec]]:
+    """Messages for the chat template (assistant content as a string; a turn with images or videos as a list
+    of `{"type": "text"|"image"|"video"}` parts), the images' sources and the videos' specs in reading order;
+    or BadRow. An image / video part without a value takes the next entry of the row's `images` / `videos`
+    column."""
     if isinstance(row, UnreadableRow):
         raise BadRow("unreadable", row.problem)
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
         raise BadRow("no_messages", "row has no non-empty 'messages' list")
     if row.get("tools"):
-        raise BadRow("bad_tool_call", "row has a 'tools' column; the image pipeline trains text and image turns only")
-    column = row.get("images") or []
-    column = column if isinstance(column, list) else [column]
-    messages, sources, from_column = [], [], 0
+        raise BadRow("bad_tool_call", "row has a 'tools' column; the image pipeline trains text, image and video "
+                                      "turns only")
+    columns = {"image": _column(row, "images"), "video": _column(row, "videos")}
+    taken = {"image": 0, "video": 0}
+    messages, images, videos = [], [], []
     for i, message in enumerate(row["messages"]):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise BadRow("bad_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
         if message.get("tool_calls"):
-            raise BadRow("bad_tool_call", f"message {i} has tool_calls; the image pipeline trains text and image "
-                                          "turns only")
+            raise BadRow("bad_tool_call", f"message {i} has tool_calls; the image pipeline trains text, image and "
+                                          "video turns only")
         content = message.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list):
             raise BadRow("bad_content", f"message {i} content is {type(content).__name__}; expected a string "
-                                        "or a list of text/image parts")
-        rendered, text, n_images = [], "", 0
+                                        "or a list of text/image/video parts")
+        rendered, text, n_visual = [], "", 0
         for part in parts:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 rendered.append({"type": "text", "text": part["text"]})
                 text += part["text"]
-            elif kind in IMAGE_PART_TYPES:
+                continue
+            if kind in IMAGE_PART_TYPES:
                 value = part.get("image") if kind == "image" else part.get("image_url")
                 value = value.get("url") if kind == "image_url" and isinstance(value, dict) else value
-                if value is None:
-                    if from_column >= len(column):
-                        raise BadRow("image_count", f"message {i} has more image parts than the row's "
-                                                    f"'images' column has images ({len(column)})")
-                    value, from_column = column[from_column], from_column + 1
-                sources.append(image_source(value, base_dir, max_image_bytes))
-                rendered.append({"type": "image"})
-                n_images += 1
+                kind = "image"
+            elif kind in VIDEO_PART_TYPES:
+                value = part.get("video")
             else:
                 raise BadRow("bad_content", f"message {i} has a content part {str(part)[:60]!r}; expected "
-                                            "{'type': 'text', 'text': str} or {'type': 'image', 'image': ...}")
+                                            "{'type': 'text', 'text': str}, {'type': 'image', 'image': ...} or "
+                                            "{'type': 'video', 'video': ...}")
+            if value is None:
+                column = columns[kind]
+                if taken[kind] >= len(column):
+                    raise BadRow(f"{kind}_count", f"message {i} has more {kind} parts than the row's "
+                                                  f"'{kind}s' column has {kind}s ({len(column)})")
+                value, taken[kind] = column[taken[kind]], taken[kind] + 1
+            if kind == "image":
+                images.append(image_source(value, base_dir, max_image_bytes))
+            else:
+                videos.append(video_spec(part, value, base_dir, max_image_bytes, f"message {i}'s video part"))
+            rendered.append({"type": kind})
+            n_visual += 1
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise BadRow("undecodable", f"message {i} content is not valid text ({e.reason})") from None
-        if not text.strip() and not n_images:
+        if not text.strip() and not n_visual:
             raise BadRow("empty_content", f"message {i} ({role}) has empty content")
-        if role == "assistant" and n_images:
-            raise BadRow("bad_content", f"message {i} is an assistant turn with an image; images belong in "
-                                        "user or system turns")
-        messages.append({"role": role, "content": rendered if n_images else text})
-    if from_column < len(column):
-        raise BadRow("image_count", f"the row's 'images' column has {len(column)} images but its messages "
-                                    f"have {from_column} image parts without a source")
+        if role == "assistant" and n_visual:
+            raise BadRow("bad_content", f"message {i} is an assistant turn with an image or video; they belong "
+                                        "in user or system turns")
+        messages.append({"role": role, "content": rendered if n_visual else text})
+    for kind, column in columns.items():
+        if taken[kind] < len(column):
+            raise BadRow(f"{kind}_count", f"the row's '{kind}s' column has {len(column)} {kind}s but its messages "
+                                          f"have {taken[kind]} {kind} parts without a source")
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant", "conversation has no assistant turn to learn from")
-    return messages, sources
+    return messages, images, videos
 
 
 # ---------------------------------------------------------------- messages -> documents
@@ -266,54 +258,70 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
 class VLMDocument(Document):
     images: list[ImageSource] = field(default_factory=list)
     grids: list[tuple[int, int, int]] = field(default_factory=list)  # one (t, h, w) per image, in order
+    videos: list[Video] = field(default_factory=list)  # each with its (t, h, w) grid, in order
+
+    @property
+    def video_grids(self) -> list[tuple[int, int, int]]:
+        return [v.grid for v in self.videos]
 
 
-def expand_image_tokens(ids: list[int], is_target: list[bool], grids: list[tuple[int, int, int]],
-                        processor: VLMProcessor) -> tuple[list[int], list[bool]]:
-    """Repeat each image placeholder token t*h*w/merge**2 times (never a target)."""
-    found = ids.count(processor.image_token_id)
-    if found != len(grids):
-        raise BadRow("image_count", f"the row has {len(grids)} image(s) but the chat template rendered {found} "
-                                    f"{processor.image_token} placeholder(s)")
-    out_ids, out_target, k = [], [], 0
+def expand_vision_tokens(ids: list[int], is_target: list[bool], grids: list[tuple[int, int, int]],
+                         processor: VLMProcessor, videos: list[Video] = ()
+                         ) -> tuple[list[int], list[bool], list[tuple[str, int, int]]]:
+    """Repeat each image placeholder token t*h*w/merge**2 times and replace each video placeholder by its
+    timestamps and frames (`VLMProcessor.video_ids`); none of these is a target. Also returns each image's
+    and video's `(kind, start, end)` span in the result, `start` at the template's vision-start before it."""
+    for kind, token, name, count in (("image", processor.image_token_id, processor.image_token, len(grids)),
+                                     ("video", processor.video_token_id, processor.video_token, len(videos))):
+        found = ids.count(token) if token is not None else 0
+        if found != count:
+            raise BadRow(f"{kind}_count", f"the row has {count} {kind}(s) but the chat template rendered {found} "
+                                          f"{name} placeholder(s)")
+    out_ids, out_target, spans, k, v = [], [], [], 0, 0
     for token, target in zip(ids, is_target):
         if token == processor.image_token_id:
             t, h, w = grids[k]
-            n = t * h * w // processor.merge_size ** 2
-            out_ids += [token] * n
-            out_target += [False] * n
-            k += 1
+            new, kind, k = [token] * (t * h * w // processor.merge_size ** 2), "image", k + 1
+        elif token == processor.video_token_id:
+            new, kind, v = processor.video_ids(videos[v]), "video", v + 1
         else:
             out_ids.append(token)
             out_target.append(target)
-    return out_ids, out_target
+            continue
+        start = len(out_ids)
+        start -= 1 if start and out_ids[-1] == processor.vision_start_token_id else 0
+        out_ids += new
+        out_target += [False] * len(new)
+        spans.append((kind, start, len(out_ids)))
+    return out_ids, out_target, spans
 
 
-def truncate_at(ids: list[int], grids: list[tuple[int, int, int]], seq_len: int,
-                processor: VLMProcessor) -> tuple[int, int]:
-    """(cut, images kept) for right truncation to `seq_len` that never splits an image: an image whose
-    placeholders do not all fit is dropped together with its vision-start token."""
-    t = 0
-    for kept, (gt, gh, gw) in enumerate(grids):
-        t = ids.index(processor.image_token_id, t)
-        end = t + gt * gh * gw // processor.merge_size ** 2
+def truncate_at(spans: list[tuple[str, int, int]], seq_len: int) -> tuple[int, int, int]:
+    """(cut, images kept, videos kept) for right truncation to `seq_len` that never splits an image or a
+    video: one whose tokens do not all fit is dropped together with its vision-start token."""
+    kept = {"image": 0, "video": 0}
+    for kind, start, end in spans:
         if end > seq_len:
-            start = t - 1 if t and ids[t - 1] == processor.vision_start_token_id else t
-            return min(seq_len, start), kept
-        t = end
-    return seq_len, len(grids)
+            return min(seq_len, start), kept["image"], kept["video"]
+        kept[kind] += 1
+    return seq_len, kept["image"], kept["video"]
 
 
 def tokenize_vlm_row(row, processor: VLMProcessor, base_dir: Path, train_on: str, max_image_bytes: int):
-    """(ids, is_target, images, grids) of one row, image placeholders expanded; or BadRow."""
-    messages, sources = parse_row(row, base_dir, max_image_bytes)
+    """(ids, is_target, images, grids, videos, spans) of one row, image and video placeholders expanded
+    (`expand_vision_tokens`); or BadRow. Opens every image and video once to check it and size it."""
+    messages, sources, specs = parse_row(row, base_dir, max_image_bytes)
     grids = []
     for source in sources:
         image = source.open()
         grids.append(processor.grid(image.height, image.width))
+    if specs and (processor.video is None or processor.video_token_id is None):
+        raise BadRow("video_count", f"the row has {len(specs)} video(s) but the processor has no "
+                                    f"{processor.video_token} token or video settings")
+    videos = [check_video(spec, processor.video) for spec in specs]
     ids, is_target = tokenize_messages(processor.tokenizer, messages, train_on)
-    ids, is_target = expand_image_tokens(ids, is_target, grids, processor)
-    return ids, is_target, sources, grids
+    ids, is_target, spans = expand_vision_tokens(ids, is_target, grids, processor, videos)
+    return ids, is_target, sources, grids, videos, spans
 
 
 def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Path, train_on: str = "assistant",
@@ -321,7 +329,9 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
                       max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
                       data_format: str = "messages") -> tuple[list[VLMDocument], Counter]:
     """Documents for every usable row and the skip counts, as `chat.tokenize_rows`; extra reasons:
-    `image_missing`, `image_undecodable`, `image_too_large`, `image_source`, `image_count`."""
+    `image_missing`, `image_undecodable`, `image_too_large`, `image_source`, `image_count`, and the same
+    with `video_` plus `video_too_short`. A file-path video without PyAV installed stops with a one-line
+    error (`video.MissingVideoDecoder`), whatever `on_bad_row` says."""
     check_choice("data.train_on", train_on, TRAIN_ON)
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
@@ -330,37 +340,40 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
     def tokenize(row):
         return tokenize_vlm_row(as_messages_row(row, data_format), processor, base_dir, train_on, max_image_bytes)
 
-    for ids, is_target, images, grids in parse_rows(rows, tokenize, on_bad_row, skipped):
+    for ids, is_target, images, grids, videos, spans in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":
                 skipped["too_long"] += 1
                 continue
-            cut, kept = truncate_at(ids, grids, seq_len, processor)
-            ids, is_target, images, grids = ids[:cut], is_target[:cut], images[:kept], grids[:kept]
+            cut, n_images, n_videos = truncate_at(spans, seq_len)
+            ids, is_target = ids[:cut], is_target[:cut]
+            images, grids, videos = images[:n_images], grids[:n_images], videos[:n_videos]
         labels = shift_labels(ids, is_target)
         if all(label == IGNORE_INDEX for label in labels):
             skipped["no_target_left"] += 1
             continue
-        docs.append(VLMDocument(ids, labels, images, grids))
+        docs.append(VLMDocument(ids, labels, images, grids, videos))
     return docs, skipped
 
 
 # ---------------------------------------------------------------- documents -> micro batches
 
 class VLMData(SFTData):
-    """`SFTData` (same rows, sharding, epochs, state) whose micro batches also carry the images.
+    """`SFTData` (same rows, sharding, epochs, state) whose micro batches also carry the images and videos.
 
     Per micro batch: `position_ids [3, B, T]` (M-RoPE, computed per document here, so pipeline stages after
     the first never need `input_ids`; `position_ids[0]` restarts at 0 exactly at document starts, so
     `cu_seqlens == cu_seqlens_from_position_ids(position_ids[0])`), `pixel_values [n_patches, patch_dim]`
-    and `image_grid_thw [n_images, 3]`, images in the order their tokens appear in the flattened `B*T`
-    (row by row, document by document). A micro batch without images has 0-row `pixel_values` and
-    `image_grid_thw`; pass `pixel_values=None` to the model then (the vision tower rejects zero images).
+    and `image_grid_thw [n_images, 3]`, `pixel_values_videos [n_video_patches, patch_dim]` and
+    `video_grid_thw [n_videos, 3]`, images (videos) in the order their tokens appear in the flattened `B*T`
+    (row by row, document by document). A micro batch without images (videos) has 0-row tensors for them;
+    pass None to the model then (the vision tower rejects zero images).
     """
 
     def __init__(self, docs: list[VLMDocument], processor: VLMProcessor, *args, **kwargs):
         super().__init__(docs, *args, **kwargs)
         self.processor = processor
+        self.num_video_documents = sum(1 for doc in docs if doc.videos)
 
     def _row_tokens(self, doc_ids: list[int]):
         docs = [self.docs[d] for d in doc_ids]
@@ -368,60 +381,91 @@ class VLMData(SFTData):
         positions = [document_positions(doc, self.processor) for doc in docs]
         tail = self.seq_len - sum(p.shape[1] for p in positions)
         positions.append(torch.arange(tail).expand(3, tail))
-        return (input_ids, labels, torch.cat(positions, dim=1),
-                [image for doc in docs for image in doc.images], [g for doc in docs for g in doc.grids], padding)
+        return (input_ids, labels, torch.cat(positions, dim=1), [image for doc in docs for image in doc.images],
+                [g for doc in docs for g in doc.grids], [v for doc in docs for v in doc.videos], padding)
 
     def _collate(self, rows) -> dict[str, torch.Tensor]:
-        input_ids, labels, positions, images, grids, padding = zip(*rows)
+        input_ids, labels, positions, images, grids, videos, padding = zip(*rows)
         position_ids = torch.stack(positions, dim=1)
         grids = [g for row in grids for g in row]
         pixel_values, image_grid_thw = self.processor.pixels([s.open() for row in images for s in row])
         if image_grid_thw.tolist() != [list(g) for g in grids]:  # the image processor resized differently
             raise ValueError(f"image processor grids {image_grid_thw.tolist()} differ from the grids the "
                              f"data pipeline expected {grids}; its resize rule is not Qwen's smart_resize")
+        videos = [v for row in videos for v in row]
+        if videos:
+            pixel_values_videos, video_grid_thw = self.processor.video_pixels(videos)
+        else:  # a batch of images alone needs no video settings
+            patch_dim = pixel_values.shape[1]
+            pixel_values_videos, video_grid_thw = torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.long)
         return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels),
                 "position_ids": position_ids, "cu_seqlens": cu_seqlens_from_position_ids(position_ids[0]),
                 "padding_mask": padding_mask(list(padding), self.seq_len),
-                "pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+                "pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
+                "pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw}
 
 
 def document_positions(doc: VLMDocument, processor: VLMProcessor) -> torch.Tensor:
-    """M-RoPE positions `[3, len(doc)]` of one document, from 0 (transformers' get_rope_index rule)."""
+    """M-RoPE positions `[3, len(doc)]` of one document, from 0 (transformers' get_rope_index rule): each video
+    frame (temporal patch) is positioned as an image of t = 1, its timestamp tokens as text."""
     grids = torch.tensor(doc.grids, dtype=torch.long).reshape(-1, 3)
-    positions, used, _ = document_mrope_position_ids(torch.tensor(doc.input_ids), grids, processor.image_token_id,
-                                                     processor.merge_size)
-    assert used == len(doc.grids), (used, doc.grids)
+    frames = split_video_grids(torch.tensor(doc.video_grids, dtype=torch.long).reshape(-1, 3))
+    positions, used, used_frames = document_mrope_position_ids(
+        torch.tensor(doc.input_ids), grids, processor.image_token_id, processor.merge_size, frames,
+        processor.video_token_id)
+    assert used == len(doc.grids) and used_frames == len(frames), (used, doc.grids, used_frames, doc.video_grids)
     return positions
 
 
-def split_microbatches(batch: dict, num_microbatches: int, image_token_id: int, merge_size: int) -> list[dict]:
+def _slices(ids: torch.Tensor, token_id: int | None, grid: torch.Tensor, merge_size: int, num_microbatches: int,
+            kind: str) -> list[tuple[slice, slice]]:
+    """Per row slice of `ids` (split in `num_microbatches` along rows), the (grid rows, patch rows) of its
+    images or videos: they follow the `token_id` tokens in order."""
+    size = ids.shape[0] // num_microbatches
+    tokens_per = (grid.prod(-1) // merge_size ** 2).tolist()
+    patches_per = grid.prod(-1).tolist()
+    out, item, patch = [], 0, 0
+    for m in range(num_microbatches):
+        tokens = int((ids[m * size:(m + 1) * size] == token_id).sum()) if token_id is not None else 0
+        first_item, first_patch = item, patch
+        while tokens > 0 and item < len(tokens_per):
+            tokens -= tokens_per[item]
+            patch += patches_per[item]
+            item += 1
+        if tokens != 0:
+            raise ValueError(f"microbatch {m}: {kind} tokens do not line up with {kind}_grid_thw")
+        out.append((slice(first_item, item), slice(first_patch, patch)))
+    return out
+
+
+def split_microbatches(batch: dict, num_microbatches: int, image_token_id: int, merge_size: int,
+                       video_token_id: int | None = None) -> list[dict]:
     """Split a micro batch (or several concatenated along rows) into `num_microbatches` equal row slices,
-    each with exactly its rows' images: `pixel_values` / `image_grid_thw` rows follow the image tokens."""
+    each with exactly its rows' images and videos: `pixel_values` / `image_grid_thw` rows follow the image
+    tokens, `pixel_values_videos` / `video_grid_thw` rows the video tokens (`video_token_id`)."""
     rows = batch["input_ids"].shape[0]
     if rows % num_microbatches:
         raise ValueError(f"{rows} rows do not split into {num_microbatches} equal microbatches")
     size = rows // num_microbatches
-    grid = batch["image_grid_thw"]
-    tokens_per_image = (grid.prod(-1) // merge_size ** 2).tolist()
-    patches_per_image = grid.prod(-1).tolist()
-    out, image, patch = [], 0, 0
+    kinds = [("pixel_values", "image_grid_thw", image_token_id, "image")]
+    if "video_grid_thw" in batch:
+        if len(batch["video_grid_thw"]) and video_token_id is None:
+            raise ValueError("the batch has videos: split_microbatches needs video_token_id")
+        kinds.append(("pixel_values_videos", "video_grid_thw", video_token_id, "video"))
+    cuts = {grid_key: _slices(batch["input_ids"], token, batch[grid_key], merge_size, num_microbatches, kind)
+            for _, grid_key, token, kind in kinds}
+    out = []
     for m in range(num_microbatches):
         lo, hi = m * size, (m + 1) * size
-        tokens = int((batch["input_ids"][lo:hi] == image_token_id).sum())
-        first_image, first_patch = image, patch
-        while tokens > 0 and image < len(tokens_per_image):
-            tokens -= tokens_per_image[image]
-            patch += patches_per_image[image]
-            image += 1
-        if tokens != 0:
-            raise ValueError(f"microbatch {m}: image tokens do not line up with image_grid_thw")
         position_ids = batch["position_ids"][..., lo:hi, :]
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids
-        out.append({"input_ids": batch["input_ids"][lo:hi], "labels": batch["labels"][lo:hi],
-                    "position_ids": position_ids, "cu_seqlens": cu_seqlens_from_position_ids(positions),
-                    **({"padding_mask": batch["padding_mask"][lo:hi]} if "padding_mask" in batch else {}),
-                    "pixel_values": batch["pixel_values"][first_patch:patch],
-                    "image_grid_thw": grid[first_image:image]})
+        mb = {"input_ids": batch["input_ids"][lo:hi], "labels": batch["labels"][lo:hi],
+              "position_ids": position_ids, "cu_seqlens": cu_seqlens_from_position_ids(positions),
+              **({"padding_mask": batch["padding_mask"][lo:hi]} if "padding_mask" in batch else {})}
+        for pixel_key, grid_key, _, _ in kinds:
+            items, patches = cuts[grid_key][m]
+            mb[pixel_key], mb[grid_key] = batch[pixel_key][patches], batch[grid_key][items]
+        out.append(mb)
     return out
 
 
@@ -429,9 +473,10 @@ def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_ba
                    dp_size: int = 1, seed: int = 0, packing: str = "pack", train_on: str = "assistant",
                    truncation: str = "truncate_right", on_bad_row: str = "skip",
                    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, base_dir=None, data_format: str = "auto") -> VLMData:
-    """Read (a path, `"tiny_vlm"`, or rows in memory), tokenize through the chat template, stream with images.
+    """Read (a path, `"tiny_vlm"`, or rows in memory), tokenize through the chat template, stream with images
+    and videos (the video settings are the processor's: `load_processor(..., video={"fps": ...})`).
 
-    Relative image paths resolve against the dataset file's directory (a `datasets` dir itself), or
+    Relative image and video paths resolve against the dataset file's directory (a `datasets` dir itself), or
     `base_dir` (default: the working directory) for rows in memory.
     """
     if isinstance(path_or_rows, (str, os.PathLike)):
@@ -455,5 +500,5 @@ def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_ba
     data = VLMData(docs, processor, seq_len, micro_batch_size, pad_id, dp_rank, dp_size, seed, packing, skipped)
     data.format = data_format
     if path is not None:
-        data.fingerprint = fingerprint(path)  # the rows' files; the images they name are not fingerprinted
+        data.fingerprint = fingerprint(path)  # the rows' files; the images and videos they name are not
     return data

@@ -211,8 +211,12 @@ def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> 
     if vision:
         from qwenft.data.vlm import load_processor
 
-        processor = load_processor(source, min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels)
-        return processor.tokenizer, processor, [processor.tokenizer, processor.image_processor]
+        video = {key: getattr(cfg.data.video, key)
+                 for key in ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames", "max_video_bytes")}
+        processor = load_processor(source, min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels,
+                                   video=video)
+        exported = [processor.tokenizer, processor.image_processor, processor.video_processor]
+        return processor.tokenizer, processor, [p for p in exported if p is not None]
     from qwenft.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(source)
@@ -241,6 +245,9 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
         data = build_vlm_data(path or resolve(cfg.data.path), processor,
                               max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format, **common)
         data.cache_note = "image rows tokenized in memory on every rank (no token cache for images)"
+        if data.num_video_documents and cfg.mesh.pp > 1:  # the pipeline schedule carries images only
+            raise ValueError(f"mesh.pp={cfg.mesh.pp}: {data.num_video_documents} documents of "
+                             f"{path or cfg.data.path} have videos, which train with mesh.pp=1 only for now")
     elif cfg.data.sources and path is None:
         from qwenft.data.mixture import build_mixture_data
 

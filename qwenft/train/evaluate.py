@@ -23,6 +23,8 @@ def forward_batch(model, mb: dict, **kwargs):
     images = {}
     if "image_grid_thw" in mb and len(mb["image_grid_thw"]):
         images = {"pixel_values": mb["pixel_values"], "image_grid_thw": mb["image_grid_thw"]}
+    if "video_grid_thw" in mb and len(mb["video_grid_thw"]):
+        images.update(pixel_values_videos=mb["pixel_values_videos"], video_grid_thw=mb["video_grid_thw"])
     return model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"], **images,
                  **kwargs)
 
