@@ -173,7 +173,8 @@ def main():
                         help="cProfile the steps after the warm-up (host time by Python function) into FILE")
     parser.add_argument("--plan", action="store_true", help="also report qwenft plan's predicted peak per rank")
     parser.add_argument("--fake-world", type=int, default=None, metavar="N",
-                        help="run rank 0 of N ranks on torch's fake process group: collectives return at once, "
+                        help="run rank 0 of N ranks on a process group that sends nothing (qwenft.distributed.fake_pg): "
+                             "collectives return at once with copies of the rank's own data, "
                              "kernels run at one rank's real sizes (a tensor parallel rank's ceiling on one GPU)")
     parser.add_argument("--fake-cp-rank", type=int, default=0, metavar="R",
                         help="with --fake-world and mesh.cp: rank 0 computes context-parallel span R instead of its "

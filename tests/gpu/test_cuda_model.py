@@ -227,7 +227,7 @@ def test_cuda_graphs_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
                                    "optim.master_dtype=bfloat16", "model.activation_checkpointing=false")],
                          ids=["tp2", "dp2_reduce_grad_per_microbatch", "tp2_cuda_graphs"])
 def test_multi_rank_path_trains_as_rank_0_of_a_fake_world(tmp_path, mesh):
-    """Rank 0 of 2 on torch's fake process group (qwenft.distributed.fake_pg; collectives return at once), the
+    """Rank 0 of 2 on the fake process group (qwenft.distributed.fake_pg; collectives return at once), the
     runner's CUDA defaults (bf16, fla's GDN when installed, varlen flash attention, fused AdamW): tp2 (head-sharded
     projections, vocab-parallel embedding and loss), dp2 with FSDP reduce-scattering every microbatch's
     gradients (2 microbatches per step), and tp2 in bf16 on fla's kernels with its compiled layers replayed as
