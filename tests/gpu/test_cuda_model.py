@@ -147,6 +147,7 @@ def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
     assert_same_training(graphs, compiled, rtol=1e-5)
 
 
+@pytest.mark.timeout(300, method="signal")  # fla's bf16 kernels at tp2's shapes and inductor's compile, cold
 def test_cuda_graphs_with_fla_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
     """Rank 0 of a fake tp2 world in bf16 with fla's GatedDeltaNet kernels: model.cuda_graphs=true (at tp > 1 fla's
     conv and delta rule are replayed as CUDA graphs of their own on fixed layouts, gdn_graph.py) against
