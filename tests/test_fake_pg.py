@@ -3,7 +3,6 @@ so a one-process rank of a larger world computes on defined numbers; a sequence 
 
 import math
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
