@@ -28,8 +28,8 @@ def _wait(t):
 
 def test_every_collective_fills_its_output_from_the_local_tensors():
     """Outputs start as NaN (or are fresh memory, for the functional collectives DTensor uses). Gathers repeat the
-    local tensor, reduce-scatters keep this rank's chunk, all-to-alls get back what was sent to each rank, a
-    receive and a scatter off the root are zeros; all-reduce and broadcast leave the tensor as it was."""
+    local tensor (in place too), reduce-scatters keep this rank's chunk, all-to-alls get back what was sent to each
+    rank, a receive and a scatter off the root are zeros; all-reduce and broadcast leave the tensor as it was."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -40,6 +40,10 @@ def test_every_collective_fills_its_output_from_the_local_tensors():
         group = dist.group.WORLD
         out = _poisoned(18, 2)
         all_gather_into(out, x)
+        assert torch.equal(out, tiled)
+        out = _poisoned(18, 2)  # in place, as FSDP gathers: the input is this rank's rows of the output
+        out[6 * RANK:6 * RANK + 6] = x
+        all_gather_into(out, out[6 * RANK:6 * RANK + 6])
         assert torch.equal(out, tiled)
         outs = [_poisoned(6, 2) for _ in range(WORLD)]
         dist.all_gather(outs, x)

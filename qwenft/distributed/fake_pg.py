@@ -7,13 +7,14 @@ a receive (or a scatter off the root), which no local tensor determines, fills w
 at a rank's real sizes on defined numbers with no other process: `qwenft plan` builds each rank's share this
 way, scripts/bench.py --fake-world times a tensor parallel rank without its communication, and tests/gpu runs
 the multi-rank code paths on one GPU. The numbers such a run trains are meaningless but finite; only shapes,
-memory and time are the real rank's.
+memory and time are the real rank's. A pipeline stage cannot train this way: torch's schedules receive the
+other stages' shapes as pickled objects, and zeros unpickle to nothing.
 
-Why not torch's "fake" backend (torch.testing._internal.distributed.fake_pg): up to torch 2.12 its
-reduce-scatter and all-to-all leave their outputs untouched, and a functional collective's output is fresh
-memory, so a sequence parallel layer read garbage and trained NaN. torch 2.13's fake backend copies as this one
-does; this group can go once the oldest supported torch is 2.13. Its Python calls cost a few microseconds a
-collective, about what a real backend's launch costs on the host.
+Why not torch's "fake" backend (torch.testing._internal.distributed.fake_pg): on torch 2.11 (the GPU image's)
+its reduce-scatter and all-to-all leave their outputs untouched, and a functional collective's output is fresh
+memory, so a sequence parallel layer read garbage and trained NaN. torch 2.13's fake backend fills them as this
+group does; the group can go once the oldest supported torch is 2.13. It costs host time: about 10 us of Python
+a collective on the CPU box, where the C++ fake backend takes about 5.
 """
 
 from contextlib import contextmanager
@@ -60,6 +61,9 @@ class LocalCopyGroup(dist.ProcessGroup):
     def _work(self):
         return torch._C._distributed_c10d._create_work_from_future(self._done)
 
+    # Outputs are written through detached aliases, as a real backend writes them outside autograd's view (an
+    # in-place copy into a view of a tensor that autograd tracks would be refused or recorded).
+
     # ---- nothing to compute: every rank holds these values already (or nothing arrives)
     def allreduce(self, tensors, opts=None):
         return self._work()
@@ -72,10 +76,9 @@ class LocalCopyGroup(dist.ProcessGroup):
     def send(self, tensors, dst_rank, tag):
         return self._work()
 
-    @torch.no_grad()
     def recv(self, tensors, src_rank, tag):
         for t in tensors:
-            t.zero_()
+            t.detach().zero_()
         return self._work()
 
     def recv_anysource(self, tensors, tag):
@@ -84,74 +87,74 @@ class LocalCopyGroup(dist.ProcessGroup):
     recvAnysource = recv_anysource
 
     # ---- gathers: copies of the local tensor
-    @torch.no_grad()
     def allgather(self, output_lists, inputs, opts=None):
         for outputs, t in zip(output_lists, inputs, strict=True):
             for out in outputs:
-                out.copy_(t)
+                out.detach().copy_(t.detach())
         return self._work()
 
-    @torch.no_grad()
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         for outputs in output_lists:
             for out, t in zip(outputs, inputs, strict=True):
-                out.copy_(t)
+                out.detach().copy_(t.detach())
         return self._work()
 
-    @torch.no_grad()
     def all_gather_single(self, output, input, opts=None):
-        for chunk in output.chunk(self._world_size):
-            chunk.copy_(input)
+        self._gather_into(output, input)
         return self._work()
+
+    def _gather_into(self, output, input):
+        """One broadcasting copy into the [world, shard] view of the contiguous output (one kernel, not one a
+        rank). FSDP gathers in place, its input a row of the output: that row is read from a copy."""
+        rows, shard = output.detach().view(self._world_size, -1), input.detach().reshape(1, -1)
+        if shard.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
+            shard = shard.clone()
+        rows.copy_(shard)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         for output, input in zip(outputs, inputs, strict=True):
-            self.all_gather_single(output, input)
+            self._gather_into(output, input)
         return self._work()
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    @torch.no_grad()
     def gather(self, output_lists, inputs, opts):
         if self._rank == opts.rootRank:
             for out in output_lists[0]:
-                out.copy_(inputs[0])
+                out.detach().copy_(inputs[0].detach())
         return self._work()
 
-    @torch.no_grad()
     def scatter(self, outputs, input_lists, opts):
         if self._rank == opts.rootRank:
-            outputs[0].copy_(input_lists[0][self._rank])
+            outputs[0].detach().copy_(input_lists[0][self._rank].detach())
         else:
-            outputs[0].zero_()
+            outputs[0].detach().zero_()
         return self._work()
 
     # ---- reduce-scatters: this rank's chunk of the local input
-    @torch.no_grad()
     def reduce_scatter(self, outputs, input_lists, opts=None):
         for out, chunks in zip(outputs, input_lists, strict=True):
-            out.copy_(chunks[self._rank])
+            out.detach().copy_(chunks[self._rank].detach())
         return self._work()
 
-    @torch.no_grad()
     def reduce_scatter_single(self, output, input, opts=None):
-        output.copy_(input.chunk(self._world_size)[self._rank].view_as(output))
+        output.detach().view(-1).copy_(input.detach().reshape(self._world_size, -1)[self._rank])
         return self._work()
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         for output, input in zip(outputs, inputs, strict=True):
-            self.reduce_scatter_single(output, input)
+            output.detach().view(-1).copy_(input.detach().reshape(self._world_size, -1)[self._rank])
         return self._work()
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # ---- all-to-all: what this rank sends to rank j comes back from rank j
-    @torch.no_grad()
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        output, input = output.detach(), input.detach()
         if list(output_split_sizes or []) == list(input_split_sizes or []):  # even splits, or the same uneven ones
             output.copy_(input.view_as(output))
             return self._work()
@@ -166,10 +169,9 @@ class LocalCopyGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    @torch.no_grad()
     def alltoall(self, outputs, inputs, opts=None):
         for out, t in zip(outputs, inputs, strict=True):
-            out.copy_(t)
+            out.detach().copy_(t.detach())
         return self._work()
 
 

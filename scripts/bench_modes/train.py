@@ -190,6 +190,9 @@ def main(argv: list[str]) -> None:
         parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
     cfg = compose(["checkpoint.export_hf=false"] + overrides + ["train.progress_bar=false"])
+    if args.fake_world and cfg.mesh.pp > 1:
+        parser.error(f"--fake-world plays one rank alone, and a pipeline stage waits for what the other stages send: "
+                     f"mesh.pp={cfg.mesh.pp} cannot run there (mesh.pp=1 can)")
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
     if args.profile:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
