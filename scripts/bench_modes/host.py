@@ -4,7 +4,7 @@
         [model.activation_checkpointing=true] [model.compile=true]
 
 Builds the model as `qwenft train` does up to FSDP (tensor parallel over mesh.tp on a fake process group,
-whose collectives do nothing; activation checkpointing), on the CPU in fp32, and times forward + backward of
+whose collectives send nothing; activation checkpointing), on the CPU in fp32, and times forward + backward of
 one microbatch of `data.seq_len` tokens. With the tiny model and a few tokens the kernels take microseconds,
 so what is timed is the host's work per op: Python, torch's dispatch, DTensor where parameters pass
 through it, autograd and the recompute. That work does not depend on the model's dimensions, only on
