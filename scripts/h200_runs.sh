@@ -17,13 +17,17 @@ out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
-      train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5 model.compile=false"
+      train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5 model.compile=false checkpoint.export_hf=false"
 bf16="optim.master_dtype=bfloat16 optim.state_dtype=bfloat16"  # NeMo Automodel's numerics
 memory_options="optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024
                 pipeline.reduce_grad_per_microbatch=true"
 
+# DEADLINE (epoch seconds), when set, cuts every run's limit to the time left before it
+limit_by_deadline() { local l=$1; [ -n "${DEADLINE:-}" ] && [ $((DEADLINE - $(date +%s))) -lt "$l" ] && l=$((DEADLINE - $(date +%s))); echo $((l > 1 ? l : 1)); }
+
 bench() {  # name limit_s nproc gpus bench-args overrides...
-  local name=$1 limit=$2 nproc=$3 gpus=$4 bargs=$5
+  local name=$1 limit nproc=$3 gpus=$4 bargs=$5
+  limit=$(limit_by_deadline "$2")
   shift 5
   echo "=== $name $(date +%T)"
   # shellcheck disable=SC2086
@@ -129,7 +133,7 @@ cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768
 # attention), AC on, bf16, eager, each row one document (long_rows.py: the worst case for contiguous spans'
 # attention). A fresh machine compiles fla's kernels, the cp ones too, in the first run's first step (about 4 min).
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
-long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
 bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4
 bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4
@@ -143,7 +147,7 @@ cp_balanced)  # attention by halves against contiguous spans at 131,072 tokens a
 # the first run compiles fla's kernels on a fresh machine, the one-GPU run the unsplit ones
 start=$(date +%s)
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
-long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
 bench fake_cp4_128k_balanced 270 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
 bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
@@ -151,21 +155,21 @@ bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3
 bench one_gpu_32k $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
   data.seq_len=32768 ;;
 fp8)  # float8 matmuls (torchao, which the GPU kit lacks: pip install its wheel first) against bf16, AC off,
-# compiled, bf16 numerics; the first run compiles fla's and inductor's kernels
+# compiled, bf16 numerics; the first run compiles fla's and inductor's kernels. FP8_RECIPES picks the recipes.
 bench bf16_ac_off_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
   model.compile=true
-for recipe in tensorwise rowwise rowwise_with_gw_hp; do
+for recipe in ${FP8_RECIPES:-tensorwise rowwise rowwise_with_gw_hp}; do
   bench "fp8_${recipe}_ac_off_compile" 130 1 0 "--warmup 2" train.max_steps=6 $bf16 \
     model.activation_checkpointing=false model.compile=true model.fp8=$recipe
 done ;;
 fp8_numerics)  # 300 steps of the 0.8B shape from one init on one data order: bf16 against each float8 recipe, AC
-# off, compiled; the loss curves go to $out/<run>.metrics.jsonl
+# off, compiled; the loss curves go to $out/<run>.metrics.jsonl (FP8_RECIPES picks the recipes, off = bf16)
 python -c "import sys; from pathlib import Path; from qwenft.data.tiny_chat import generate, write_jsonl
 write_jsonl(generate(n_train=40000, n_val=0, seed=1)[0], Path(sys.argv[1]))" "$out/chat40k.jsonl"
-for recipe in off tensorwise rowwise rowwise_with_gw_hp; do
+for recipe in ${FP8_RECIPES:-off tensorwise rowwise rowwise_with_gw_hp}; do
   name="numerics_0_8b_fp8_$recipe"
   echo "=== $name $(date +%T)"
-  timeout -s KILL 130 python -m qwenft train recipe=tiny model=qwen3_5_0_8b data.path="$out/chat40k.jsonl" \
+  timeout -s KILL "$(limit_by_deadline 130)" python -m qwenft train recipe=tiny model=qwen3_5_0_8b data.path="$out/chat40k.jsonl" \
     data.seq_len=1024 train.global_batch_size=8 train.micro_batch_size=8 train.max_steps=300 optim.lr=3e-4 \
     lr_scheduler.warmup_steps=20 model.activation_checkpointing=false model.compile=true model.fp8=$recipe \
     checkpoint.export_hf=false run_dir="$out/runs/$name" > "$out/$name.log" 2>&1

@@ -53,7 +53,8 @@ class ModelOptions:
     dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU
     kernels: KernelsOptions = field(default_factory=KernelsOptions)
     # recompute decoder layers in the backward: true = every layer, linear_attention / full_attention = only
-    # layers of that kind, selective = every layer keeping matmul outputs; docs/performance.md
+    # layers of that kind, selective = every layer keeping matmul outputs; auto = the cheapest of these (off
+    # first) that the memory plan fits under 90% of the GPU's memory (qwenft.train.auto_ac); docs/performance.md
     activation_checkpointing: str = "false"
     num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
     freeze_vision: bool = False  # VLM: no gradient for the vision tower
@@ -271,7 +272,7 @@ CHOICES = {
     "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
     "model.kernels.ce": ("auto", "torch", "fused"),
     "model.kernels.moe": ("auto", "grouped_mm", "loop"),
-    "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective"),
+    "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective", "auto"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),
     "data.truncation": ("truncate_right", "drop"),

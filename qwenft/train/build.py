@@ -30,7 +30,7 @@ from qwenft.distributed.mesh import batch_mesh, build_mesh, device_type, init_pr
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
-from qwenft.train import metrics as metrics_lib, resume
+from qwenft.train import auto_ac, metrics as metrics_lib, resume
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
@@ -432,6 +432,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     if layout.pp > 1:
         log.info("pipeline: %s, %d stages, layers per stage %s", spec.parallel.schedule, spec.parallel.num_stages,
                  [len(ls) for ls in spec.parallel.stage_layers])
+    if cfg.model.activation_checkpointing == auto_ac.AUTO:  # the plan's choice, the same on every rank
+        cfg = auto_ac.resolve(cfg, model_cfg, layout, mesh, device)
+        spec = dataclasses.replace(spec, parallel=dataclasses.replace(
+            spec.parallel, activation_checkpointing=cfg.model.activation_checkpointing))
     parts = build_model_parts(cfg, model_cfg, spec, mesh)
     for _, module in parts:
         load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)

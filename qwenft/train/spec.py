@@ -303,7 +303,7 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
             cause = (f"optim.master_dtype={cfg.optim.master_dtype} needs its cast to the compute dtype; set "
                      f"optim.master_dtype={compute}")
         why = f"the weights must stay at fixed addresses, which FSDP2 does not keep: {cause}"
-    elif cfg.model.activation_checkpointing != "false":
+    elif cfg.model.activation_checkpointing not in ("false", "auto"):  # auto chooses off under CUDA graphs
         why = (f"model.activation_checkpointing={cfg.model.activation_checkpointing} recomputes the graphs "
                f"inside the backward; set it to false")
     elif layout.pp > 1:
