@@ -166,7 +166,8 @@ def _fla_gdn_gate():
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="bench.py fused", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench.py fused", description="A Qwen3.5 layer's elementwise pieces, eager "
+                                     "and compiled, against liger-kernel's and fla's fused modules, on one GPU.")
     parser.add_argument("--model", default="qwen3_5_27b")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--json")
