@@ -158,11 +158,14 @@ def test_moe_flops_per_token_count_the_active_parameters():
     assert 2.8e9 < sum(params[kind] for kind in t.layer_types) + params["lm_head"] < 3.2e9
 
 
-def test_fake_world_refuses_a_pipeline(tmp_path):
-    """--fake-world with mesh.pp=2: exit 2 naming the key, before any model is built (a stage alone would wait on
-    shapes no other stage sends)."""
-    out = subprocess.run([sys.executable, BENCH, "--fake-world", "2", "recipe=tiny", "mesh.pp=2"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+def test_fake_world_refuses_a_pipeline(capsys):
+    """--fake-world with mesh.pp=2: exit 2 naming the key, before any process group or model exists (a stage alone
+    would wait on shapes no other stage sends)."""
+    import torch.distributed as dist
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_train.main(["--fake-world", "2", "recipe=tiny", "mesh.pp=2"])
+    assert exit_info.value.code == 2 and not dist.is_initialized()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "bench.py [train]: error: --fake-world plays one rank alone, and a pipeline stage waits for what the other "
         "stages send: mesh.pp=2 cannot run there (mesh.pp=1 can)")

@@ -178,12 +178,8 @@ def main(argv: list[str]) -> None:
                              "own (the last span's attention reads the whole row's keys, the first span's only its "
                              "own: the slowest rank of a real run is the last)")
     args, overrides = parser.parse_known_args(argv)
-    if args.fake_world:
-        init_fake_process_group(args.fake_world)
-    if args.fake_cp_rank:
-        if not args.fake_world:
-            parser.error("--fake-cp-rank needs --fake-world")
-        play_cp_span(args.fake_cp_rank)
+    if args.fake_cp_rank and not args.fake_world:
+        parser.error("--fake-cp-rank needs --fake-world")
     if args.host_profile and args.profile:
         parser.error("--host-profile and --profile each profile the same steps: pass one of them")
     if args.trace and not args.profile:
@@ -193,6 +189,10 @@ def main(argv: list[str]) -> None:
     if args.fake_world and cfg.mesh.pp > 1:
         parser.error(f"--fake-world plays one rank alone, and a pipeline stage waits for what the other stages send: "
                      f"mesh.pp={cfg.mesh.pp} cannot run there (mesh.pp=1 can)")
+    if args.fake_world:
+        init_fake_process_group(args.fake_world)
+    if args.fake_cp_rank:
+        play_cp_span(args.fake_cp_rank)
     planned = predicted_peaks(cfg) if args.plan and os.environ.get("RANK", "0") == "0" else None
     if args.profile:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
