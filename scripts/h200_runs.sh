@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp|cp_balanced|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -115,11 +115,19 @@ for tp in 2 4; do
   bench fake_tp${tp}_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp
 done ;;
-gpu_tests)  # the GPU tier, one file at a time so a time limit loses only the file it cuts
-for f in test_cuda_model test_kernels test_packed_kernels test_cp_kernels; do
-  timeout 280 python -m pytest -q -rA -p no:cacheprovider "tests/gpu/$f.py" > "$out/$f.log" 2>&1
-  echo "=== $f rc=$? $(date +%T)"; tail -3 "$out/$f.log"
-done ;;
+gpu_tests_model)  # the GPU tier in three parts (this, gpu_tests_kernels, cp_tests), each one call from a cold start:
+# every test has a limit of its own (tests/gpu/conftest.py), so a slow compile fails that test and the rest run; the
+# KILL limit is the last resort (SIGTERM would make a training test checkpoint and stop, and loses the log's tail)
+PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cuda_model.py \
+  > "$out/test_cuda_model.log" 2>&1
+echo "=== test_cuda_model rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_cuda_model.log" | tail -30 ;;
+gpu_tests_kernels)  # qwenft's Triton kernels, then fla and varlen attention on packed rows (fla's fp32 compile: ~3 min)
+PYTHONUNBUFFERED=1 timeout -s KILL 210 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_kernels.py \
+  > "$out/test_kernels.log" 2>&1
+echo "=== test_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_kernels.log" | tail -20
+PYTHONUNBUFFERED=1 timeout -s KILL 360 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_packed_kernels.py \
+  > "$out/test_packed_kernels.log" 2>&1
+echo "=== test_packed_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_packed_kernels.log" | tail -20 ;;
 cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768 tokens a row against fake cp4 worlds at
 # 131,072 (the same 32,768 tokens a rank), played as the first span (rank 0) and as the last (the heaviest
 # attention), AC on, bf16, eager, each row one document (long_rows.py: the worst case for contiguous spans'
@@ -170,13 +178,13 @@ for recipe in ${FP8_RECIPES:-off tensorwise rowwise rowwise_with_gw_hp}; do
   cp "$out/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
 done ;;
 cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
-PYTHONUNBUFFERED=1 timeout 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
+PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
   > "$out/test_cp_kernels.log" 2>&1
 echo "=== test_cp_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|Error|assert" "$out/test_cp_kernels.log" | tail -20 ;;
 mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained head (train), bf16 numerics, AC on; the
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics" >&2
    exit 2 ;;
 esac

@@ -390,7 +390,7 @@ def resolve_plan_layout(cfg: Config):
 def predict(cfg: Config) -> list[RankPlan]:
     """The memory of every rank of `cfg` on GPUs (model.dtype=auto: bf16 compute), in rank order.
 
-    Builds each rank's share through `build.build_model_parts` on a fake process group ("fake" backend), one
+    Builds each rank's share through `build.build_model_parts` on a fake process group (fake_pg), one
     rank at a time, in this process; needs no GPU and no process group of its own."""
     from qwenft.distributed.fake_pg import fake_process_group
     from qwenft.distributed.mesh import build_mesh
