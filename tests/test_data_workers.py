@@ -183,3 +183,59 @@ def test_bad_num_workers_is_one_line(proc, value, message):
     assert message in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"^data.num_workers=-1 must be an integer >= 0 "):
         build_vlm_data([chat(text("x"))], proc, seq_len=64, micro_batch_size=1, num_workers=-1)
+
+
+def _train_stopped_by_sigterm(rank, world_size, overrides, after_step):
+    """helpers.train with a thread that sends this process SIGTERM once metrics.jsonl shows `after_step`; also
+    the names of the data threads alive when the run has returned."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from helpers import compose, read_metrics, train
+
+    run_dir = Path(compose(overrides).run_dir)
+
+    def stop():
+        while not any(r.get("step", 0) >= after_step for r in read_metrics(run_dir)):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    result = train(rank, world_size, overrides)
+    return result.preempted, len(result.losses), [t.name for t in data_threads()]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_run_with_workers_stopped_by_sigterm_resumes_to_the_losses_without(files, tmp_path):
+    """tiny_vlm on rows with images, videos and two bad rows, 4 microbatches a step: with data.num_workers=2,
+    SIGTERM after step 2 stops the run after a checkpoint with no data thread left, and the resumed run (workers
+    again) logs, bit for bit, the losses of a run without workers."""
+    import json
+
+    from distributed import run_distributed
+    from helpers import logged_losses, train
+
+    root = tmp_path / "data"
+    shutil.copytree(files, root)
+    (root / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows()))
+
+    def overrides(run_dir, workers):
+        return ["recipe=tiny_vlm", f"data.path={root / 'rows.jsonl'}", "data.seq_len=128", "model.kernels.gdn=torch",
+                "train.progress_bar=false", "train.max_steps=5", "train.global_batch_size=4",
+                "train.micro_batch_size=1", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
+                f"data.num_workers={workers}", f"run_dir={run_dir}"]
+
+    (reference,) = run_distributed(train, 1, overrides(tmp_path / "reference", 0))
+    (stopped,) = run_distributed(_train_stopped_by_sigterm, 1, overrides(tmp_path / "run", 2), 2)
+    preempted, steps, threads = stopped
+    assert preempted == "SIGTERM" and 2 <= steps < 5 and threads == []
+    assert (tmp_path / "run" / "checkpoints" / f"step-{steps:06d}").is_dir()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "skipped rows: {'image_undecodable': 1, 'video_undecodable': 1}" in log
+    assert "pixels made ahead by 2 worker threads (data.num_workers)" in log
+    run_distributed(train, 1, overrides(tmp_path / "run", 2))
+    assert logged_losses(tmp_path / "run") == logged_losses(tmp_path / "reference")
+    assert len(reference.losses) == 5 and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
