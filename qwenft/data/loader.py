@@ -47,7 +47,6 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-
 from typing import NamedTuple
 
 import numpy as np
