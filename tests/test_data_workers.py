@@ -239,3 +239,26 @@ def test_run_with_workers_stopped_by_sigterm_resumes_to_the_losses_without(files
     run_distributed(train, 1, overrides(tmp_path / "run", 2))
     assert logged_losses(tmp_path / "run") == logged_losses(tmp_path / "reference")
     assert len(reference.losses) == 5 and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
+
+
+def test_bench_script_premade_stream_is_the_workers_stream(tmp_path):
+    """scripts/bench_data_workers.py's inputs: its video rows read as one video each, and its `premade` stream (the
+    step's baseline) hands out the batches and positions of the data.num_workers stream it is compared with."""
+    import importlib.util
+
+    from helpers import REPO, compose
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.build import build_data
+
+    spec = importlib.util.spec_from_file_location("bench_data_workers", REPO / "scripts" / "bench_data_workers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.write_videos(tmp_path, videos=3, frames=4, height=48, width=64)
+    cfg = compose(["recipe=tiny_vlm", f"data.path={rows}", "data.seq_len=512", "data.num_workers=2"])
+    _, data, _ = build_data(cfg, named_config("tiny_vlm"), 1, 0, 1)
+    _, premade, _ = bench.premade(build_data, 4)(cfg, named_config("tiny_vlm"), 1, 0, 1)
+    assert data.num_video_documents == premade.num_video_documents == 3 and not data.skipped
+    for _ in range(4):
+        assert_same_batch(next(premade), next(data))
+        assert premade.state_dict() == data.state_dict()
+    data.close()
