@@ -185,9 +185,9 @@ def test_bad_num_workers_is_one_line(proc, value, message):
         build_vlm_data([chat(text("x"))], proc, seq_len=64, micro_batch_size=1, num_workers=-1)
 
 
-def _train_stopped_by_sigterm(rank, world_size, overrides, after_step):
-    """helpers.train with a thread that sends this process SIGTERM once metrics.jsonl shows `after_step`; also
-    the names of the data threads alive when the run has returned."""
+def _train_listing_threads(rank, world_size, overrides, stop_after=None):
+    """helpers.train, with a thread that sends this process SIGTERM once metrics.jsonl shows step `stop_after`
+    (None: no signal); its result's `preempted` and step count, and the data threads alive when it returned."""
     import os
     import signal
     import time
@@ -198,11 +198,12 @@ def _train_stopped_by_sigterm(rank, world_size, overrides, after_step):
     run_dir = Path(compose(overrides).run_dir)
 
     def stop():
-        while not any(r.get("step", 0) >= after_step for r in read_metrics(run_dir)):
+        while not any(r.get("step", 0) >= stop_after for r in read_metrics(run_dir)):
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=stop, daemon=True).start()
+    if stop_after is not None:
+        threading.Thread(target=stop, daemon=True).start()
     result = train(rank, world_size, overrides)
     return result.preempted, len(result.losses), [t.name for t in data_threads()]
 
@@ -211,8 +212,8 @@ def _train_stopped_by_sigterm(rank, world_size, overrides, after_step):
 @pytest.mark.distributed
 def test_run_with_workers_stopped_by_sigterm_resumes_to_the_losses_without(files, tmp_path):
     """tiny_vlm on rows with images, videos and two bad rows, 4 microbatches a step: with data.num_workers=2,
-    SIGTERM after step 2 stops the run after a checkpoint with no data thread left, and the resumed run (workers
-    again) logs, bit for bit, the losses of a run without workers."""
+    SIGTERM after step 2 stops the run after a checkpoint with no data thread left; the resumed run (with 1
+    worker) ends with none left and logs, bit for bit, the losses of a run without workers."""
     import json
 
     from distributed import run_distributed
@@ -229,14 +230,14 @@ def test_run_with_workers_stopped_by_sigterm_resumes_to_the_losses_without(files
                 f"data.num_workers={workers}", f"run_dir={run_dir}"]
 
     (reference,) = run_distributed(train, 1, overrides(tmp_path / "reference", 0))
-    (stopped,) = run_distributed(_train_stopped_by_sigterm, 1, overrides(tmp_path / "run", 2), 2)
-    preempted, steps, threads = stopped
+    ((preempted, steps, threads),) = run_distributed(_train_listing_threads, 1, overrides(tmp_path / "run", 2), 2)
     assert preempted == "SIGTERM" and 2 <= steps < 5 and threads == []
     assert (tmp_path / "run" / "checkpoints" / f"step-{steps:06d}").is_dir()
     log = (tmp_path / "run" / "train.log").read_text()
     assert "skipped rows: {'image_undecodable': 1, 'video_undecodable': 1}" in log
     assert "pixels made ahead by 2 worker threads (data.num_workers)" in log
-    run_distributed(train, 1, overrides(tmp_path / "run", 2))
+    ((preempted, resumed_steps, threads),) = run_distributed(_train_listing_threads, 1, overrides(tmp_path / "run", 1))
+    assert preempted is None and resumed_steps == 5 - steps and threads == []
     assert logged_losses(tmp_path / "run") == logged_losses(tmp_path / "reference")
     assert len(reference.losses) == 5 and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
 
