@@ -11,9 +11,9 @@ training process keeps are those of making each batch in the training process wh
 
 Threads, not processes (torch DataLoader workers), because:
 - nothing is forked from a process that holds CUDA, NCCL or gloo state, or from a test's forked ranks;
-- a signal reaches the training process alone: SIGTERM from SLURM or torchrun to the whole process group
-  would otherwise kill the workers, and torch raises on a dead worker in the training process, before the
-  runner could save its checkpoint;
+- SLURM's and a terminal's stop signals reach every process of the job or group: a DataLoader worker they
+  stop makes torch raise in the training process, where threads leave the signal to the runner, which
+  saves its checkpoint;
 - a worker's error is the same exception object in the training process, its one-line message unchanged;
 - nothing is pickled: the documents and the processor are shared, not copied into each worker.
 The costly parts release the GIL while they run (PIL decoding and resizing, PyAV decoding, torch's
