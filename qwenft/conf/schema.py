@@ -128,6 +128,8 @@ class DataOptions:
     cache: bool = True  # tokenize once into a memory-mapped token cache; false = in memory on every rank
     cache_dir: Optional[str] = None  # where the token cache goes; null = .qwenft-cache beside the data
     num_proc: Optional[int] = None  # processes tokenizing into the cache; null = this machine's cores
+    # VLM: threads decoding and processing images and video frames ahead of the step; 0 = in the training loop
+    num_workers: int = 2
     image: ImageOptions = field(default_factory=ImageOptions)
     video: VideoOptions = field(default_factory=VideoOptions)
 
@@ -358,6 +360,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"model.num_layers={cfg.model.num_layers} must be >= 1 (or null for all layers)")
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ValueError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or null for this machine's cores)")
+    if cfg.data.num_workers < 0:
+        raise ValueError(f"data.num_workers={cfg.data.num_workers} must be an integer >= 0 (threads making micro "
+                         "batches ahead; 0 = make each in the training process when it is needed)")
     if cfg.data.sources and cfg.data.path not in ("???", "tiny"):
         raise ValueError(f"data.path={cfg.data.path} and data.sources are both set; a mixture lists every "
                          f"dataset in data.sources: move data.path into it, or drop data.sources")

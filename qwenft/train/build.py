@@ -223,9 +223,12 @@ def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> 
     return tokenizer, None, [tokenizer]
 
 
-def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None):
+def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None,
+               num_microbatches: int = 1):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
-    model has a vision tower. `path` (default data.path) lets the validation set be read the same way."""
+    model has a vision tower. `path` (default data.path) lets the validation set be read the same way. A VLM
+    stream's data.num_workers threads keep a step's micro batches (`num_microbatches`), and at least 2 per
+    worker, made ahead."""
     from qwenft.data.tiny_chat import TRAIN_PATH
 
     def resolve(p: str) -> str:
@@ -242,9 +245,13 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
         if cfg.data.sources:
             raise ValueError("data.sources (a mixture) is for text chat data; a model with a vision tower reads "
                              "one data.path")
+        workers = cfg.data.num_workers
         data = build_vlm_data(path or resolve(cfg.data.path), processor,
-                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format, **common)
-        data.cache_note = "image rows tokenized in memory on every rank (no token cache for images)"
+                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format,
+                              num_workers=workers, prefetch=max(2 * workers, num_microbatches), **common)
+        data.cache_note = ("image rows tokenized in memory on every rank (no token cache for images); pixels made "
+                           + (f"ahead by {workers} worker thread{'s' if workers > 1 else ''} (data.num_workers)"
+                              if workers else "in the training loop (data.num_workers=0)"))
         if data.num_video_documents and cfg.mesh.pp > 1:  # the pipeline schedule carries images only
             raise ValueError(f"mesh.pp={cfg.mesh.pp}: {data.num_video_documents} documents of "
                              f"{path or cfg.data.path} have videos, which train with mesh.pp=1 only for now")
@@ -409,7 +416,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         log.info("FSDP2: not applied (one data-parallel rank, weights in the compute dtype %s or LoRA adapters: "
                  "nothing to shard, reduce or cast)%s", str(dtypes.compute).removeprefix("torch."),
                  f"; {' and '.join(moot)} {'change' if len(moot) > 1 else 'changes'} nothing" if moot else "")
-    tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
+    tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp,
+                                                num_microbatches=batching.num_microbatches)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     if cfg.checkpoint.export_hf != "false":  # a bad source generation_config.json fails now, not after training
         from qwenft.checkpoint.hf_export import generation_config
