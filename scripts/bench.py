@@ -8,6 +8,7 @@
     python scripts/bench.py moe [--model 35b_a3b] [--layers 4] [--seq 4096] [--steps 6] [--warmup 2] [--json out.json]
     python scripts/bench.py host [--repeat 20] recipe=tiny data.seq_len=16 [mesh.tp=2] [overrides ...]
     python scripts/bench.py activations [--docs 60] recipe=tiny model=qwen3_5_27b data.seq_len=4096 [overrides ...]
+    python scripts/bench.py data_workers [--workers 0 2 4] [--videos 24] [--frames 16] [overrides ...]
 
 | mode | what it measures | needs |
 |---|---|---|
@@ -18,6 +19,7 @@
 | moe | a Qwen3.5-MoE training step, qwenft against transformers on the same weights | CUDA |
 | host | the host's time per decoder layer (kernels too small to matter) | CPU |
 | activations | the activation bytes per token autograd keeps, against `qwenft plan`'s estimate | CUDA or CPU |
+| data_workers | VLM video steps with micro batches made by `data.num_workers` threads, against batches made before the run | CUDA (or the CPU) |
 
 `python scripts/bench.py MODE --help` lists a mode's options. Each mode's code is `scripts/bench_modes/MODE.py`.
 """
@@ -27,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations")
+MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations", "data_workers")
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

@@ -243,7 +243,7 @@ def test_run_with_workers_stopped_by_sigterm_resumes_to_the_losses_without(files
 
 
 def test_bench_script_premade_stream_is_the_workers_stream(tmp_path):
-    """scripts/bench_data_workers.py's inputs: its video rows read as one video each, and its `premade` stream (the
+    """`scripts/bench.py data_workers`' inputs: its video rows read as one video each, and its `premade` stream (the
     step's baseline) hands out the batches and positions of the data.num_workers stream it is compared with."""
     import importlib.util
 
@@ -251,7 +251,8 @@ def test_bench_script_premade_stream_is_the_workers_stream(tmp_path):
     from qwenft.models.qwen3_5.configs import named_config
     from qwenft.train.build import build_data
 
-    spec = importlib.util.spec_from_file_location("bench_data_workers", REPO / "scripts" / "bench_data_workers.py")
+    spec = importlib.util.spec_from_file_location("bench_data_workers",
+                                                  REPO / "scripts" / "bench_modes" / "data_workers.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.write_videos(tmp_path, videos=3, frames=4, height=48, width=64)

@@ -1,6 +1,6 @@
 """Step time of VLM video batches made by data.num_workers threads, against the same batches made before the run.
 
-    python scripts/bench_data_workers.py [--workers 0 2 4] [--videos 24] [--frames 16] [--size 360 640] \
+    python scripts/bench.py data_workers [--workers 0 2 4] [--videos 24] [--frames 16] [--size 360 640] \
         [--text 0.8b] [--vision-depth 12] [overrides ...]
 
 Writes a JSONL of frame-list videos (JPEG frames: noise with a moving square) into a temp dir, then trains the
@@ -14,7 +14,6 @@ is tiny_vlm's tokenizer and token ids with `--text`'s decoder and a vision tower
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from collections import deque
 from itertools import islice
@@ -23,10 +22,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenft.conf import compose  # noqa: E402
-from qwenft.train.metrics import read_metrics_rows  # noqa: E402
+from qwenft.conf import compose
+from qwenft.train.metrics import read_metrics_rows
 
 
 def write_videos(root: Path, videos: int, frames: int, height: int, width: int) -> Path:
@@ -83,15 +80,15 @@ def premade(build_data, count: int):
     return build_premade
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py data_workers", description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
     parser.add_argument("--videos", type=int, default=24)
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--size", type=int, nargs=2, default=[360, 640])
     parser.add_argument("--text", default="0.8b")
     parser.add_argument("--vision-depth", type=int, default=12)
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     from qwenft.train.runner import run
 
     use_model(args.text, args.vision_depth)
@@ -116,7 +113,3 @@ def main() -> None:
         results[name] = statistics.median(r["step_time_s"] for r in steps[2:])
     for name, seconds in results.items():
         print(f"{name:>10}: {seconds:.3f} s/step ({seconds / results['premade'] - 1:+.1%} against premade)")
-
-
-if __name__ == "__main__":
-    main()
