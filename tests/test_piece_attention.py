@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qwenft.models.qwen3_5 import piece_attention
 from qwenft.models.qwen3_5.piece_attention import attend_piece, attend_pieces
 
 
@@ -22,6 +23,12 @@ def _inputs(lq, lk, heads=4, kv_heads=2, dim=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     make = lambda h, n: torch.randn(1, h, n, dim, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
     return make(heads, lq), make(kv_heads, lk), make(kv_heads, lk)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_for_every_piece(monkeypatch):
+    """Small pieces here, so that the kernel pair runs them (they are masked SDPA's in a run)."""
+    monkeypatch.setattr(piece_attention, "SMALL_PIECE", 1)
 
 
 @pytest.mark.parametrize("lq,lk", [(12, 12), (5, 12), (1, 9), (9, 10)])
@@ -49,3 +56,12 @@ def test_pieces_of_a_span_equal_masked_sdpa():
     dout = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_small_pieces_take_masked_sdpa(monkeypatch):
+    """Under SMALL_PIECE queries a piece is masked SDPA's (cuDNN refuses a 1 x 1 causal block): the same numbers."""
+    monkeypatch.setattr(piece_attention, "SMALL_PIECE", 64)
+    cu_q, cu_k = [0, 6, 7, 13], [0, 11, 12, 18]
+    q, k, v = _inputs(13, 18, seed=2)
+    got = attend_pieces(q, k, v, 0.25, cu_q, cu_k, kernel="cudnn")  # never reaches cuDNN: every piece is small
+    torch.testing.assert_close(got, _reference(q, k, v, 0.25, cu_q, cu_k), rtol=1e-12, atol=1e-12)

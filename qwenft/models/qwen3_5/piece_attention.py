@@ -15,6 +15,7 @@ their gradients summed back.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 aten = torch.ops.aten
 
@@ -101,9 +102,23 @@ class _PieceAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# pieces with fewer queries take masked SDPA instead: cuDNN refuses a 1 x 1 causal block (s_q = s_kv = 1), and a
+# kernel call pair costs more than such a piece's whole attention
+SMALL_PIECE = 64
+
+
+def _masked_piece(q_bhld, k_bhld, v_bhld, scale: float) -> torch.Tensor:
+    lq, lk = q_bhld.shape[2], k_bhld.shape[2]
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=q_bhld.device).tril(lk - lq)  # the keys' last lq, causal
+    return F.scaled_dot_product_attention(q_bhld, k_bhld, v_bhld, attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(1, 2)
+
+
 def attend_piece(q_bhld, k_bhld, v_bhld, scale: float, kernel: str = "cudnn") -> torch.Tensor:
     """Causal attention of one document piece: queries [1, H, lq, D] that are the last lq of the keys and
-    values [1, Hkv, lk, D] -> [1, lq, H, D]."""
+    values [1, Hkv, lk, D] -> [1, lq, H, D]. Pieces of fewer than SMALL_PIECE queries take masked SDPA."""
+    if q_bhld.shape[2] < SMALL_PIECE:
+        return _masked_piece(q_bhld, k_bhld, v_bhld, scale)
     heads = q_bhld.shape[1] // k_bhld.shape[1]
     k, v = (t.repeat_interleave(heads, dim=1) if heads > 1 else t for t in (k_bhld, v_bhld))
     return _PieceAttention.apply(q_bhld, k, v, scale, KERNELS[kernel]).transpose(1, 2)
