@@ -156,7 +156,7 @@ bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=false
 bench one_gpu_32k $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
   data.seq_len=32768 ;;
-fp8)  # float8 matmuls (torchao, which the GPU kit lacks: pip install its wheel first) against bf16, AC off,
+fp8)  # float8 matmuls (torchao, which the GPU kit lacks: unzip its wheel into a directory on PYTHONPATH first) against bf16, AC off,
 # compiled, bf16 numerics; the first run compiles fla's and inductor's kernels. FP8_RECIPES picks the recipes.
 bench bf16_ac_off_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
   model.compile=true
