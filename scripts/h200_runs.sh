@@ -88,9 +88,9 @@ bench lora_r16_profile 200 1 0 "--warmup 2 --plan --profile $out/lora_r16.txt" t
   model.activation_checkpointing=false peft=lora peft.rank=16 peft.alpha=32 optim.master_dtype=float32 \
   optim.state_dtype=float32 ;;  # adapters in fp32 (the LoRA recipes' setting), the base in bf16
 fake_tp)  # rank 0 of a fake tp2 and tp4 world against one GPU, eager, AC off: a tensor parallel rank's ceiling. With
-# sequence parallelism the loss turns NaN on the GPU image's torch 2.11 (finite on torch 2.13 on the CPU, whose fake
-# all-gather repeats the local shard): train.on_nonfinite=skip keeps the run going (it skips the optimizer step,
-# 1-2% of a step here)
+# sequence parallelism torch's fake backend left reduce-scatter outputs unwritten (NaN losses on torch 2.11);
+# qwenft's fake world (fake_pg.LocalCopyGroup) fills every output, finite on the CPU. train.on_nonfinite=skip stays
+# until a run on the GPU image shows it there (a skipped step skips the optimizer: 1-2% of a step here)
 bench tp1 220 1 0 "--warmup 2" train.max_steps=5 $bf16 model.activation_checkpointing=false
 for tp in 2 4; do
   bench fake_tp$tp 180 1 0 "--warmup 2 --fake-world $tp" train.max_steps=5 $bf16 model.activation_checkpointing=false \
