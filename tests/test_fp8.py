@@ -64,10 +64,39 @@ def test_training_with_fp8_follows_the_unconverted_run(tmp_path):
     assert len(result.losses) == 1 and read_metrics(runs["rowwise"])[-1]["step"] == 7  # resumed after step 6
 
 
+def _train_metrics(rank, world_size, overrides):
+    from helpers import train
+
+    train(rank, world_size, overrides)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tensor_parallel_fp8_follows_one_process(tmp_path):
+    """recipe=tiny with model.fp8=rowwise at mesh.tp=2: every linear whose shards keep sizes in multiples of 16
+    runs float8 on its shard (ShardedFloat8Linear), and the run follows the one-process float8 run within float8
+    rounding (each rank scales its own shard, so the roundings differ), its loss falling as that run's does."""
+    from distributed import run_distributed
+    from qwenft.distributed.float8 import fp8_target
+    from qwenft.models.loader import build_model
+    from qwenft.train.build import model_config
+
+    common = ("train.max_steps=6", "model.fp8=rowwise", "checkpoint.export_hf=false")
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    train_alone(tiny_overrides(one, *common))
+    run_distributed(_train_metrics, 2, tiny_overrides(two, *common, "mesh.tp=2"))
+    ref, got = ([r["loss"] for r in read_metrics(d) if "loss" in r] for d in (one, two))
+    assert abs(got[0] - ref[0]) < 0.02 * ref[0], (got, ref)
+    assert got[-1] < got[0] - 0.1 and abs(got[-1] - ref[-1]) < 0.05 * ref[-1], (got, ref)
+    model = build_model(model_config(compose(tiny_overrides(two))), device="meta")
+    expected = sum(fp8_target(fqn, m, tp=2) for fqn, m in model.named_modules())
+    assert 0 < expected and f"fp8: model.fp8=rowwise (torchao float8) on {expected} linears (" in (
+        two / "train.log").read_text()
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.fp8=fp4"], "model.fp8='fp4' is not valid; choose one of off, rowwise, rowwise_with_gw_hp, tensorwise"),
-    (["model.fp8=rowwise", "mesh.tp=2"], "model.fp8=rowwise with mesh.tp=2: float8 linears do not run "
-                                         "tensor-parallel yet; use mesh.tp=1 or model.fp8=off"),
     (["model.fp8=tensorwise", "peft=lora"], "model.fp8=tensorwise with peft=lora: float8 linears do not take LoRA "
                                             "adapters yet; use peft=none or model.fp8=off"),
     (["model.fp8=rowwise", "data.seq_len=100", "train.micro_batch_size=1", "train.global_batch_size=1"],

@@ -13,6 +13,8 @@ rows feed the loss directly), the MoE router and `shared_expert_gate`, GatedDelt
 little), the vision tower. A matched linear whose sizes are not multiples of 16 (float8 GEMMs need that) stays too.
 """
 
+import functools
+
 from torch import nn
 
 RECIPES = ("off", "rowwise", "rowwise_with_gw_hp", "tensorwise")
@@ -28,20 +30,22 @@ FP8_LINEARS = frozenset({
 })
 
 
-def fp8_target(fqn: str, module: nn.Module) -> bool:
-    """Whether the module at `fqn` (a name inside a `Qwen3_5Model` or one of its stages) becomes float8."""
+def fp8_target(fqn: str, module: nn.Module, tp: int = 1) -> bool:
+    """Whether the module at `fqn` (a name inside a `Qwen3_5Model` or one of its stages) becomes float8: under
+    `tp`-way tensor parallelism its sizes split by tp must stay multiples of 16 (a rank multiplies its shard)."""
     parts = fqn.split(".")
     in_layer = parts[0] == "layers" or parts[:2] == ["mtp", "layers"]
     return (in_layer and type(module) is nn.Linear and tuple(parts[-2:]) in FP8_LINEARS
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+            and module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0)
 
 
-def convert_fp8(model: nn.Module, recipe: str) -> list[str]:
+def convert_fp8(model: nn.Module, recipe: str, tp: int = 1) -> list[str]:
     """Swap `model`'s `FP8_LINEARS` for torchao's Float8Linear with `recipe` (on meta or real weights, before
-    tensor parallelism, FSDP2 and compile); returns the converted names."""
+    tensor parallelism, FSDP2 and compile); returns the converted names. Under tensor parallelism
+    (`tensor_parallel._local_linear`) they become `sharded_float8_linear()`s."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    converted = [fqn for fqn, module in model.named_modules() if fp8_target(fqn, module)]
+    converted = [fqn for fqn, module in model.named_modules() if fp8_target(fqn, module, tp)]
     chosen = set(converted)
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda module, fqn: fqn in chosen)
@@ -58,3 +62,22 @@ def describe(converted: list[str], recipe: str) -> str:
     return (f"fp8: model.fp8={recipe} (torchao float8) on {len(converted)} linears ({listed}); lm_head, embeddings, "
             f"routers, shared_expert_gate, a_proj/b_proj, attention k_proj/v_proj and the vision tower stay in the "
             f"compute dtype")
+
+
+@functools.cache
+def sharded_float8_linear() -> type:
+    """The class of a Float8Linear under qwenft's tensor parallelism: like `tensor_parallel.ShardedLinear`, its
+    weight stays a DTensor and the forward multiplies the local shard, here through torchao's float8 matmul. Each
+    rank scales its own shard (and, row-parallel, its slice of the input), so its float8 rounding is its own: the
+    layer's outputs differ from one process's in float8's rounding, not more."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    from qwenft.models.qwen3_5.attention import local
+
+    class ShardedFloat8Linear(Float8Linear):
+        def forward(self, x):
+            out = matmul_with_hp_or_float8_args.apply(x, local(self.weight).t(), self.linear_mm_config, self.config)
+            # a row-parallel bias is replicated: the block's output all-reduce adds it once (ShardedLinear's rule)
+            return out + local(self.bias).to(out.dtype) if self.sharded_bias else out
+
+    return ShardedFloat8Linear

@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     if fp8 != "off":  # first: TP, FSDP2 and compile see the float8 linears (float8.convert_fp8)
         from qwenft.distributed.float8 import convert_fp8
 
-        convert_fp8(model, fp8)
+        convert_fp8(model, fp8, mesh["tp"].size())
     tp_mesh = mesh["tp"]
     if tp_mesh.size() > 1:
         apply_tp(model, tp_mesh, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)

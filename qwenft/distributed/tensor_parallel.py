@@ -201,7 +201,14 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
         shard_param(linear.lora_A, "weight", mesh, Replicate() if column else Shard(1))
     if hasattr(linear, "lora_B"):
         shard_param(linear.lora_B, "weight", mesh, Shard(0) if column else Replicate())
-    linear.__class__ = ShardedLinear  # one class for all: compiled graphs guard on the type, not per instance
+    # one class for all (compiled graphs guard on the type, not per instance); model.fp8's float8 linears keep
+    # their float8 matmul on the local shards
+    if type(linear).__name__ == "Float8Linear":
+        from qwenft.distributed.float8 import sharded_float8_linear
+
+        linear.__class__ = sharded_float8_linear()
+    else:
+        linear.__class__ = ShardedLinear
 
 
 class ShardedLinear(nn.Linear):

@@ -470,10 +470,12 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     log.info("model: %s, %.2fM parameters on this rank's stage(s), %.2fM trained", cfg.model.path or cfg.model.name,
              n_params / 1e6, sum(p.numel() for p in params) / 1e6)
     if cfg.model.fp8 != "off":
+        from torchao.float8.float8_linear import Float8Linear
+
         from qwenft.distributed.float8 import describe
 
-        log.info(describe([fqn for m in modules for fqn, mod in m.named_modules()
-                           if type(mod).__name__ == "Float8Linear"], cfg.model.fp8))
+        log.info(describe([fqn for m in modules for fqn, mod in m.named_modules() if isinstance(mod, Float8Linear)],
+                          cfg.model.fp8))
 
     optimizer = build_optimizer(params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas,
                                 cfg.optim.eps, cfg.optim.fused, state_dtype=cfg.optim.state_dtype, seed=cfg.seed)

@@ -253,9 +253,6 @@ def check_fp8(cfg: Config, layout: Layout, batching: Batching) -> None:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise ValueError(f"model.fp8={recipe} needs torchao: pip install 'qwenft[fp8]' (or model.fp8=off)") from None
-    if layout.tp > 1:
-        raise ValueError(f"model.fp8={recipe} with mesh.tp={layout.tp}: float8 linears do not run tensor-parallel "
-                         f"yet; use mesh.tp=1 or model.fp8=off")
     if cfg.peft.method != "none":
         raise ValueError(f"model.fp8={recipe} with peft={cfg.peft.method}: float8 linears do not take LoRA adapters "
                          f"yet; use peft=none or model.fp8=off")
