@@ -124,7 +124,7 @@ echo "=== test_cuda_model rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERR
 gpu_tests_kernels)  # qwenft's Triton kernels and cuDNN's attention by document piece (no compile), then fla and
 # varlen attention on packed rows (fla's fp32 compile: ~3 min)
 PYTHONUNBUFFERED=1 timeout -s KILL 210 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_kernels.py \
-  tests/gpu/test_piece_attention.py > "$out/test_kernels.log" 2>&1
+  tests/gpu/test_cudnn_pieces.py > "$out/test_kernels.log" 2>&1
 echo "=== test_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_kernels.log" | tail -20
 PYTHONUNBUFFERED=1 timeout -s KILL 360 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_packed_kernels.py \
   > "$out/test_packed_kernels.log" 2>&1
