@@ -244,9 +244,6 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
         data = build_vlm_data(path or resolve(cfg.data.path), processor,
                               max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format, **common)
         data.cache_note = "image rows tokenized in memory on every rank (no token cache for images)"
-        if data.num_video_documents and cfg.mesh.pp > 1:  # the pipeline schedule carries images only
-            raise ValueError(f"mesh.pp={cfg.mesh.pp}: {data.num_video_documents} documents of "
-                             f"{path or cfg.data.path} have videos, which train with mesh.pp=1 only for now")
     elif cfg.data.sources and path is None:
         from qwenft.data.mixture import build_mixture_data
 
