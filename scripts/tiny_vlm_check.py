@@ -16,6 +16,7 @@ from qwenft.models.freeze import freeze
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
 from qwenft.models.loss import count_label_tokens, token_ce_sum
+from qwenft.train.evaluate import forward_batch
 from qwenft.train.optim import build_optimizer, build_scheduler
 
 
@@ -34,10 +35,7 @@ def main(steps: int = 120) -> list[float]:
         label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches)
         loss_sum = 0.0
         for mb in micro_batches:
-            has_images = len(mb["image_grid_thw"]) > 0
-            logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
-                           pixel_values=mb["pixel_values"] if has_images else None,
-                           image_grid_thw=mb["image_grid_thw"] if has_images else None)
+            logits = forward_batch(model, mb)  # with the microbatch's images and videos
             loss = token_ce_sum(logits, mb["labels"]) / label_tokens
             loss.backward()
             loss_sum += loss.item()
