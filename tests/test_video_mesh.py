@@ -123,3 +123,26 @@ def test_pipeline_microbatches_carry_their_own_videos(video_rows):
         for mb, ids, kw in zip(mbs, batch.input_ids.chunk(len(mbs)), kwarg_chunks):
             ref = forward_batch(lambda **kw: Qwen3_5Model.forward(stage, **kw), mb)
             assert torch.equal(stage(ids, **kw), ref)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lora_on_the_vision_tower_trains_on_videos(video_rows, tmp_path):
+    """peft=lora peft.vision=true on rows whose only pixels are videos: every adapter of the tower (the merger's
+    included) gets a gradient, so the videos ran through the adapted tower, forward and backward."""
+    from helpers import train_with_grads
+
+    rows = []
+    for line in video_rows.read_text().splitlines():
+        row = json.loads(line)
+        content = row["messages"][0]["content"]
+        row["messages"][0]["content"] = [p for p in content if p["type"] != "image"]
+        if any(p["type"] == "video" for p in content):
+            rows.append(row)
+    path = video_rows.parent / "videos_only.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (result,) = run_distributed(train_with_grads, 1, _overrides(path, tmp_path / "lora", "peft=lora",
+                                                                "peft.vision=true", "train.max_steps=2"))
+    vision = {n: g for n, g in result.grads.items() if n.startswith("visual.")}
+    assert any(".merger." in n for n in vision) and any(".blocks." in n for n in vision)
+    assert vision and all("lora_" in n and g.norm() > 0 for n, g in vision.items()), sorted(vision)
