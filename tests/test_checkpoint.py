@@ -346,7 +346,8 @@ def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_in
 def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     """`qwenft export` of a tiny_vlm run's checkpoint: transformers' Qwen3_5ForConditionalGeneration loads every
     key (vision tower included), the tokenizer, image processor and video processor config come along
-    (data.tokenizer=tiny_vlm is a built-in name, not a dir), and an image + text batch gives the logits of the parameters the run trained."""
+    (data.tokenizer=tiny_vlm is a built-in name, not a dir), and an image + text batch gives the logits of the
+    parameters the run trained."""
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration
 
