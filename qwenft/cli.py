@@ -195,14 +195,17 @@ def _plan(args: list[str]) -> int:
     writes it too). Keys only `train` needs (data.path, ...) may stay unset."""
     import json
 
-    from qwenft.train import plan
+    from qwenft.train import auto_ac, plan
 
     cfg = compose([a for a in args if a != "--json"], missing_ok=True)
-    plans = plan.predict(cfg)
+    cfg, plans, auto_note = auto_ac.planned(cfg)
     report = plan.to_json(plans, cfg)
+    if auto_note:
+        report["settings"]["auto"] = auto_note
     if cfg.plan.json:
         Path(cfg.plan.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1) if "--json" in args else plan.format_table(plans, cfg))
+    table = plan.format_table(plans, cfg) + (f"\n{auto_note}" if auto_note else "")
+    print(json.dumps(report, indent=1) if "--json" in args else table)
     return 0
 
 

@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests|cp|cp_tests|mtp [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,22 +12,26 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_tests or mtp}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
 base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
-      train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5 model.compile=false"
+      train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5 model.compile=false checkpoint.export_hf=false"
 bf16="optim.master_dtype=bfloat16 optim.state_dtype=bfloat16"  # NeMo Automodel's numerics
 memory_options="optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024
                 pipeline.reduce_grad_per_microbatch=true"
 
+# DEADLINE (epoch seconds), when set, cuts every run's limit to the time left before it
+limit_by_deadline() { local l=$1; [ -n "${DEADLINE:-}" ] && [ $((DEADLINE - $(date +%s))) -lt "$l" ] && l=$((DEADLINE - $(date +%s))); echo $((l > 1 ? l : 1)); }
+
 bench() {  # name limit_s nproc gpus bench-args overrides...
-  local name=$1 limit=$2 nproc=$3 gpus=$4 bargs=$5
+  local name=$1 limit nproc=$3 gpus=$4 bargs=$5
+  limit=$(limit_by_deadline "$2")
   shift 5
   echo "=== $name $(date +%T)"
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" torchrun --nproc-per-node "$nproc" \
+  CUDA_VISIBLE_DEVICES=$gpus timeout -s KILL "$limit" torchrun --nproc-per-node "$nproc" \
     --master-port $((29500 + RANDOM % 1000)) scripts/bench.py $bargs --json "$out/$name.json" $base "$@" \
     run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
@@ -111,33 +115,77 @@ for tp in 2 4; do
   bench fake_tp${tp}_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp
 done ;;
-gpu_tests)  # the GPU tier, one file at a time so a time limit loses only the file it cuts
-for f in test_cuda_model test_kernels test_packed_kernels test_cp_kernels; do
-  timeout 280 python -m pytest -q -rA -p no:cacheprovider "tests/gpu/$f.py" > "$out/$f.log" 2>&1
-  echo "=== $f rc=$? $(date +%T)"; tail -3 "$out/$f.log"
-done ;;
+gpu_tests_model)  # the GPU tier in three parts (this, gpu_tests_kernels, cp_tests), each one call from a cold start:
+# every test has a limit of its own (tests/gpu/conftest.py), so a slow compile fails that test and the rest run; the
+# KILL limit is the last resort (SIGTERM would make a training test checkpoint and stop, and loses the log's tail)
+PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cuda_model.py \
+  > "$out/test_cuda_model.log" 2>&1
+echo "=== test_cuda_model rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_cuda_model.log" | tail -30 ;;
+gpu_tests_kernels)  # qwenft's Triton kernels and cuDNN's attention by document piece (no compile), then fla and
+# varlen attention on packed rows (fla's fp32 compile: ~3 min)
+PYTHONUNBUFFERED=1 timeout -s KILL 210 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_kernels.py \
+  tests/gpu/test_piece_attention.py > "$out/test_kernels.log" 2>&1
+echo "=== test_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_kernels.log" | tail -20
+PYTHONUNBUFFERED=1 timeout -s KILL 360 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_packed_kernels.py \
+  > "$out/test_packed_kernels.log" 2>&1
+echo "=== test_packed_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_packed_kernels.log" | tail -20 ;;
 cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768 tokens a row against fake cp4 worlds at
 # 131,072 (the same 32,768 tokens a rank), played as the first span (rank 0) and as the last (the heaviest
 # attention), AC on, bf16, eager, each row one document (long_rows.py: the worst case for contiguous spans'
 # attention). A fresh machine compiles fla's kernels, the cp ones too, in the first run's first step (about 4 min).
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
-long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
-bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
+bench fake_cp4_128k 300 1 0 "--warmup 1 --fake-world 4" train.max_steps=4 $long data.seq_len=131072 mesh.cp=4 \
+  mesh.cp_balanced_attention=false
 bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
-  data.seq_len=131072 mesh.cp=4
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=false
 # attention by halves (mesh.cp_balanced_attention): every span's rank computes one early and one late half, the same
 # work whichever span it plays
 bench fake_cp4_128k_balanced 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
 bench one_gpu_32k 90 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768 ;;
+cp_balanced)  # attention by halves against contiguous spans at 131,072 tokens a row (fake cp4, the last span: the
+# heaviest contiguous one; a balanced rank does the same work whichever span it plays), then one GPU at 32,768;
+# the first run compiles fla's kernels on a fresh machine, the one-GPU run the unsplit ones
+start=$(date +%s)
+python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
+bench fake_cp4_128k_balanced 270 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
+bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=false
+bench one_gpu_32k $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
+  data.seq_len=32768 ;;
+fp8)  # float8 matmuls (torchao, which the GPU kit lacks: pip install its wheel first) against bf16, AC off,
+# compiled, bf16 numerics; the first run compiles fla's and inductor's kernels. FP8_RECIPES picks the recipes.
+bench bf16_ac_off_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+  model.compile=true
+for recipe in ${FP8_RECIPES:-tensorwise rowwise rowwise_with_gw_hp}; do
+  bench "fp8_${recipe}_ac_off_compile" 130 1 0 "--warmup 2" train.max_steps=6 $bf16 \
+    model.activation_checkpointing=false model.compile=true model.fp8=$recipe
+done ;;
+fp8_numerics)  # 300 steps of the 0.8B shape from one init on one data order: bf16 against each float8 recipe, AC
+# off, compiled; the loss curves go to $out/<run>.metrics.jsonl (FP8_RECIPES picks the recipes, off = bf16)
+python -c "import sys; from pathlib import Path; from qwenft.data.tiny_chat import generate, write_jsonl
+write_jsonl(generate(n_train=40000, n_val=0, seed=1)[0], Path(sys.argv[1]))" "$out/chat40k.jsonl"
+for recipe in ${FP8_RECIPES:-off tensorwise rowwise rowwise_with_gw_hp}; do
+  name="numerics_0_8b_fp8_$recipe"
+  echo "=== $name $(date +%T)"
+  timeout -s KILL "$(limit_by_deadline 130)" python -m qwenft train recipe=tiny model=qwen3_5_0_8b data.path="$out/chat40k.jsonl" \
+    data.seq_len=1024 train.global_batch_size=8 train.micro_batch_size=8 train.max_steps=300 optim.lr=3e-4 \
+    lr_scheduler.warmup_steps=20 model.activation_checkpointing=false model.compile=true model.fp8=$recipe \
+    checkpoint.export_hf=false run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
+  echo "=== $name rc=$? $(date +%T)"; tail -2 "$out/$name.log"
+  cp "$out/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+done ;;
 cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
-PYTHONUNBUFFERED=1 timeout 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
+PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
   > "$out/test_cp_kernels.log" 2>&1
 echo "=== test_cp_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|Error|assert" "$out/test_cp_kernels.log" | tail -20 ;;
 mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained head (train), bf16 numerics, AC on; the
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests, cp, cp_tests or mtp" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_tests, mtp, fp8 or fp8_numerics" >&2
    exit 2 ;;
 esac

@@ -168,15 +168,15 @@ def test_planner_orders_the_modes_as_measured(measured):
 
 
 def test_bools_and_bad_values():
-    """true/false from the command line or a recipe (qwen3_5_27b_tp4pp4 has `activation_checkpointing: true`)
-    keep their meaning; another value is one line naming the key and the modes."""
+    """true/false from the command line keep their meaning, a recipe's `auto` (qwen3_5_27b_tp4pp4) stays auto
+    until a run resolves it; another value is one line naming the key and the modes."""
     assert compose(["model.activation_checkpointing=true"]).model.activation_checkpointing == "true"
     assert compose(["model.activation_checkpointing=false"]).model.activation_checkpointing == "false"
     assert compose(["model.activation_checkpointing=selective"]).model.activation_checkpointing == "selective"
     recipe = compose(["recipe=qwen3_5_27b_tp4pp4"], missing_ok=True)
-    assert recipe.model.activation_checkpointing == "true"
+    assert recipe.model.activation_checkpointing == "auto"
     with pytest.raises(ValueError) as err:
         compose(["model.activation_checkpointing=attention"])
     message = str(err.value)
     assert "\n" not in message and "model.activation_checkpointing='attention'" in message
-    assert "linear_attention, full_attention, selective" in message
+    assert "linear_attention, full_attention, selective, auto" in message

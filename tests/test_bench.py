@@ -1,6 +1,6 @@
-"""The measuring scripts on the CPU: bench.py's report and kernel breakdown, host_time.py, collective_bandwidth.py."""
+"""scripts/bench.py on the CPU: the training step's report and kernel breakdown, the mode dispatch, the host
+time and activation modes."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,15 +9,11 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
+from bench_modes import train as bench_train
 from distributed import free_port, run_distributed
 from helpers import REPO, compose
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+BENCH = str(REPO / "scripts" / "bench.py")
 
 
 def _event(key, ms, device=DeviceType.CUDA, annotation=False):
@@ -36,7 +32,7 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
               _event("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", 8.0),
               _event("Buffer Flush", 23.0), _event("Activity Buffer Request", 23.0),  # CUPTI's own
               _event("aten::mm", 100.0, device=DeviceType.CPU)]
-    assert _bench().kernel_breakdown(events, steps=2) == {
+    assert bench_train.kernel_breakdown(events, steps=2) == {
         "matmul": 50.0, "optimizer": 10.0, "other (elementwise, CE, copies)": 5.0, "gdn (fla)": 4.0}
 
 
@@ -48,7 +44,7 @@ SMALL_BATCH = ("data.seq_len=64", "train.global_batch_size=2", "train.micro_batc
 def _profile_steps(rank, world_size, tmp_path):
     cfg = compose(["recipe=tiny", "train.max_steps=3", *SMALL_BATCH, "train.progress_bar=false",
                    "checkpoint.export_hf=false", f"run_dir={tmp_path / 'run'}"])
-    result, averages, profiled = _bench().profiled_run(cfg, warmup=1)
+    result, averages, profiled = bench_train.profiled_run(cfg, warmup=1)
     return profiled, [e.count for e in averages if e.key.startswith("ProfilerStep")], len(result.losses)
 
 
@@ -60,14 +56,14 @@ def test_profile_writes_each_ranks_trace(tmp_path):
 
     trace = tmp_path / "trace"
     subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                    str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--profile", str(tmp_path / "profile.txt"),
+                    BENCH, "--warmup", "1", "--profile", str(tmp_path / "profile.txt"),
                     "--trace", str(trace), "recipe=tiny", "train.max_steps=2", *SMALL_BATCH, "mesh.dp=2",
                     f"run_dir={tmp_path / 'run'}"],
                    check=True, capture_output=True, cwd=tmp_path, timeout=300)
     for rank in range(2):
         events = json.loads(gzip.decompress((trace / f"rank{rank}.json.gz").read_bytes()))["traceEvents"]
         assert [e["name"] for e in events if e["name"].startswith("ProfilerStep")] == ["ProfilerStep#1"]
-    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--trace", str(trace), "recipe=tiny"],
+    bad = subprocess.run([sys.executable, BENCH, "--trace", str(trace), "recipe=tiny"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "--trace" in bad.stderr and "needs --profile" in bad.stderr
 
@@ -87,7 +83,7 @@ def test_bench_reports_a_cpu_run(tmp_path):
     metrics.1.jsonl (a run starting at step 1 over an earlier run's metrics.jsonl)."""
     for run in range(2):
         out = tmp_path / f"bench{run}.json"
-        subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--warmup", "1", "--json", str(out),
+        subprocess.run([sys.executable, BENCH, "--warmup", "1", "--json", str(out),
                         "--plan", "recipe=tiny", "train.max_steps=2", "data.seq_len=64", "train.progress_bar=false",
                         f"run_dir={tmp_path / 'run'}"], check=True, capture_output=True, cwd=tmp_path, timeout=300)
         report = json.loads(out.read_text())
@@ -98,27 +94,45 @@ def test_bench_reports_a_cpu_run(tmp_path):
         assert [json.loads(line)["step"] for line in (tmp_path / "run" / name).read_text().splitlines()] == [1, 2]
 
 
-def test_host_time_runs_tensor_parallel(tmp_path):
-    """scripts/host_time.py: tp2 on a fake process group, the tiny model on the CPU, activation checkpointing."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "host_time.py"), "--repeat", "1", "recipe=tiny",
-                          "data.seq_len=64", "mesh.tp=2", "model.activation_checkpointing=true"],
-                         check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+def _bench_json(tmp_path, *args) -> dict:
+    """`python scripts/bench.py ARGS`'s report: all it prints, one JSON object."""
+    out = subprocess.run([sys.executable, BENCH, *args], check=True, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    return json.loads(out.stdout)
+
+
+def test_host_mode_runs_tensor_parallel(tmp_path):
+    """`bench.py host`: tp2 on a fake process group, the tiny model on the CPU, activation checkpointing; the time
+    per layer is the microbatch's over the tiny model's 4 decoder layers."""
+    report = _bench_json(tmp_path, "host", "--repeat", "1", "recipe=tiny", "data.seq_len=64", "mesh.tp=2",
+                         "model.activation_checkpointing=true")
     assert report["host_ms_per_microbatch"] > 0
+    assert report["host_ms_per_layer"] == pytest.approx(report["host_ms_per_microbatch"] / 4, abs=0.01)
 
 
-@pytest.mark.distributed
-def test_collective_bandwidth_runs_on_two_cpu_ranks(tmp_path):
-    """scripts/collective_bandwidth.py on gloo: one line per collective and size, bus bandwidth by NCCL's rule."""
-    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                          str(REPO / "scripts" / "collective_bandwidth.py"), "--sizes-mib", "0.25", "--repeat", "2"],
-                         check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["collective"] for r in rows] == ["all_reduce", "reduce_scatter", "all_gather"]
-    for r in rows:
-        assert r["ranks"] == 2 and r["ms"] > 0
-        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * (1.0 if r["collective"] == "all_reduce" else 0.5),
-                                               abs=0.11)
+def test_activations_mode_measures_each_layer_kind(tmp_path):
+    """`bench.py activations` on the CPU: both layer kinds of the tiny model, what autograd saved per token (no
+    allocator figure off CUDA) beside the plan's estimate for the same layer."""
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.train.activations import layer_activation_bytes
+
+    report = _bench_json(tmp_path, "activations", "--docs", "4", "recipe=tiny", "data.seq_len=128")
+    t = named_config("tiny").text
+    assert (report["tokens"], report["docs"], report["device"]) == (128, 4, "cpu")
+    for kind in ("linear_attention", "full_attention"):
+        layer = report["layers"][kind]
+        assert layer["saved_per_token"] > 0 and layer["allocated_per_token"] is None
+        assert layer["planned_per_token"] == layer_activation_bytes(t, kind, 1, 2)  # bf16, the compute dtype
+
+
+def test_unknown_mode_names_the_modes(tmp_path):
+    """A first argument that is neither a mode, an option nor an override: exit 2 with the modes listed (not a
+    training run that fails on a malformed override)."""
+    out = subprocess.run([sys.executable, BENCH, "kernel"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("bench.py: unknown mode 'kernel': the first argument is one of train, kernels, "
+                                  "layers, fused, moe, host, activations, data_workers, an option or a KEY=VALUE override "
+                                  "(a training step)")
 
 
 def test_moe_flops_per_token_count_the_active_parameters():
@@ -142,3 +156,16 @@ def test_moe_flops_per_token_count_the_active_parameters():
     assert flops_per_token(t, 4096) - flops_per_token(without_mlp, 4096) == 6 * t.num_hidden_layers * active
     params = matmul_params(t)
     assert 2.8e9 < sum(params[kind] for kind in t.layer_types) + params["lm_head"] < 3.2e9
+
+
+def test_fake_world_refuses_a_pipeline(capsys):
+    """--fake-world with mesh.pp=2: exit 2 naming the key, before any process group or model exists (a stage alone
+    would wait on shapes no other stage sends)."""
+    import torch.distributed as dist
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_train.main(["--fake-world", "2", "recipe=tiny", "mesh.pp=2"])
+    assert exit_info.value.code == 2 and not dist.is_initialized()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "bench.py [train]: error: --fake-world plays one rank alone, and a pipeline stage waits for what the other "
+        "stages send: mesh.pp=2 cannot run there (mesh.pp=1 can)")

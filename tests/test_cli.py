@@ -199,3 +199,15 @@ def test_self_launch_local_workers(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(read_metrics(run_dir)) == 2
     assert "world 2 = pp 1 x dp 2 x tp 1" in (run_dir / "train.log").read_text()
+
+
+def test_unwritable_kernel_cache_dir_is_one_line_and_leaves_no_run_dir(tmp_path, capfd):
+    """model.kernels.cache_dir under a file: refused before the run dir exists, naming the key and the path."""
+    from helpers import qwenft_alone, tiny_overrides
+
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "run"
+    assert qwenft_alone("train", *tiny_overrides(run_dir, f"model.kernels.cache_dir={tmp_path / 'a_file' / 'k'}")) == 2
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert f"model.kernels.cache_dir={tmp_path / 'a_file' / 'k'}: cannot make" in err and "writable" in err
+    assert not run_dir.exists()

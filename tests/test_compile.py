@@ -53,12 +53,17 @@ def eager(tmp_path_factory):
 def test_compiled_layers_train_like_eager(tmp_path, eager):
     """3 steps of 4 packed microbatches each (documents per microbatch vary), activation checkpointing on:
     losses and every parameter within fp32_rtol of eager. 5 graphs, compiled once for all 4 layers and 12
-    microbatches: attention in/out, GDN in/decay/out (a layer's output graph runs the MLP too)."""
+    microbatches: attention in/out, GDN in/decay/out (a layer's output graph runs the MLP too). Its kernels land
+    in model.kernels.cache_dir, where a later run finds them."""
+    caches = tmp_path / "kernels"
     ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "compiled", "model.compile=true",
-                                                                "model.activation_checkpointing=true"))
+                                                                "model.activation_checkpointing=true",
+                                                                f"model.kernels.cache_dir={caches}"))
     assert_same_training(result, eager[0], lr=LR)
     assert eager[1] == 0
     assert graphs == 5, f"{graphs} graphs compiled; expected 5 (a recompile?)"
+    assert sorted(p.name for p in caches.iterdir()) == ["inductor", "tilelang", "triton"]
+    assert any(p.is_file() for p in (caches / "inductor").rglob("*"))  # inductor's compiled code, not /tmp's
 
 
 @pytest.mark.distributed

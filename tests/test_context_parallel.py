@@ -203,9 +203,9 @@ def assert_same_run(result, reference, grads_after: int | None = None):
     ["mesh.cp=2", "mesh.pp=2", "pipeline.schedule=zbv"],
     # the exchanges run again, in the same order on every rank, when the backward recomputes a layer
     ["mesh.cp=2", "mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true", "model.activation_checkpointing=true"],
-    # attention by halves, its all-to-alls under the recompute too
-    ["mesh.cp=2", "mesh.cp_balanced_attention=true", "model.activation_checkpointing=true"],
-], ids=["cp2-tp2", "cp2-pp2-knob", "cp2-pp2-zbv", "cp2-dp2-knob-ac", "cp2-balanced-ac"])
+    # contiguous spans' attention (the others run by halves, the default), under the recompute too
+    ["mesh.cp=2", "mesh.cp_balanced_attention=false", "model.activation_checkpointing=true"],
+], ids=["cp2-tp2", "cp2-pp2-knob", "cp2-pp2-zbv", "cp2-dp2-knob-ac", "cp2-contiguous-ac"])
 def test_training_equals_one_process(tmp_path, reference, extra):
     world = 1
     for key in extra:
@@ -218,7 +218,6 @@ def test_training_equals_one_process(tmp_path, reference, extra):
 
 @pytest.mark.parametrize("extra, message", [
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
-    (["mesh.cp_balanced_attention=true"], "mesh.cp_balanced_attention=true needs mesh.cp > 1"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with this flash-linear-attention has no context-parallel"),
 ])

@@ -80,7 +80,8 @@ def test_one_microbatch_plans_the_knob_off_as_the_knob_on():
     forward (build.build_model_parts), so the knob off has neither the accumulator nor the gathered stage.
     fp32 master weights: FSDP casts them to the compute dtype, so it wraps the model at dp = 1 too."""
     shape = ["recipe=tiny", "model=qwen3_5_27b", "model.num_layers=2", "data.seq_len=1024",
-             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "optim.master_dtype=float32"]
+             "train.micro_batch_size=1", "pipeline.reduce_grad_per_microbatch=false", "optim.master_dtype=float32",
+             "model.activation_checkpointing=true"]
     ((one,),), ((two,),) = (_plan(*shape, f"train.global_batch_size={n}")[1:] for n in (1, 2))
     assert one.peaks["knob_off"] == one.peaks["knob_on"] and one.total_bytes == one.peaks["knob_on"]["ac_on"]
     assert two.peaks["knob_off"]["ac_on"] > two.peaks["knob_on"]["ac_on"]

@@ -23,8 +23,9 @@ class MeshOptions:
     # sequences longer than one rank's activations hold (docs/parallelism.md, "Context parallel")
     cp: int = 1
     # cp > 1: full attention's queries computed by halves, each rank one early and one late half of the stream,
-    # so that every rank sees as many keys (contiguous spans load the last rank most for long documents)
-    cp_balanced_attention: bool = False
+    # so that every rank sees as many keys (contiguous spans load the last rank most for long documents);
+    # false = each rank its own span's queries; no effect at cp = 1
+    cp_balanced_attention: bool = True
     backend: str = "auto"  # auto = nccl on CUDA, gloo on CPU
     vocab_parallel: bool = True  # tp > 1: shard embeddings and lm_head by vocab, with a vocab-parallel loss
     sequence_parallel: bool = False  # tp > 1: norms and residual stream sharded over the sequence
@@ -44,6 +45,10 @@ class KernelsOptions:
     # an MoE model's routed experts: grouped_mm (torch._grouped_mm, one kernel for all experts), loop (one
     # matmul pair per expert); auto = grouped_mm for bf16 on CUDA, else loop
     moe: str = "auto"
+    # where compiled kernels persist between runs: torch.compile's (inductor/), Triton's, fla's among them
+    # (triton/), TileLang's (tilelang/); null = each library's default (inductor's is under /tmp, which a SLURM
+    # job's node may not keep). A second run of the same shapes then skips the compile (docs/slurm.md)
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -53,7 +58,8 @@ class ModelOptions:
     dtype: str = "auto"  # auto = bf16 params on CUDA (or with optim.master_dtype=bfloat16), fp32 on CPU
     kernels: KernelsOptions = field(default_factory=KernelsOptions)
     # recompute decoder layers in the backward: true = every layer, linear_attention / full_attention = only
-    # layers of that kind, selective = every layer keeping matmul outputs; docs/performance.md
+    # layers of that kind, selective = every layer keeping matmul outputs; auto = the cheapest of these (off
+    # first) that the memory plan fits under 90% of the GPU's memory (qwenft.train.auto_ac); docs/performance.md
     activation_checkpointing: str = "false"
     num_layers: Optional[int] = None  # keep only the first N decoder layers (benchmarks, debugging)
     freeze_vision: bool = False  # VLM: no gradient for the vision tower
@@ -122,6 +128,8 @@ class DataOptions:
     cache: bool = True  # tokenize once into a memory-mapped token cache; false = in memory on every rank
     cache_dir: Optional[str] = None  # where the token cache goes; null = .qwenft-cache beside the data
     num_proc: Optional[int] = None  # processes tokenizing into the cache; null = this machine's cores
+    # VLM: threads decoding and processing images and video frames ahead of the step; 0 = in the training loop
+    num_workers: int = 2
     image: ImageOptions = field(default_factory=ImageOptions)
     video: VideoOptions = field(default_factory=VideoOptions)
 
@@ -284,7 +292,7 @@ CHOICES = {
     "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
     "model.kernels.ce": ("auto", "torch", "fused"),
     "model.kernels.moe": ("auto", "grouped_mm", "loop"),
-    "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective"),
+    "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective", "auto"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),
     "data.truncation": ("truncate_right", "drop"),
@@ -353,6 +361,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"model.num_layers={cfg.model.num_layers} must be >= 1 (or null for all layers)")
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ValueError(f"data.num_proc={cfg.data.num_proc} must be >= 1 (or null for this machine's cores)")
+    if cfg.data.num_workers < 0:
+        raise ValueError(f"data.num_workers={cfg.data.num_workers} must be an integer >= 0 (threads making micro "
+                         "batches ahead; 0 = make each in the training process when it is needed)")
     if cfg.data.sources and cfg.data.path not in ("???", "tiny"):
         raise ValueError(f"data.path={cfg.data.path} and data.sources are both set; a mixture lists every "
                          f"dataset in data.sources: move data.path into it, or drop data.sources")

@@ -21,6 +21,7 @@ API (what the runner uses):
     data.source_tokens()     # {source: tokens consumed} of a mixture (qwenft.data.mixture), else {}
     data.state_dict() / data.load_state_dict(sd)   # resume continues exactly (same for every rank)
     data.eval_batches()      # one finite pass (for validation), last micro batch padded with empty rows
+    data.close()             # stop the worker threads (num_workers > 0; the VLM data's); `next` restarts them
 
 Sharding. Each epoch's documents are shuffled with (seed, epoch) and packed into rows (a numpy plan
 computed from the documents' lengths alone); this depends on neither dp_rank nor dp_size. The epochs are concatenated into one global stream of rows, consumed in
@@ -32,6 +33,12 @@ the same G. A micro batch may straddle an epoch boundary; no row is dropped.
 
 The state is the global position (epoch, row within epoch), identical on every rank, so a checkpoint
 restores exactly — also with another dp_size or micro_batch_size, which then continue the same stream.
+
+Workers. `num_workers > 0` makes micro batches ahead in that many threads (qwenft.data.workers): `next`
+plans the micro batch here (`plan`: which documents) and hands out a batch a worker made from the same plan
+(`make_batch`), in order; the position moves when a batch is handed out, so batches, position and counts
+are those of `num_workers=0`. The text builders leave it at 0 (a text batch is a slice of token arrays);
+the VLM data (qwenft.data.vlm) decodes and processes pixels there.
 """
 
 import json
@@ -40,6 +47,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +55,7 @@ from qwenft.data.cache import CACHE_DIRNAME, open_cache
 from qwenft.data.chat import ON_BAD_ROW, Document, UnreadableRow, check_choice, tokenize_rows
 from qwenft.data.formats import resolve_format
 from qwenft.data.packing import PACKING, Plan, build_row, collate, pack_plan, pad_plan
+from qwenft.data.workers import Prefetcher
 
 
 def load_rows(path: str | os.PathLike) -> list:
@@ -149,13 +158,29 @@ def parse_json_lines(raw: bytes, name: str, first_line: int = 1) -> list:
     return rows
 
 
+def check_num_workers(num_workers) -> None:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"data.num_workers={num_workers!r} must be an integer >= 0 (threads making micro "
+                         "batches ahead; 0 = make each in the training process when it is needed)")
+
+
+class MicroBatchPlan(NamedTuple):
+    """One micro batch of the global stream: where it starts, every rank's rows in stream order (each a list of
+    document indices), this rank's rows, and the position after it (epoch, row)."""
+    start: tuple[int, int]
+    rows: list[list[int]]
+    mine: list[list[int]]
+    after: tuple[int, int]
+
+
 class SFTData:
     """Infinite, resumable, dp-sharded stream of fixed-shape micro batches over tokenized documents."""
 
     def __init__(self, docs: Sequence[Document], seq_len: int, micro_batch_size: int, pad_id: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, packing: str = "pack",
-                 skipped: Counter | None = None):
+                 skipped: Counter | None = None, num_workers: int = 0, prefetch: int | None = None):
         check_choice("data.packing", packing, PACKING)
+        check_num_workers(num_workers)
         if not docs:
             raise ValueError(f"no usable documents (skipped: {dict(skipped or {})}); check data.path, "
                              "data.seq_len and data.truncation")
@@ -174,7 +199,10 @@ class SFTData:
         if self.lengths is None:
             self.lengths = np.array([len(doc.input_ids) for doc in docs], dtype=np.int64)
         self._epoch, self._row = 0, 0  # global position of the next unconsumed row
-        self._rows_cache: tuple[int, Plan] | None = None
+        self._rows_cache: dict[int, Plan] = {}
+        # micro batches made in background threads (qwenft.data.workers), `prefetch` of them ahead; 0 = in `next`
+        self.num_workers, self.prefetch = num_workers, prefetch or 2 * num_workers
+        self._workers: Prefetcher | None = None
 
     @property
     def num_documents(self) -> int:
@@ -197,11 +225,13 @@ class SFTData:
     def epoch_rows(self, epoch: int) -> Plan:
         """The epoch's global rows (`rows[r]`: a list of document indices), computed once from the lengths
         alone, the same on every rank; independent of dp."""
-        if self._rows_cache is None or self._rows_cache[0] != epoch:
+        if epoch not in self._rows_cache:
             order = self.epoch_order(epoch)
             rows = pad_plan(order) if self.packing == "pad" else pack_plan(order, self.lengths, self.seq_len)
-            self._rows_cache = (epoch, rows)
-        return self._rows_cache[1]
+            if len(self._rows_cache) == 2:  # two: the epoch handed out and the one the workers may be making
+                del self._rows_cache[min(self._rows_cache)]
+            self._rows_cache[epoch] = rows
+        return self._rows_cache[epoch]
 
     def rows_in_epoch(self, epoch: int) -> int:
         return len(self.epoch_rows(epoch))
@@ -215,17 +245,55 @@ class SFTData:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
-        mine = []
+    def plan(self, epoch: int, row: int) -> MicroBatchPlan:
+        """The micro batch whose first global row is `row` of `epoch`."""
+        start, rows, mine = (epoch, row), [], []
         for k in range(self.micro_batch_size * self.dp_size):
-            row = self.epoch_rows(self._epoch)[self._row]
-            self._consume(row)
+            doc_ids = self.epoch_rows(epoch)[row]
+            rows.append(doc_ids)
             if k % self.dp_size == self.dp_rank:
-                mine.append(self._row_tokens(row))
-            self._row += 1
-            if self._row == self.rows_in_epoch(self._epoch):
-                self._epoch, self._row = self._epoch + 1, 0
-        return self._collate(mine)
+                mine.append(doc_ids)
+            row += 1
+            if row == self.rows_in_epoch(epoch):
+                epoch, row = epoch + 1, 0
+        return MicroBatchPlan(start, rows, mine, (epoch, row))
+
+    def plans(self, epoch: int, row: int):
+        """The stream's plans from global position (epoch, row) on."""
+        while True:
+            plan = self.plan(epoch, row)
+            yield plan
+            epoch, row = plan.after
+
+    def make_batch(self, plan: MicroBatchPlan) -> dict:
+        """The micro batch of `plan.mine`: a pure function of the plan, so a worker thread may run it."""
+        return self._collate([self._row_tokens(doc_ids) for doc_ids in plan.mine])
+
+    def __next__(self) -> dict:
+        if self.num_workers == 0:
+            plan = self.plan(self._epoch, self._row)
+            self._hand_out(plan)
+            return self.make_batch(plan)
+        if self._workers is None:
+            self._workers = Prefetcher(self.make_batch, self.plans(self._epoch, self._row), self.num_workers,
+                                       self.prefetch)
+        plan, batch = self._workers.take()
+        self._hand_out(plan)
+        return batch.result()  # a worker's error is raised here, as `make_batch` raised it
+
+    def _hand_out(self, plan: MicroBatchPlan) -> None:
+        """Move the position (what a checkpoint saves) past `plan`, whose batch is being handed out."""
+        assert plan.start == (self._epoch, self._row), (plan.start, self._epoch, self._row)
+        for doc_ids in plan.rows:
+            self._consume(doc_ids)
+        self._epoch, self._row = plan.after
+
+    def close(self) -> None:
+        """Stop the worker threads (each finishes the batch it is making; the rest are dropped). The position
+        stays; a later `next` starts them again from it."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     def _consume(self, doc_ids: list[int]) -> None:
         """Called with every row of the global stream as it is consumed (all ranks' rows)."""
@@ -254,6 +322,7 @@ class SFTData:
             if state[key] != getattr(self, key):
                 raise ValueError(f"data state was saved with {key}={state[key]!r} but this run has "
                                  f"{key}={getattr(self, key)!r}; resuming would not continue the same stream")
+        self.close()  # batches made ahead from the old position
         self._epoch, self._row = state["epoch"], state["row"]
 
 

@@ -5,7 +5,8 @@ API (what the runner uses for a model with a vision tower):
     processor = load_processor(cfg.data.tokenizer or cfg.model.path or "tiny_vlm",
                                min_pixels=..., max_pixels=..., video={"fps": ..., ...})   # -> VLMProcessor
     data = build_vlm_data(path, processor, seq_len, micro_batch_size, dp_rank, dp_size, seed, packing,
-                          train_on, truncation, on_bad_row, max_image_bytes=..., data_format="auto")   # -> VLMData
+                          train_on, truncation, on_bad_row, max_image_bytes=..., data_format="auto",
+                          num_workers=2)   # -> VLMData; pixels made ahead in 2 threads (qwenft.data.workers)
     batch = next(data)   # input_ids, labels [B, T]; position_ids [3, B, T] (M-RoPE, per document);
                          # cu_seqlens; padding_mask [B, T]; pixel_values [n_patches, C*t*p*p] float32;
                          # image_grid_thw [n_images, 3]; pixel_values_videos; video_grid_thw [n_videos, 3]
@@ -27,7 +28,7 @@ becomes its timestamps and frames, as transformers' Qwen3-VL processor does to t
 comes from the image's size alone (Qwen's `smart_resize` within min/max pixels), or the video's frame
 count and size, so at start-up every image and video is decoded once to check it and size it; pixels are
 produced per micro batch (images by the checkpoint's image processor, videos by `qwenft.data.video`), in
-the order their tokens appear in the batch.
+the order their tokens appear in the batch, by `num_workers` threads ahead of the training step.
 """
 
 import math
@@ -472,9 +473,12 @@ def split_microbatches(batch: dict, num_microbatches: int, image_token_id: int, 
 def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
                    dp_size: int = 1, seed: int = 0, packing: str = "pack", train_on: str = "assistant",
                    truncation: str = "truncate_right", on_bad_row: str = "skip",
-                   max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, base_dir=None, data_format: str = "auto") -> VLMData:
+                   max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES, base_dir=None, data_format: str = "auto",
+                   num_workers: int = 0, prefetch: int | None = None) -> VLMData:
     """Read (a path, `"tiny_vlm"`, or rows in memory), tokenize through the chat template, stream with images
     and videos (the video settings are the processor's: `load_processor(..., video={"fps": ...})`).
+    `num_workers` threads decode and process each micro batch's pixels, `prefetch` micro batches ahead
+    (default 2 per worker; `SFTData`'s Workers); 0 = in `next`.
 
     Relative image and video paths resolve against the dataset file's directory (a `datasets` dir itself), or
     `base_dir` (default: the working directory) for rows in memory.
@@ -497,7 +501,8 @@ def build_vlm_data(path_or_rows, processor: VLMProcessor, seq_len: int, micro_ba
     pad_id = processor.tokenizer.pad_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has no pad token; set one (Qwen's is <|endoftext|>)")
-    data = VLMData(docs, processor, seq_len, micro_batch_size, pad_id, dp_rank, dp_size, seed, packing, skipped)
+    data = VLMData(docs, processor, seq_len, micro_batch_size, pad_id, dp_rank, dp_size, seed, packing, skipped,
+                   num_workers, prefetch)
     data.format = data_format
     if path is not None:
         data.fingerprint = fingerprint(path)  # the rows' files; the images and videos they name are not

@@ -14,7 +14,7 @@ GDN_CHUNK = 64  # fla's chunk size: the delta rule keeps a [chunk] row of A per 
 def saved_tensor_bytes(*exclude: torch.Tensor):
     """Inside the block, what autograd saves for the backward: yields {storage: bytes} of every distinct storage
     saved, leaving out those of `exclude` (parameters, the block's input), which exist anyway. The measured side
-    of the estimates below (scripts/activation_bytes.py, tests/test_plan.py)."""
+    of the estimates below (`scripts/bench.py activations`, tests/test_plan.py)."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     saved = {}
 

@@ -30,13 +30,14 @@ from qwenft.distributed.mesh import batch_mesh, build_mesh, device_type, init_pr
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
-from qwenft.train import metrics as metrics_lib, resume
+from qwenft.train import auto_ac, metrics as metrics_lib, resume
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
-                                 refuse_fresh_start_over_checkpoints, set_cpu_threads, setup_logging)
+                                 refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
+                                 setup_logging)
 from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
 from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
                                token_loss)
@@ -222,9 +223,12 @@ def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> 
     return tokenizer, None, [tokenizer]
 
 
-def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None):
+def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None,
+               num_microbatches: int = 1):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
-    model has a vision tower. `path` (default data.path) lets the validation set be read the same way."""
+    model has a vision tower. `path` (default data.path) lets the validation set be read the same way. A VLM
+    stream's data.num_workers threads keep a step's micro batches (`num_microbatches`), and at least 2 per
+    worker, made ahead."""
     from qwenft.data.tiny_chat import TRAIN_PATH
 
     def resolve(p: str) -> str:
@@ -241,9 +245,13 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
         if cfg.data.sources:
             raise ValueError("data.sources (a mixture) is for text chat data; a model with a vision tower reads "
                              "one data.path")
+        workers = cfg.data.num_workers
         data = build_vlm_data(path or resolve(cfg.data.path), processor,
-                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format, **common)
-        data.cache_note = "image rows tokenized in memory on every rank (no token cache for images)"
+                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format,
+                              num_workers=workers, prefetch=max(2 * workers, num_microbatches), **common)
+        data.cache_note = ("image rows tokenized in memory on every rank (no token cache for images); pixels made "
+                           + (f"ahead by {workers} worker thread{'s' if workers > 1 else ''} (data.num_workers)"
+                              if workers else "in the training loop (data.num_workers=0)"))
     elif cfg.data.sources and path is None:
         from qwenft.data.mixture import build_mixture_data
 
@@ -357,6 +365,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     dp_rank = mesh["dp"].get_local_rank()
     device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
 
+    caches = set_kernel_caches(cfg.model.kernels.cache_dir)  # before anything compiles; a bad dir fails here
     run_dir = agree_run_dir(cfg)
     is_main = rank == 0
     ckpt_root = run_dir / "checkpoints"
@@ -371,6 +380,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))
     if device.type == "cpu":
         set_cpu_threads()
+    log.info(caches)
     for damaged in passed_over:
         log.warning("checkpoint.resume=auto: %s; resuming from %s instead", damaged, resume_from)
     if resume_from is not None:
@@ -403,7 +413,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         log.info("FSDP2: not applied (one data-parallel rank, weights in the compute dtype %s or LoRA adapters: "
                  "nothing to shard, reduce or cast)%s", str(dtypes.compute).removeprefix("torch."),
                  f"; {' and '.join(moot)} {'change' if len(moot) > 1 else 'changes'} nothing" if moot else "")
-    tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp)
+    tokenizer, data, preprocessors = build_data(cfg, model_cfg, batching.microbatch_size, dp_rank, layout.dp,
+                                                num_microbatches=batching.num_microbatches)
     _fit_vocab(cfg, model_cfg, len(tokenizer))
     if cfg.checkpoint.export_hf != "false":  # a bad source generation_config.json fails now, not after training
         from qwenft.checkpoint.hf_export import generation_config
@@ -436,6 +447,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     if layout.pp > 1:
         log.info("pipeline: %s, %d stages, layers per stage %s", spec.parallel.schedule, spec.parallel.num_stages,
                  [len(ls) for ls in spec.parallel.stage_layers])
+    if cfg.model.activation_checkpointing == auto_ac.AUTO:  # the plan's choice, the same on every rank
+        cfg = auto_ac.resolve(cfg, model_cfg, layout, mesh, device)
+        spec = dataclasses.replace(spec, parallel=dataclasses.replace(
+            spec.parallel, activation_checkpointing=cfg.model.activation_checkpointing))
     parts = build_model_parts(cfg, model_cfg, spec, mesh)
     for _, module in parts:
         load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)

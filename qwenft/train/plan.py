@@ -256,6 +256,12 @@ def _logits(ctx: _Context, modules, chunks: int) -> tuple[int, int, int]:
     return peak + others, others, written
 
 
+def rank_plan(cfg: Config, model_cfg, spec: RunSpec, rank: int, coords: dict, modules) -> RankPlan:
+    """One rank's plan from its model parts (`build.build_model_parts`, meta) and its mesh coordinates
+    (pp, dp, tp)."""
+    return _rank_plan(_Context(cfg, model_cfg, spec), rank, coords, modules)
+
+
 def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
     cfg, pp, par = ctx.cfg, ctx.layout.pp, ctx.spec.parallel
     params = [p for stage, module in modules for p in _fsdp_params(stage, module)]
@@ -365,12 +371,17 @@ def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
 AC_MARGIN = 0.1  # of plan.gpu_memory_gib kept free by `cheapest_ac_mode`: the plan's error and the allocator's slack
 
 
+def first_fitting(worst: dict[str, int], limit_gib: float, modes=AC_BY_COST) -> str | None:
+    """The first of `modes` whose highest planned peak (`worst`, bytes by mode) stays under (1 - AC_MARGIN) x
+    `limit_gib`, or None when none does."""
+    return next((mode for mode in modes if worst[mode] <= (1 - AC_MARGIN) * limit_gib * GIB), None)
+
+
 def cheapest_ac_mode(plans: list[RankPlan], limit_gib: float) -> tuple[str | None, dict[str, int]]:
     """The cheapest model.activation_checkpointing mode (AC_BY_COST) whose planned peak on every rank stays under
     (1 - AC_MARGIN) x `limit_gib`, or None when none does; and each mode's highest peak over the ranks."""
     worst = {mode: max(p.ac_mode_peaks[mode] for p in plans) for mode in AC_BY_COST}
-    fits = [mode for mode in AC_BY_COST if worst[mode] <= (1 - AC_MARGIN) * limit_gib * GIB]
-    return (fits[0] if fits else None), worst
+    return first_fitting(worst, limit_gib), worst
 
 
 # ---------------------------------------------------------------- every rank
@@ -388,7 +399,7 @@ def resolve_plan_layout(cfg: Config):
 def predict(cfg: Config) -> list[RankPlan]:
     """The memory of every rank of `cfg` on GPUs (model.dtype=auto: bf16 compute), in rank order.
 
-    Builds each rank's share through `build.build_model_parts` on a fake process group ("fake" backend), one
+    Builds each rank's share through `build.build_model_parts` on a fake process group (fake_pg), one
     rank at a time, in this process; needs no GPU and no process group of its own."""
     from qwenft.distributed.fake_pg import fake_process_group
     from qwenft.distributed.mesh import build_mesh
@@ -398,6 +409,10 @@ def predict(cfg: Config) -> list[RankPlan]:
     if dist.is_initialized():
         raise RuntimeError("predict plays every rank on a fake process group of its own; call it outside a "
                            "distributed run")
+    if cfg.model.activation_checkpointing == "auto":  # the mode a run would choose (qwenft.train.auto_ac)
+        from qwenft.train.auto_ac import planned
+
+        return planned(cfg)[1]
     layout = resolve_plan_layout(cfg)
     model_cfg = build.model_config(cfg)
     spec = resolve_spec(cfg, layout, model_cfg, "cuda")  # what the plan is for; nothing is allocated there
@@ -486,11 +501,18 @@ def format_table(plans: list[RankPlan], cfg: Config) -> str:
                   + (f"; {sum(p.total_bytes > limit * GIB for p in plans)} rank(s) OVER" if worst.total_bytes > limit * GIB
                      else "")]
     chosen, by_mode = cheapest_ac_mode(plans, limit)
-    per_mode = ", ".join(f"{mode} {peak / size:.2f}" for mode, peak in by_mode.items())
-    lines.append(f"activation checkpointing: {f'{chosen} is the cheapest mode' if chosen else 'no mode fits'} under "
-                 f"{(1 - AC_MARGIN) * limit:.1f} GiB ({1 - AC_MARGIN:.0%} of the limit); highest rank per mode "
-                 f"({unit}), cheapest first: {per_mode}")
+    lines.append(f"activation checkpointing: {f'{chosen} is the cheapest mode' if chosen else 'no mode fits'} "
+                 f"{modes_summary(by_mode, limit, 'the limit')}")
     return "\n".join(lines)
+
+
+def modes_summary(worst: dict[str, int], limit_gib: float, limit_name: str) -> str:
+    """'under <budget> (90% of <limit_name>); highest rank per mode (<unit>), cheapest first: false 1.00, ...', in
+    GiB, or MiB when every peak is under 1 GiB."""
+    unit, size = ("GiB", GIB) if max(worst.values()) >= GIB else ("MiB", 2**20)
+    per_mode = ", ".join(f"{mode} {peak / size:.2f}" for mode, peak in worst.items())
+    return (f"under {(1 - AC_MARGIN) * limit_gib * GIB / size:.1f} {unit} ({1 - AC_MARGIN:.0%} of {limit_name}); "
+            f"highest rank per mode ({unit}), cheapest first: {per_mode}")
 
 
 def to_json(plans: list[RankPlan], cfg: Config) -> dict:

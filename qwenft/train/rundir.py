@@ -73,6 +73,30 @@ def cpu_threads(cores: int, ranks_on_node: int, load: float) -> int:
     return max(1, min(share, round(free / ranks_on_node)))
 
 
+# the environment variables that place each kernel compiler's cache, by the subdirectory of
+# model.kernels.cache_dir it gets; each library reads its variable when it first compiles
+KERNEL_CACHES = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "tilelang": "TILELANG_CACHE_DIR"}
+
+
+def set_kernel_caches(cache_dir: str | None) -> str:
+    """Point inductor's, Triton's and TileLang's caches at subdirectories of `cache_dir` (model.kernels.cache_dir),
+    before anything compiles; returns the log line. None leaves each library's own default (or the user's
+    variables) in place."""
+    if cache_dir is None:
+        places = ", ".join(f"{name} {os.environ[var]}" for name, var in KERNEL_CACHES.items() if var in os.environ)
+        return ("kernel caches: each library's default" + (f" but {places} (environment)" if places else "")
+                + "; model.kernels.cache_dir=DIR keeps them for the next run")
+    root = Path(cache_dir).expanduser().resolve()
+    for name, var in KERNEL_CACHES.items():
+        try:
+            (root / name).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"model.kernels.cache_dir={cache_dir}: cannot make {root / name} ({e.strerror}); "
+                             f"give a writable directory, or null for each library's default") from None
+        os.environ[var] = str(root / name)
+    return f"kernel caches: {root}/{{{','.join(KERNEL_CACHES)}}} (model.kernels.cache_dir)"
+
+
 def set_cpu_threads() -> None:
     """On a CPU run, unless OMP_NUM_THREADS says, set torch's thread count by `cpu_threads` and log the choice."""
     if "OMP_NUM_THREADS" in os.environ:

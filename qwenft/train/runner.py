@@ -106,6 +106,7 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
                 break
         job.checkpointer.wait()
     finally:
+        job.data.close()  # the data worker threads (data.num_workers), also after an error or a stop signal
         if progress is not None:
             progress.close()
     job.metrics.close()

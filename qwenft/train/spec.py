@@ -91,9 +91,6 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
     """Mesh and pipeline keys that contradict the layout; raised before anything is built."""
     if cfg.mesh.sequence_parallel and layout.tp == 1:
         raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
-    if cfg.mesh.cp_balanced_attention and layout.cp == 1:
-        raise ValueError("mesh.cp_balanced_attention=true needs mesh.cp > 1 (it balances attention over the context "
-                         "parallel ranks)")
     if layout.pp > 1 and cfg.eval.every_steps and cfg.pipeline.schedule in V_SHAPED:
         raise ValueError(f"eval.every_steps={cfg.eval.every_steps} with pipeline.schedule={cfg.pipeline.schedule}: "
                          f"torch's V-shaped schedules ({', '.join(V_SHAPED)}) cannot run a forward-only pass; use "
@@ -303,7 +300,7 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
             cause = (f"optim.master_dtype={cfg.optim.master_dtype} needs its cast to the compute dtype; set "
                      f"optim.master_dtype={compute}")
         why = f"the weights must stay at fixed addresses, which FSDP2 does not keep: {cause}"
-    elif cfg.model.activation_checkpointing != "false":
+    elif cfg.model.activation_checkpointing not in ("false", "auto"):  # auto chooses off under CUDA graphs
         why = (f"model.activation_checkpointing={cfg.model.activation_checkpointing} recomputes the graphs "
                f"inside the backward; set it to false")
     elif layout.pp > 1:

@@ -147,6 +147,7 @@ def _run_cp(world: int, kernel: str, state, x, probe, timeout_s: float = 600):
     return out, grads
 
 
+@pytest.mark.timeout(240, method="signal")  # each spawned rank compiles fla's kernels
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])
 def test_fla_context_parallel_gated_delta_net_equals_the_unsplit_row(world):
     """fla's cp kernels, and the torch cp path on the same GPU, against the unsplit row on fla's kernel and on the

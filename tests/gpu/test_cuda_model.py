@@ -147,6 +147,7 @@ def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
     assert_same_training(graphs, compiled, rtol=1e-5)
 
 
+@pytest.mark.timeout(300, method="signal")  # fla's bf16 kernels at tp2's shapes and inductor's compile, cold
 def test_cuda_graphs_with_fla_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
     """Rank 0 of a fake tp2 world in bf16 with fla's GatedDeltaNet kernels: model.cuda_graphs=true (at tp > 1 fla's
     conv and delta rule are replayed as CUDA graphs of their own on fixed layouts, gdn_graph.py) against
@@ -227,7 +228,7 @@ def test_cuda_graphs_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
                                    "optim.master_dtype=bfloat16", "model.activation_checkpointing=false")],
                          ids=["tp2", "dp2_reduce_grad_per_microbatch", "tp2_cuda_graphs"])
 def test_multi_rank_path_trains_as_rank_0_of_a_fake_world(tmp_path, mesh):
-    """Rank 0 of 2 on torch's fake process group (qwenft.distributed.fake_pg; collectives return at once), the
+    """Rank 0 of 2 on the fake process group (qwenft.distributed.fake_pg; collectives return at once), the
     runner's CUDA defaults (bf16, fla's GDN when installed, varlen flash attention, fused AdamW): tp2 (head-sharded
     projections, vocab-parallel embedding and loss), dp2 with FSDP reduce-scattering every microbatch's
     gradients (2 microbatches per step), and tp2 in bf16 on fla's kernels with its compiled layers replayed as

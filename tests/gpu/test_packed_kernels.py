@@ -131,6 +131,7 @@ GDN_TOLERANCES = {
 }
 
 
+@pytest.mark.timeout(240, method="signal")  # the first compiles fla's fp32 kernels: 188 s cold for the two fp32 tests
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_gated_delta_net_equals_torch_on_packed_rows(dtype):
     """qwenft's GatedDeltaNet layer with kernels=fla (fla's causal conv and chunk_gated_delta_rule, cu_seqlens)

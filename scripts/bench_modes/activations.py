@@ -1,6 +1,6 @@
 """Activation bytes per token of one decoder layer of each kind, measured, against `qwenft plan`'s estimate.
 
-    python scripts/activation_bytes.py [--docs 60] recipe=tiny model=qwen3_5_27b data.seq_len=4096 [mesh.tp=...]
+    python scripts/bench.py activations [--docs 60] recipe=tiny model=qwen3_5_27b data.seq_len=4096 [mesh.tp=...]
 
 Builds one layer of each kind (GatedDeltaNet + MLP, gated attention + MLP) at the model's dims in the compute
 dtype, on CUDA when there is one, runs its forward on one row of data.seq_len tokens (packed into `--docs`
@@ -11,20 +11,16 @@ its saved-tensor hooks see, and the allocator's growth over the forward. Prints 
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenft.conf import compose  # noqa: E402
-from qwenft.models.qwen3_5.attention import RotaryEmbedding  # noqa: E402
-from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION  # noqa: E402
-from qwenft.models.qwen3_5.model import DecoderLayer  # noqa: E402
-from qwenft.train.activations import layer_activation_bytes, saved_tensor_bytes  # noqa: E402
-from qwenft.train.build import model_config  # noqa: E402
-from qwenft.train.spec import resolve_dtypes  # noqa: E402
+from qwenft.conf import compose
+from qwenft.models.qwen3_5.attention import RotaryEmbedding
+from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION
+from qwenft.models.qwen3_5.model import DecoderLayer
+from qwenft.train.activations import layer_activation_bytes, saved_tensor_bytes
+from qwenft.train.build import model_config
+from qwenft.train.spec import resolve_dtypes
 
 
 def measure(layer, h, rope, cu_seqlens) -> tuple[float, float | None]:
@@ -40,10 +36,10 @@ def measure(layer, h, rope, cu_seqlens) -> tuple[float, float | None]:
     return sum(saved.values()) / tokens, grown
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py activations", description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=60, help="packed documents in the row (1 = unpacked)")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     cfg = compose(overrides, missing_ok=True)
     t = model_config(cfg).text
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,6 +65,3 @@ def main():
         del layer, h
     print(json.dumps(report, indent=2))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """A Qwen3.5-MoE training step (forward + backward, no optimizer) on one GPU: qwenft's native model against
 transformers' Qwen3_5MoeForCausalLM on the same weights, one after the other in this process.
 
-    python scripts/bench_moe.py [--model 35b_a3b] [--layers 4] [--seq 4096] [--steps 6] [--warmup 2] [--json out.json]
+    python scripts/bench.py moe [--model 35b_a3b] [--layers 4] [--seq 4096] [--steps 6] [--warmup 2] [--json out.json]
 
 Both run bf16 with their defaults on CUDA: qwenft with `model.kernels.*=auto` (fla's GatedDeltaNet, varlen
 flash attention, `torch._grouped_mm` experts, the fused linear cross-entropy), transformers with its own
@@ -16,20 +16,17 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenft.constants import IGNORE_INDEX  # noqa: E402
-from qwenft.models.loader import build_model, init_random_weights  # noqa: E402
-from qwenft.models.qwen3_5 import adapter  # noqa: E402
-from qwenft.models.qwen3_5.configs import named_config, to_hf_config  # noqa: E402
-from qwenft.models.qwen3_5.moe import load_balancing_loss  # noqa: E402
-from qwenft.train.metrics import flops_per_token  # noqa: E402
+from qwenft.constants import IGNORE_INDEX
+from qwenft.models.loader import build_model, init_random_weights
+from qwenft.models.qwen3_5 import adapter
+from qwenft.models.qwen3_5.configs import named_config, to_hf_config
+from qwenft.models.qwen3_5.moe import load_balancing_loss
+from qwenft.train.metrics import flops_per_token
 
 
 def timed(step, steps: int, warmup: int) -> tuple[list[float], float, float]:
@@ -47,15 +44,15 @@ def timed(step, steps: int, warmup: int) -> tuple[list[float], float, float]:
     return times, first, torch.cuda.max_memory_allocated() / 2**30
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py moe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="35b_a3b")
     parser.add_argument("--layers", type=int, default=4, help="keep the first N decoder layers")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     cfg = named_config(args.model)
     t = cfg.text
@@ -120,6 +117,3 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
-
-if __name__ == "__main__":
-    main()

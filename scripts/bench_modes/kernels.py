@@ -1,6 +1,6 @@
 """Time and check qwenft's own CUDA kernels against the torch paths they replace, at the 27B benchmark's sizes.
 
-    python scripts/bench_kernels.py [--json out.json] [--params 1.0e9] [--tokens 4096]
+    python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096]
 
 - AdamW: `LowPrecisionAdamW` over bf16 weights, gradients and moments, foreach (torch ops) against fused (one
   Triton kernel per tensor): ms per step per billion parameters, and the two paths' results with rounding to
@@ -12,17 +12,13 @@
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenft.models.linear_ce import IGNORE_INDEX, fused_linear_ce_sum  # noqa: E402
-from qwenft.train.optim import LowPrecisionAdamW  # noqa: E402
-from bench_layers import time_ms  # noqa: E402  (scripts/ is on the path: this file runs from there)
+from bench_modes.layers import time_ms
+from qwenft.models.linear_ce import IGNORE_INDEX, fused_linear_ce_sum
+from qwenft.train.optim import LowPrecisionAdamW
 
 
 def bench_adamw(total_params: float) -> dict:
@@ -118,12 +114,12 @@ def bench_ce(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--params", type=float, default=1.0e9, help="AdamW: parameters per step")
     parser.add_argument("--tokens", type=int, default=4096, help="CE: tokens per microbatch")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "adamw": bench_adamw(args.params), "ce": bench_ce(args.tokens)}
     text = json.dumps(report, indent=1)
@@ -132,6 +128,3 @@ def main() -> None:
         with open(args.json, "w") as f:
             f.write(text + "\n")
 
-
-if __name__ == "__main__":
-    main()

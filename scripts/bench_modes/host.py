@@ -1,10 +1,10 @@
 """Host-side time of one microbatch's forward + backward per decoder layer, with kernels too small to matter.
 
-    python scripts/host_time.py [--repeat 20] recipe=tiny data.seq_len=16 [mesh.tp=2] \
+    python scripts/bench.py host [--repeat 20] recipe=tiny data.seq_len=16 [mesh.tp=2] \
         [model.activation_checkpointing=true] [model.compile=true]
 
 Builds the model as `qwenft train` does up to FSDP (tensor parallel over mesh.tp on a fake process group,
-whose collectives do nothing; activation checkpointing), on the CPU in fp32, and times forward + backward of
+whose collectives send nothing; activation checkpointing), on the CPU in fp32, and times forward + backward of
 one microbatch of `data.seq_len` tokens. With the tiny model and a few tokens the kernels take microseconds,
 so what is timed is the host's work per op: Python, torch's dispatch, DTensor where parameters pass
 through it, autograd and the recompute. That work does not depend on the model's dimensions, only on
@@ -17,15 +17,11 @@ host-bound where this time per microbatch exceeds the GPU's.
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenft.conf import compose  # noqa: E402
+from qwenft.conf import compose
 
 
 def _stand_in_delta_rule(q, k, v, g, beta, cu_seqlens):
@@ -58,10 +54,10 @@ def build(cfg):
     return init_random_weights(model, seed=0, device="cpu", dtype=torch.float32), model_cfg.text.vocab_size
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py host", description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20, help="timed microbatches (after two warm-ups)")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     cfg = compose(overrides, missing_ok=True)
     import qwenft.models.qwen3_5.gdn as gdn
 
@@ -77,6 +73,3 @@ def main():
     print(json.dumps({"overrides": overrides, "host_ms_per_microbatch": round(ms, 2),
                       "host_ms_per_layer": round(ms / len(model.layers), 2)}))
 
-
-if __name__ == "__main__":
-    main()

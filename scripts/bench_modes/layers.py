@@ -1,6 +1,6 @@
 """One 27B-shaped Qwen3.5 layer of each kind on a GPU: kernel agreement and forward+backward time.
 
-    python scripts/bench_layers.py [--seq 4096] [--json out.json]
+    python scripts/bench.py layers [--seq 4096] [--json out.json]
 
 1. Agreement: the fla GatedDeltaNet path in bf16 against the torch path in fp32 (the reference), same
    weights and input, on a packed row of 3 documents: relative error ||a - b|| / ||b|| of the layer output,
@@ -106,11 +106,11 @@ def timings(cfg, seq: int) -> dict:
     return report
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py layers", description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     cfg = named_config("27b")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": args.seq}
@@ -131,6 +131,3 @@ def main():
     for name, r in result["fwd_bwd_one_layer"].items():
         print(f"{name:30s} {r['fwd_bwd_ms']:8.2f} ms  {r['tflops']:6.1f} TFLOP/s")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 `model.compile=true` does) against the fused Triton modules of liger-kernel and flash-linear-attention, on one
 GPU at the 27B shape's sizes (4096 tokens, bf16):
 
-    python scripts/bench_fused_modules.py [--model qwen3_5_27b] [--tokens 4096] [--json out.json]
+    python scripts/bench.py fused [--model qwen3_5_27b] [--tokens 4096] [--json out.json]
 
 | piece | qwenft | fused candidates |
 |---|---|---|
@@ -21,18 +21,15 @@ package is missing or that raises is reported with its error and skipped.
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from qwenft.models.qwen3_5.attention import RMSNorm  # noqa: E402
-from qwenft.models.qwen3_5.configs import named_config  # noqa: E402
-from qwenft.models.qwen3_5.gdn import Decay, GatedRMSNorm  # noqa: E402
+from qwenft.models.qwen3_5.attention import RMSNorm
+from qwenft.models.qwen3_5.configs import named_config
+from qwenft.models.qwen3_5.gdn import Decay, GatedRMSNorm
 
 
 def fwd_bwd(fn, inputs, grads) -> tuple:
@@ -168,12 +165,13 @@ def _fla_gdn_gate():
     return {"fla": lambda a, a_log, dt_bias: fused_gdn_gate(a, a_log, dt_bias)}
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py fused", description="A Qwen3.5 layer's elementwise pieces, eager "
+                                     "and compiled, against liger-kernel's and fla's fused modules, on one GPU.")
     parser.add_argument("--model", default="qwen3_5_27b")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = named_config(args.model.removeprefix("qwen3_5_"))
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
               "model": args.model, "pieces": {}}
@@ -198,6 +196,3 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 
-
-if __name__ == "__main__":
-    main()

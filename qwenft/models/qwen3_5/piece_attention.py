@@ -1,0 +1,119 @@
+"""Causal attention of document pieces through a dense kernel that returns its log-sum-exp: cuDNN's on CUDA
+(`model.kernels.attention=cudnn`), which runs 1.5-1.8x faster than FlashAttention 2 at head_dim 256 on Hopper
+(docs/performance.md), and the CPU's flash kernel, the same math, as its reference in tests.
+
+A piece is `lq` queries of one document over `lk >= lq` keys of it, the queries being the keys' last ones: a
+whole document (lq == lk), or a context-parallel span's piece of a document that began before the span. A dense
+kernel's causal mask is aligned at the top left (query i sees keys up to i), so a piece with lq < lk runs as two
+blocks: every query over the keys before the queries (no mask), and over its own keys (the causal square). The
+blocks' outputs merge by their log-sum-exps, and the backward runs each block's kernel backward with the merged
+output and log-sum-exp: each block's softmax is then normalised by the whole row's, which makes the blocks'
+gradients sum to the piece's exactly. Key-value heads are repeated to the query heads for the kernels (GQA) and
+their gradients summed back.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    forward: object  # (q, k, v, causal, scale) -> (out, lse, state)
+    backward: object  # (dout, q, k, v, out, lse, state, causal, scale) -> (dq, dk, dv)
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out, lse, (seed, offset, cum_q, cum_k, max_q, max_k)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, state, causal: bool, scale: float):
+    seed, offset, cum_q, cum_k, max_q, max_k = state
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+
+
+def _cpu_forward(q, k, v, causal: bool, scale: float):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+def _cpu_backward(dout, q, k, v, out, lse, state, causal: bool, scale: float):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                     scale=scale)
+
+
+KERNELS = {"cudnn": _Kernel(_cudnn_forward, _cudnn_backward), "cpu_flash": _Kernel(_cpu_forward, _cpu_backward)}
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 at least (fp64 stays fp64): the merge's precision."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _as_rows(lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A kernel's log-sum-exp ([B, H, lq] or [B, H, lq, 1]) as [B, H, lq, 1], to weigh `out`'s rows."""
+    return _wide(lse).reshape(*out.shape[:-1], 1)
+
+
+class _PieceAttention(torch.autograd.Function):
+    """q [1, H, lq, D], k and v [1, H, lk, D] (heads already repeated), lq <= lk -> [1, H, lq, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, kernel: _Kernel):
+        before = k.shape[2] - q.shape[2]  # keys ahead of the queries: the unmasked block
+        blocks = [(slice(before, None), True)] + ([(slice(0, before), False)] if before else [])
+        outs, lses, states = [], [], []
+        for keys, causal in blocks:
+            out, lse, state = kernel.forward(q, k[:, :, keys], v[:, :, keys], causal, scale)
+            outs.append(out)
+            lses.append(lse)
+            states.append(state)
+        if len(blocks) == 1:
+            out, lse = outs[0], lses[0]
+        else:
+            rows = [_as_rows(lse, o) for lse, o in zip(lses, outs)]
+            merged = torch.logaddexp(*rows)
+            total = sum(_wide(o) * torch.exp(r - merged) for o, r in zip(outs, rows))
+            # the kernels' own layouts, which their backward expects
+            out = torch.empty_like(outs[0]).copy_(total)
+            lse = torch.empty_like(lses[0]).copy_(merged.reshape(lses[0].shape))
+        ctx.blocks, ctx.states, ctx.scale, ctx.kernel = blocks, states, scale, kernel
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = torch.empty_like(out).copy_(dout)  # the output's strides, which the kernels' backward expects
+        dq = torch.zeros_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for (keys, causal), state in zip(ctx.blocks, ctx.states):
+            gq, gk, gv = ctx.kernel.backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, state, causal,
+                                             ctx.scale)
+            dq += gq
+            dk[:, :, keys] += gk
+            dv[:, :, keys] += gv
+        return dq, dk, dv, None, None
+
+
+def attend_piece(q_bhld, k_bhld, v_bhld, scale: float, kernel: str = "cudnn") -> torch.Tensor:
+    """Causal attention of one document piece: queries [1, H, lq, D] that are the last lq of the keys and
+    values [1, Hkv, lk, D] -> [1, lq, H, D]."""
+    heads = q_bhld.shape[1] // k_bhld.shape[1]
+    k, v = (t.repeat_interleave(heads, dim=1) if heads > 1 else t for t in (k_bhld, v_bhld))
+    return _PieceAttention.apply(q_bhld, k, v, scale, KERNELS[kernel]).transpose(1, 2)
+
+
+def attend_pieces(q_bhld, keys, values, scale: float, cu_q: list[int], cu_k: list[int],
+                  kernel: str = "cudnn") -> torch.Tensor:
+    """Pieces one after another: queries [1, H, l, D] cut by the offsets `cu_q`, keys and values [1, Hkv, t, D]
+    by `cu_k` (host lists of equal length; piece i is queries cu_q[i]:cu_q[i+1] over keys cu_k[i]:cu_k[i+1], the
+    queries the keys' last ones) -> [1, l, H, D]. One kernel call pair a piece: for rows of few long documents."""
+    outs = [attend_piece(q_bhld[:, :, q0:q1], keys[:, :, k0:k1], values[:, :, k0:k1], scale, kernel)
+            for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]) if q1 > q0]
+    return torch.cat(outs, dim=1)

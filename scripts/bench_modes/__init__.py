@@ -1,0 +1,1 @@
+"""scripts/bench.py's modes, one module each; every module's `main(argv)` takes the arguments after the mode."""
