@@ -66,9 +66,9 @@ def _kind(row) -> str:
 @pytest.mark.slow
 def test_videos_train_below_what_one_frame_allows(tmp_path):
     """250 steps of one 512-token row (8 videos) each, the recipe's optimizer and schedule: ~45 s a run on the
-    2-core CPU box. Which question the video model learns first varies with the batching and the schedule (here: order;
-    at 8 conversations a step and a constant lr, direction); the mean over both falls clearly below chance and below the first-frame model's, which stays at
-    chance for each."""
+    2-core CPU box. Which question the video model learns first varies with the batching and the schedule (here:
+    order; at 8 conversations a step and a constant lr, direction); the mean over both falls clearly below chance
+    and below the first-frame model's, which stays at chance for each."""
     from qwenft.data.tiny_vlm import tiny_vlm_data_dir
 
     data_dir = tiny_vlm_data_dir()
