@@ -345,8 +345,9 @@ def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_in
 @pytest.mark.distributed
 def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     """`qwenft export` of a tiny_vlm run's checkpoint: transformers' Qwen3_5ForConditionalGeneration loads every
-    key (vision tower included), the tokenizer and image processor come along (data.tokenizer=tiny_vlm is a
-    built-in name, not a dir), and an image + text batch gives the logits of the parameters the run trained."""
+    key (vision tower included), the tokenizer, image processor and video processor config come along
+    (data.tokenizer=tiny_vlm is a built-in name, not a dir), and an image + text batch gives the logits of the
+    parameters the run trained."""
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration
 
@@ -364,6 +365,12 @@ def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     hf, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
     assert AutoTokenizer.from_pretrained(out).chat_template
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from qwenft.data.tiny_vlm import VIDEO_PROCESSOR
+
+    video = Qwen3VLVideoProcessor.from_pretrained(out)  # the video processor's config comes along too
+    assert (video.fps, video.max_frames, dict(video.size)) == (2, 16, VIDEO_PROCESSOR["size"])
     patch_dim = AutoImageProcessor.from_pretrained(out).patch_size ** 2 * 3 * 2  # x channels x temporal patch
     cfg = named_config("tiny_vlm")
     cfg.text.vocab_size = state["embed_tokens.weight"].shape[0]

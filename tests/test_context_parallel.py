@@ -263,19 +263,21 @@ def test_checkpoint_resumes_on_another_cp(tmp_path):
 
 @pytest.mark.slow
 def test_vlm_equals_one_process(tmp_path):
-    """The tiny VLM at cp2: every cp rank runs the vision tower on all of the microbatch's images (the split comes
-    after the image features are scattered into the embeddings, so an image crossing a span edge is whole), and
-    its gradients come from each span's loss, summed over the spans."""
+    """The tiny VLM at cp2 (its set's images and videos): every cp rank runs the vision tower on all of the
+    microbatch's images and videos (the split comes after their features are scattered into the embeddings, so one
+    crossing a span edge is whole), and its gradients come from each span's loss, summed over the spans."""
     def overrides(name, *extra):
         return ["recipe=tiny_vlm", "train.max_steps=2", "data.seq_len=256", "model.kernels.gdn=torch",
                 "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
                 "checkpoint.export_hf=false", "train.global_batch_size=2", "train.micro_batch_size=1",
                 f"run_dir={tmp_path / name}", *extra]
 
-    (reference,) = run_distributed(train_with_grads, 1, overrides("alone"))
+    # the first step's gradients: the set's video rows put GDN's A_log / dt_bias (sums with heavy cancellation)
+    # at ~1e-5 of one process, which one AdamW step amplifies to ~5e-5 across the model
+    (reference,) = run_distributed(_first_step, 1, overrides("alone"))
     assert any(name.startswith("visual.") for name in reference.grads)
-    for result in run_distributed(train_with_grads, 2, overrides("cp2", "mesh.cp=2")):
-        assert_same_run(result, reference)
+    for result in run_distributed(_first_step, 2, overrides("cp2", "mesh.cp=2")):
+        assert_same_run(result, reference, grads_after=0)
 
 
 def _first_step(rank, world_size, overrides):

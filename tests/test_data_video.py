@@ -418,9 +418,10 @@ def test_processor_overrides_are_checked(cache):
                                                  (0.48145466, 0.4578275, 0.40821073))
 
 
-def test_runner_data_refuses_videos_under_pipeline_parallel_and_exports_the_video_config(files, tmp_path):
-    """The pipeline schedule carries images only: video rows with mesh.pp > 1 stop at start-up in one line.
-    The HF export's preprocessors include the checkpoint's video processor config."""
+def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_config(files, tmp_path):
+    """Video rows build under mesh.pp > 1 as under pp = 1 (the pipeline schedule carries videos as it carries
+    images: tests/test_video_mesh.py). The HF export's preprocessors include the checkpoint's video processor
+    config."""
     import json
 
     from qwenft.conf import compose
@@ -431,11 +432,10 @@ def test_runner_data_refuses_videos_under_pipeline_parallel_and_exports_the_vide
     rows = [chat(video([str(files / p) for p in frame_paths("run", 4)]), text("?")), chat(text("no video"))]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = compose(["recipe=tiny_vlm", f"data.path={path}", "mesh.pp=2"])
-    with pytest.raises(ValueError, match=rf"^mesh.pp=2: 1 documents of {path} have videos, which train with "
-                                         r"mesh.pp=1 only for now$"):
-        build_data(cfg, named_config("tiny_vlm"), 1, 0, 1)
-    _, data, _ = build_data(compose(["recipe=tiny_vlm", f"data.path={path}"]), named_config("tiny_vlm"), 1, 0, 1)
-    assert data.num_video_documents == 1 and len(data.docs) == 2
+    for pp in (1, 2):
+        _, data, _ = build_data(compose(["recipe=tiny_vlm", f"data.path={path}", f"mesh.pp={pp}"]),
+                                named_config("tiny_vlm"), 1, 0, 1)
+        assert data.num_video_documents == 1 and len(data.docs) == 2
     _, _, exported = load_preprocessors(cfg, vision=True)
     for p in exported:
         p.save_pretrained(tmp_path / "hf")

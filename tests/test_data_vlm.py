@@ -19,6 +19,7 @@ from qwenft.data.vlm import (VLMProcessor, build_vlm_data, load_processor, parse
 from qwenft.models.freeze import checkpoint_vision, freeze
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
+from qwenft.train.evaluate import forward_batch
 
 
 def picture(height, width, seed=0) -> Image.Image:
@@ -328,8 +329,7 @@ def test_resume_gives_the_same_batches_with_pixels(proc, files):
 
 def _step(model, batch, lr=1e-2, weight_decay=0.1):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
-                   pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    logits = forward_batch(model, batch)  # the tiny_vlm set's images and videos
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).backward()
     opt.step()
 
@@ -370,8 +370,7 @@ def test_vision_activation_checkpointing_gives_the_same_grads(tiny_batch):
             assert checkpoint_vision(model) == 2
         assert [n for n, _ in model.named_parameters()] == names  # checkpoint keys unchanged
         b = tiny_batch
-        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"],
-                       pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"])
+        logits = forward_batch(model, b)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("visual.")})
     for name in grads[0]:
@@ -387,6 +386,9 @@ def test_tiny_vlm_set_is_deterministic_and_processor_reloads(cache, tmp_path):
     ours = tiny_vlm_data_dir(cache)
     assert (tmp_path / "train.jsonl").read_bytes() == (ours / "train.jsonl").read_bytes()
     assert sorted(p.name for p in (tmp_path / "images").iterdir()) == sorted(p.name for p in (ours / "images").iterdir())
+    frames = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "frames").rglob("*.png"))
+    assert frames == sorted(str(p.relative_to(ours)) for p in (ours / "frames").rglob("*.png")) and len(frames) > 100
+    assert (tmp_path / "frames/0/3.png").read_bytes() == (ours / "frames/0/3.png").read_bytes()
     path = tiny_vlm_processor_dir(cache)
     tok, ip = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
     cfg = named_config("tiny_vlm")
@@ -410,8 +412,7 @@ def test_tiny_vlm_loss_falls(proc, cache):
     losses = []
     for _ in range(10):
         b = next(data)
-        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"],
-                       pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"])
+        logits = forward_batch(model, b)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten())
         loss.backward()
         opt.step()

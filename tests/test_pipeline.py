@@ -87,8 +87,11 @@ def test_vlm_microbatch_images_padded_and_dropped():
     _, data, _ = build_data(cfg, model_cfg, 2, 0, 1)
     batches = iter(data)
     mbs = [next(batches) for _ in range(2)]
-    text_only = {**mbs[0], "input_ids": mbs[0]["input_ids"].clamp(min=model_cfg.image_token_id + 1),
-                 "pixel_values": mbs[0]["pixel_values"][:0], "image_grid_thw": mbs[0]["image_grid_thw"][:0]}
+    vision_ids = max(model_cfg.image_token_id, model_cfg.video_token_id) + 1  # ids below are vision tokens
+    text_only = {**mbs[0], "input_ids": mbs[0]["input_ids"].clamp(min=vision_ids),
+                 "pixel_values": mbs[0]["pixel_values"][:0], "image_grid_thw": mbs[0]["image_grid_thw"][:0],
+                 "pixel_values_videos": mbs[0]["pixel_values_videos"][:0],
+                 "video_grid_thw": mbs[0]["video_grid_thw"][:0]}
     mbs.insert(1, text_only)
     batch = PipelineBatch.from_microbatches(mbs, "cpu")
     _, kwarg_chunks = split_args_kwargs_into_chunks((), batch.kwargs(), len(mbs))
@@ -99,6 +102,8 @@ def test_vlm_microbatch_images_padded_and_dropped():
             images = {}
             if len(mb["image_grid_thw"]):
                 images = {"pixel_values": mb["pixel_values"], "image_grid_thw": mb["image_grid_thw"]}
+            if len(mb["video_grid_thw"]):  # the tiny_vlm set's videos
+                images.update(pixel_values_videos=mb["pixel_values_videos"], video_grid_thw=mb["video_grid_thw"])
             ref = super(type(stage), stage).forward(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
                                                     cu_seqlens=mb["cu_seqlens"], **images)
             assert torch.equal(stage(ids, **kw), ref)

@@ -454,3 +454,44 @@ def test_plan_errors_name_the_key(capsys):
     assert "mesh.tp=8 does not divide" in capsys.readouterr().err
     with pytest.raises(ValueError, match="plan.gpu_memory_gib=0"):
         compose(["plan.gpu_memory_gib=0"])
+
+
+@pytest.mark.slow
+def test_vlm_plan_counts_videos_at_their_pixel_budget(tmp_path):
+    """plan.videos: each video counts the patches the data pipeline makes of a frame-list video that fills the
+    pixel budget (data.video.max_pixels, else the checkpoint's: tiny_vlm's 16 x 64 x 64), on top of
+    plan.image_patches; at most every token a vision token, which is also the default."""
+    import numpy as np
+    from PIL import Image
+
+    from helpers import build_data
+
+    frames = []
+    for i in range(16):
+        frames.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(np.full((64, 64, 3), 16 * i, np.uint8)).save(frames[-1])
+    rows = tmp_path / "rows.jsonl"
+    row = {"messages": [{"role": "user", "content": [{"type": "video", "video": None}, {"type": "text", "text": "?"}]},
+                        {"role": "assistant", "content": "!"}]}
+    for budget, n in ((None, 16), (32768, 8)):  # tiny_vlm's own budget; data.video.max_pixels=32768
+        row["messages"][0]["content"][0]["video"] = frames[:n]
+        rows.write_text(json.dumps(row) + "\n")
+        over = [f"data.video.max_pixels={budget}"] if budget else []
+        cfg = compose(["recipe=tiny_vlm", f"data.path={rows}", *over])
+        _, data, _ = build_data(cfg, model_config(cfg), 1, 0, 1)
+        video_patches = int(next(iter(data))["video_grid_thw"].prod())  # the video at the budget, as trained
+        assert video_patches == n * 64 * 64 // (2 * 16 * 16)
+
+        def act(*plan):
+            return _plan("recipe=tiny_vlm", *over, *plan)[1][0].activation_bytes["ac_off"]
+
+        per_patch = (act("plan.image_patches=11") - act("plan.image_patches=10")) / cfg.train.micro_batch_size
+        assert per_patch > 0
+        assert act("plan.image_patches=10", "plan.videos=2") - act("plan.image_patches=10") == pytest.approx(
+            2 * video_patches * cfg.train.micro_batch_size * per_patch)
+        assert act("plan.videos=1") - act("plan.image_patches=1") == pytest.approx(
+            (video_patches - 1) * cfg.train.micro_batch_size * per_patch)
+    every = act()  # seq_len x merge^2 patches a row
+    assert act("plan.videos=1000") == every and act("plan.image_patches=10", "plan.videos=1") < every
+    with pytest.raises(ValueError, match=r"^plan.videos=-1 must be >= 0$"):
+        compose(["plan.videos=-1"])

@@ -238,7 +238,8 @@ class PlanOptions:
     """`qwenft plan` (docs/performance.md, "Memory planner")."""
     gpu_memory_gib: float = 139.0  # flag ranks whose planned peak is above this (H200: about 139 GiB usable)
     json: Optional[str] = None  # also write the plan as JSON to this path
-    image_patches: Optional[int] = None  # VLM: vision patches per sequence; null = every token an image token
+    image_patches: Optional[int] = None  # VLM: image patches per sequence; null (and videos 0) = every token an image's
+    videos: int = 0  # VLM: videos per sequence, each at its pixel budget (data.video.max_pixels, else the checkpoint's)
 
 
 @dataclass
@@ -423,6 +424,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"plan.gpu_memory_gib={cfg.plan.gpu_memory_gib} must be > 0")
     if cfg.plan.image_patches is not None and cfg.plan.image_patches < 1:
         raise ValueError(f"plan.image_patches={cfg.plan.image_patches} must be >= 1 (or null)")
+    if cfg.plan.videos < 0:
+        raise ValueError(f"plan.videos={cfg.plan.videos} must be >= 0")
     _validate_memory_options(cfg)
     _validate_peft(cfg)
 

@@ -3,7 +3,7 @@
 Both are built at first use (well under a second) and cached like the tiny tokenizer, under a directory
 named by a hash of everything that determines them, so `recipe=tiny_vlm` needs no download:
 
-    tiny_vlm_data_dir()        # .../tiny_vlm-data-<hash>/{train.jsonl, val.jsonl, images/*.png}
+    tiny_vlm_data_dir()        # .../tiny_vlm-data-<hash>/{train.jsonl, val.jsonl, images/*.png, frames/*/*.png}
     tiny_vlm_processor_dir()   # .../tiny_vlm-processor-<hash>/ tokenizer + image processor + template
 
 The pictures are coloured circles, squares and triangles on a light background, of varied sizes (48..96
@@ -12,6 +12,13 @@ pictures show the same shape. The rules are simple enough that a tiny random-ini
 ~100 steps on a CPU. Generation is deterministic (fixed seed, no hash-order dependence). Most rows point at
 their image by a path relative to the JSONL file; every 8th embeds it as a base64 data URI, so both
 reader paths are exercised.
+
+Every third row is a video instead: 4 frames of 64x64 px (`frames/<n>/<i>.png`, a frame-list video at 2 fps)
+with a question its first frame cannot answer. "Which way does the <shape> move?": one shape starts at the
+centre (within 2 px) and steps 8 px a frame left, right, up or down ("It moves left."). "Which colour appears
+first?": the first frame is empty, one shape appears in the second, a second shape of another colour in the
+third ("The red one."). So a model that sees only the first frame is at chance (ln 4, ln 6 nats an answer);
+one that sees the frames in order is not (`tests/test_tiny_vlm_video.py`).
 """
 
 import base64
@@ -67,19 +74,13 @@ SYSTEM_PROMPT = "You look at pictures and answer briefly."
 
 def _draw(rng: random.Random, shapes: list[tuple[str, str]]) -> Image.Image:
     width, height = rng.choice([48, 64, 80, 96]), rng.choice([48, 64, 80, 96])
-    image = Image.new("RGB", (width, height), (235, 235, 225))
+    image = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(image)
     for shape, colour in shapes:
         size = rng.randint(min(width, height) // 3, min(width, height) * 2 // 3) // max(1, len(shapes) - 1)
         size = max(size, 10)
         x, y = rng.randint(0, width - size), rng.randint(0, height - size)
-        box, fill = (x, y, x + size, y + size), COLOURS[colour]
-        if shape == "circle":
-            draw.ellipse(box, fill=fill)
-        elif shape == "square":
-            draw.rectangle(box, fill=fill)
-        else:
-            draw.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+        _draw_at(draw, shape, colour, x, y, size)
     return image
 
 
@@ -102,20 +103,72 @@ def _question(rng: random.Random) -> tuple[list[list[tuple[str, str]]], str, str
             "Do the two pictures show the same shape?", answer)
 
 
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+VIDEO_FRAMES, VIDEO_SIDE, VIDEO_STEP, VIDEO_SHAPE = 4, 64, 8, 24  # frames, px a side, px a frame, shape side
+BACKGROUND = (235, 235, 225)
+# the video processor's mean colour: a background that normalizes to zero, so a frame's features are its shapes
+VIDEO_BACKGROUND = (123, 117, 104)
+VIDEO_COLOURS = sorted(COLOURS)
+
+
+def _draw_at(draw: ImageDraw.ImageDraw, shape: str, colour: str, x: int, y: int, size: int) -> None:
+    box, fill = (x, y, x + size, y + size), COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+
+
+def _video(rng: random.Random) -> tuple[list[Image.Image], str, str]:
+    """(frames, question, answer) of one generated video (module docstring)."""
+    frames = [Image.new("RGB", (VIDEO_SIDE, VIDEO_SIDE), VIDEO_BACKGROUND) for _ in range(VIDEO_FRAMES)]
+    draws = [ImageDraw.Draw(f) for f in frames]
+    shape = rng.choice(SHAPES)
+    if rng.random() < 0.5:
+        colour, direction = rng.choice(VIDEO_COLOURS), rng.choice(sorted(DIRECTIONS))
+        (dx, dy), centre = DIRECTIONS[direction], (VIDEO_SIDE - VIDEO_SHAPE) // 2
+        x, y = centre + rng.randint(-2, 2), centre + rng.randint(-2, 2)
+        for i, draw in enumerate(draws):
+            _draw_at(draw, shape, colour, x + dx * VIDEO_STEP * i, y + dy * VIDEO_STEP * i, VIDEO_SHAPE)
+        return frames, f"Which way does the {shape} move?", f"It moves {direction}."
+    first, second = rng.sample(VIDEO_COLOURS, 2)
+    half = VIDEO_SIDE // 2
+    spots = rng.sample([(qx, qy) for qx in (0, half) for qy in (0, half)], 2)  # two quadrants
+    for colour, (qx, qy), start in ((first, spots[0], 1), (second, spots[1], 2)):
+        x, y = qx + rng.randint(0, half - VIDEO_SHAPE), qy + rng.randint(0, half - VIDEO_SHAPE)  # inside it
+        for draw in draws[start:]:
+            _draw_at(draw, shape, colour, x, y, VIDEO_SHAPE)
+    return frames, "Which colour appears first?", f"The {first} one."
+
+
 def _png(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG", optimize=True)
     return buf.getvalue()
 
 
-def generate(out: Path, train_rows: int = 320, val_rows: int = 32, seed: int = 0) -> None:
-    """Write `train.jsonl`, `val.jsonl` and `images/` into `out` (deterministic)."""
-    rng = random.Random(seed)
+def generate(out: Path, train_rows: int = 480, val_rows: int = 96, seed: int = 0) -> None:
+    """Write `train.jsonl`, `val.jsonl`, `images/` and `frames/` into `out` (deterministic); every third row
+    a video."""
+    rng, video_rng = random.Random(seed), random.Random(seed + 1)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    n_images = 0
+    n_images = n_videos = 0
     for name, count in (("train.jsonl", train_rows), ("val.jsonl", val_rows)):
         lines = []
         for i in range(count):
+            if i % 3 == 2:
+                frames, question, answer = _video(video_rng)
+                (out / "frames" / str(n_videos)).mkdir(parents=True)
+                paths = [f"frames/{n_videos}/{k}.png" for k in range(len(frames))]
+                for path, frame in zip(paths, frames):
+                    (out / path).write_bytes(_png(frame))
+                n_videos += 1
+                user = [{"type": "video", "video": paths, "fps": 2}, {"type": "text", "text": question}]
+                lines.append(json.dumps({"messages": [{"role": "user", "content": user},
+                                                      {"role": "assistant", "content": answer}]}))
+                continue
             pictures, question, answer = _question(rng)
             parts = []
             for shapes in pictures:
@@ -145,14 +198,14 @@ def _root(cache_dir) -> Path:
 
 
 def tiny_vlm_data_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The generated set's directory (built on first use): `train.jsonl`, `val.jsonl`, `images/`."""
+    """The generated set's directory (built on first use): `train.jsonl`, `val.jsonl`, `images/`, `frames/`."""
     source = Path(__file__).read_bytes()  # the generator itself determines the data
     out = _root(cache_dir) / f"tiny_vlm-data-{_digest(hashlib.sha256(source).hexdigest())}"
     return cached_dir(out, generate)
 
 
 def _text_rows(path: Path) -> list[dict]:
-    """The set's rows with image parts dropped: what the tiny BPE is trained on."""
+    """The set's rows with image and video parts dropped: what the tiny BPE is trained on."""
     rows = []
     for line in path.read_text().splitlines():
         messages = json.loads(line)["messages"]

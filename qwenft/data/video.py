@@ -353,3 +353,17 @@ def with_overrides(s: VideoSettings, **overrides) -> VideoSettings:
     s = replace(s, **{k: float(v) if k == "fps" else v for k, v in overrides.items() if v is not None})
     check_settings(s)
     return s
+
+
+def budget_patches(path_or_name: str, max_pixels: int | None = None) -> int:
+    """Vision patches of one video at its pixel budget, for `qwenft plan`: `max_pixels` (data.video.max_pixels;
+    None = the checkpoint's `size.longest_edge`) bounds frames x h x w, so at most max_pixels / (temporal patch x
+    patch^2) patches. `path_or_name`: a checkpoint dir (its video processor config) or "tiny_vlm"."""
+    if path_or_name == "tiny_vlm":
+        from qwenft.data.tiny_vlm import VIDEO_PROCESSOR as config
+    else:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        config = Qwen3VLVideoProcessor.from_pretrained(path_or_name).to_dict()
+    max_pixels = config["size"]["longest_edge"] if max_pixels is None else max_pixels
+    return max_pixels // (config["temporal_patch_size"] * config["patch_size"] ** 2)

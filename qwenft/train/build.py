@@ -252,9 +252,6 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
         data.cache_note = ("image rows tokenized in memory on every rank (no token cache for images); pixels made "
                            + (f"ahead by {workers} worker thread{'s' if workers > 1 else ''} (data.num_workers)"
                               if workers else "in the training loop (data.num_workers=0)"))
-        if data.num_video_documents and cfg.mesh.pp > 1:  # the pipeline schedule carries images only
-            raise ValueError(f"mesh.pp={cfg.mesh.pp}: {data.num_video_documents} documents of "
-                             f"{path or cfg.data.path} have videos, which train with mesh.pp=1 only for now")
     elif cfg.data.sources and path is None:
         from qwenft.data.mixture import build_mixture_data
 

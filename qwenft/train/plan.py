@@ -203,13 +203,22 @@ def _stage_activations(ctx: _Context, module, mode: str | None = None) -> tuple[
 
 def _vision_activations(ctx: _Context, module) -> tuple[float, float]:
     """(AC off, AC on) vision tower activations of one microbatch; 0 without a tower or when it is frozen.
-    Patches per sequence: plan.image_patches, else every token an image token (seq_len x merge^2)."""
+    Patches per sequence: plan.image_patches + plan.videos x one video's patches at its pixel budget, at most
+    every token a vision token (seq_len x merge^2, also the default when neither is set). A video's patches
+    cost what an image's do: the same blocks, attention within each frame pair."""
     from qwenft.models.freeze import VISION_PROJECTOR
 
     visual, vision = getattr(module, "visual", None), ctx.model_cfg.vision
     if visual is None:
         return 0.0, 0.0
-    patches = (ctx.cfg.plan.image_patches or ctx.cfg.data.seq_len * vision["spatial_merge_size"] ** 2)
+    cfg = ctx.cfg
+    patches = cfg.data.seq_len * vision["spatial_merge_size"] ** 2
+    if cfg.plan.image_patches or cfg.plan.videos:
+        from qwenft.data.video import budget_patches
+
+        source = cfg.data.tokenizer or cfg.model.path or "tiny_vlm"
+        videos = cfg.plan.videos * budget_patches(source, cfg.data.video.max_pixels) if cfg.plan.videos else 0
+        patches = min(patches, (cfg.plan.image_patches or 0) + videos)
     patches *= ctx.spec.batching.microbatch_size
     trained = {n.startswith(f"{VISION_PROJECTOR}.") for n, p in visual.named_parameters() if p.requires_grad}
     c = ctx.compute_bytes

@@ -26,7 +26,7 @@ SCHEDULES = {
 
 
 def stack_images(pixel_values: list, image_grid_thw: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-microbatch images -> two tensors whose dim 0 splits evenly into microbatches (zero padding),
+    """Per-microbatch images (or videos) -> two tensors whose dim 0 splits evenly into microbatches (zero padding),
     so a schedule can chunk them like the token tensors. `StageModel` drops the padding again. At least
     one (padding) row per microbatch, since torch's splitter refuses a dim 0 smaller than the chunk count."""
     max_patches = max(1, max(p.shape[0] for p in pixel_values))
@@ -114,14 +114,16 @@ def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, 
 @dataclass
 class PipelineBatch:
     """The microbatches of one step on one dp rank, stacked along dim 0 ([n * microbatch_size, seq_len]).
-    M-RoPE `position_ids` are stored batch-first, [n * microbatch_size, 3, seq_len]; images padded per
-    microbatch (`stack_images`); `padding_mask` (the rows' padding tails) reaches every stage, whose MoE layers
+    M-RoPE `position_ids` are stored batch-first, [n * microbatch_size, 3, seq_len]; images and videos padded
+    per microbatch (`stack_images`); `padding_mask` (the rows' padding tails) reaches every stage, whose MoE layers
     leave those tokens out of the aux loss."""
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
     padding_mask: torch.Tensor | None = None
     mtp_labels: torch.Tensor | None = None  # model.mtp=train|head: the MTP head's targets, to the last stage
 
@@ -129,10 +131,10 @@ class PipelineBatch:
     def from_microbatches(cls, microbatches: list[dict], device) -> "PipelineBatch":
         cat = lambda key: torch.cat([mb[key] for mb in microbatches]).to(device)  # noqa: E731
         images = {}
-        if "pixel_values" in microbatches[0]:
-            pv, grid = stack_images([mb["pixel_values"] for mb in microbatches],
-                                    [mb["image_grid_thw"] for mb in microbatches])
-            images = {"pixel_values": pv.to(device), "image_grid_thw": grid.to(device)}
+        for pixels, grids in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            if pixels in microbatches[0]:
+                pv, grid = stack_images([mb[pixels] for mb in microbatches], [mb[grids] for mb in microbatches])
+                images.update({pixels: pv.to(device), grids: grid.to(device)})
         positions = [mb["position_ids"] for mb in microbatches]
         if positions[0].dim() == 3:  # M-RoPE [3, B, T] -> [B, 3, T]: the schedule splits dim 0 into microbatches
             positions = [p.transpose(0, 1) for p in positions]
@@ -147,6 +149,8 @@ class PipelineBatch:
             kw["labels"] = self.labels
         if self.pixel_values is not None:
             kw.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
+        if self.pixel_values_videos is not None:
+            kw.update(pixel_values_videos=self.pixel_values_videos, video_grid_thw=self.video_grid_thw)
         if self.padding_mask is not None:
             kw["padding_mask"] = self.padding_mask
         if self.mtp_labels is not None:

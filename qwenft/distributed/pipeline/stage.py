@@ -18,9 +18,10 @@ class StageModel(Qwen3_5Model):
 
     cu_seqlens is rebuilt from `position_ids` on each stage, since its length varies per microbatch and
     pipelining only sends fixed-shape activations. M-RoPE position ids arrive batch-first, `[B, 3, T]`, so the
-    schedule's dim-0 split cuts batch rows, and are turned back into `[3, B, T]` here. Images travel padded to
-    a fixed size (`stack_images`): `image_grid_thw` rows of zeros and `pixel_values` rows past the last real
-    patch are dropped here, and a microbatch left without images gives the model `pixel_values=None`.
+    schedule's dim-0 split cuts batch rows, and are turned back into `[3, B, T]` here. Images and videos travel
+    padded to a fixed size (`stack_images`): grid rows of zeros and pixel rows past the last real patch are
+    dropped here (`_unpad`), and a microbatch left without images (videos) gives the model `pixel_values=None`
+    (`pixel_values_videos=None`).
     `labels` reach every stage when the head computes the loss itself (chunked or fused CE); only the last
     stage uses them.
 
@@ -31,8 +32,8 @@ class StageModel(Qwen3_5Model):
     those tokens out of the routing statistics.
     """
 
-    def forward(self, x, *carried, position_ids, pixel_values=None, image_grid_thw=None, labels=None,
-                padding_mask=None, mtp_labels=None):
+    def forward(self, x, *carried, position_ids, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+                video_grid_thw=None, labels=None, padding_mask=None, mtp_labels=None):
         # what an earlier stage returned after its hidden states: the routing so far (MoE), then the next tokens'
         # embeddings (model.mtp=train|head)
         carried = list(carried)
@@ -52,12 +53,22 @@ class StageModel(Qwen3_5Model):
         if self.embed_tokens is None:
             return super().forward(hidden_states=x, position_ids=position_ids, cu_seqlens=cu_seqlens, labels=labels,
                                    **moe, **mtp)
-        if image_grid_thw is not None:
-            image_grid_thw = image_grid_thw[image_grid_thw.prod(-1) > 0]
-            pixel_values = pixel_values[: int(image_grid_thw.prod(-1).sum())] if len(image_grid_thw) else None
-            image_grid_thw = image_grid_thw if len(image_grid_thw) else None
+        pixel_values, image_grid_thw = _unpad(pixel_values, image_grid_thw)
+        pixel_values_videos, video_grid_thw = _unpad(pixel_values_videos, video_grid_thw)
         return super().forward(input_ids=x, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                               pixel_values=pixel_values, image_grid_thw=image_grid_thw, labels=labels, **moe, **mtp)
+                               pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                               pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw, labels=labels,
+                               **moe, **mtp)
+
+
+def _unpad(pixels, grid):
+    """A microbatch's images (videos) without `stack_images`' padding; (None, None) when it has none."""
+    if grid is None:
+        return None, None
+    grid = grid[grid.prod(-1) > 0]
+    if not len(grid):
+        return None, None
+    return pixels[: int(grid.prod(-1).sum())], grid
 
 
 def build_stage_model(cfg, layer_ids, embed: bool, head: bool, kernels: str, ce_chunk_tokens: int = 0,
