@@ -144,18 +144,20 @@ bench fake_cp4_128k_last_span 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3
 bench fake_cp4_128k_balanced 90 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
 bench one_gpu_32k 90 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768 ;;
-cp_balanced)  # attention by halves against contiguous spans at 131,072 tokens a row (fake cp4, the last span: the
-# heaviest contiguous one; a balanced rank does the same work whichever span it plays), then one GPU at 32,768;
-# the first run compiles fla's kernels on a fresh machine, the one-GPU run the unsplit ones
+cp_balanced)  # attention by halves at 131,072 tokens a row (fake cp4, the last span's rank: a balanced rank does the
+# same work whichever span it plays) against one GPU at 32,768, each with auto's attention kernel (cuDNN by document
+# piece for these one-document rows) and with the varlen flash kernel (FlashAttention 2); the first run compiles
+# fla's kernels on a fresh machine, the one-GPU runs the unsplit ones. BUDGET_S caps the whole part.
 start=$(date +%s)
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
 long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
 bench fake_cp4_128k_balanced 270 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true
-bench fake_cp4_128k_last_span 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
-  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=false
-bench one_gpu_32k $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
-  data.seq_len=32768 ;;
+bench one_gpu_32k 100 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768
+bench fake_cp4_128k_balanced_flash 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true model.kernels.attention=flash_varlen
+bench one_gpu_32k_flash $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
+  data.seq_len=32768 model.kernels.attention=flash_varlen ;;
 fp8)  # float8 matmuls (torchao, which the GPU kit lacks: unzip its wheel into a directory on PYTHONPATH first) against bf16, AC off,
 # compiled, bf16 numerics; the first run compiles fla's and inductor's kernels. FP8_RECIPES picks the recipes.
 bench bf16_ac_off_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \

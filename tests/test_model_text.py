@@ -161,6 +161,27 @@ def test_attention_kernel_choice():
         resolve_attention_kernel("flash_varlen", True, cuda, torch.float32)
     with pytest.raises(ValueError, match="model.kernels.attention='bogus'; valid"):
         resolve_attention_kernel("bogus", True, cpu)
+    with pytest.raises(ValueError, match="model.kernels.attention=cudnn needs CUDA with cuDNN and bf16/fp16"):
+        resolve_attention_kernel("cudnn", True, cpu)
+
+
+def test_auto_takes_cudnn_for_long_documents(monkeypatch):
+    """auto: cuDNN by pieces where a call's documents average LONG_PIECES queries or more (empty documents of a
+    fixed layout not counted), the varlen flash kernel below that, and neither without cuDNN or in fp32."""
+    from qwenft.models.qwen3_5 import attention
+    from qwenft.models.qwen3_5.attention import LONG_PIECES, mean_piece, resolve_attention_kernel
+
+    cuda = torch.device("cuda")  # a device object only: the choice, not a kernel, is tested
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: object())
+    monkeypatch.setattr(attention, "_cudnn_ok", lambda device, dtype: device.type == "cuda" and dtype == torch.bfloat16)
+    assert mean_piece([0, 4096, 8192, 8192, 8192]) == 4096
+    assert resolve_attention_kernel("auto", True, cuda, torch.bfloat16, LONG_PIECES) == "cudnn"
+    assert resolve_attention_kernel("auto", True, cuda, torch.bfloat16, LONG_PIECES - 1) == "flash_varlen"
+    assert resolve_attention_kernel("auto", True, cuda, torch.bfloat16) == "flash_varlen"  # at start: unknown rows
+    assert resolve_attention_kernel("flash_varlen", True, cuda, torch.bfloat16, 10**6) == "flash_varlen"
+    assert resolve_attention_kernel("cudnn", True, cuda, torch.bfloat16, 1) == "cudnn"
+    assert resolve_attention_kernel("auto", True, cuda, torch.float16, 10**6) == "flash_varlen"  # no cuDNN here
+    assert resolve_attention_kernel("auto", True, cuda, torch.float32, 10**6) == "sdpa"
 
 
 def test_offsets_put_on_the_device_keep_their_host_copy():

@@ -65,3 +65,58 @@ def test_small_pieces_take_masked_sdpa(monkeypatch):
     q, k, v = _inputs(13, 18, seed=2)
     got = attend_pieces(q, k, v, 0.25, cu_q, cu_k, kernel="cudnn")  # never reaches cuDNN: every piece is small
     torch.testing.assert_close(got, _reference(q, k, v, 0.25, cu_q, cu_k), rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture
+def cudnn_here(monkeypatch):
+    """`model.kernels.attention=cudnn` allowed on the CPU: its pieces then run the CPU's flash kernel, the same
+    math (`attention.piece_kernel`), so the wiring below runs for real."""
+    from qwenft.models.qwen3_5 import attention
+
+    monkeypatch.setattr(attention, "_cudnn_ok", lambda device, dtype: True)
+
+
+def _grads(out, inputs, dout):
+    return [out, *torch.autograd.grad(out, inputs, dout)]
+
+
+def test_packed_rows_by_pieces_equal_the_dense_mask(cudnn_here):
+    """attention.attend with cudnn on two packed rows of documents of 1 to 70 tokens (offsets into the flattened
+    rows, as batches carry them) equals SDPA with the block-diagonal mask."""
+    from qwenft.models.qwen3_5.attention import attend
+    from qwenft.models.qwen3_5.varlen import to_device
+
+    B, T, heads, kv_heads, dim = 2, 80, 4, 2, 16
+    cu = to_device(torch.tensor([0, 70, 71, 73, 80, 100, 160]), torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    make = lambda h: torch.randn(B, h, T, dim, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    q, k, v = make(heads), make(kv_heads), make(kv_heads)
+    dout = torch.randn(B, T, heads, dim, generator=g, dtype=torch.float64)
+    got = _grads(attend(q, k, v, 0.25, cu, kernel="cudnn"), (q, k, v), dout)
+    want = _grads(attend(q, k, v, 0.25, cu, kernel="sdpa"), (q, k, v), dout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_context_parallel_ranges_by_pieces_equal_the_dense_mask(cudnn_here, balanced):
+    """context_parallel.attend_span with cudnn over every range a cp4 rank attends (its span, or its two halves
+    under mesh.cp_balanced_attention), on a stream with a document over three spans, one ending at a span edge
+    and 1-2 token ones, equals its masked SDPA path."""
+    from qwenft.models.qwen3_5.context_parallel import CPShard, attend_span
+
+    cp, total, heads, kv_heads, dim = 4, 96, 4, 2, 16
+    cu = torch.tensor([0, 2, 60, 72, 73, 75, 96])
+    g = torch.Generator().manual_seed(4)
+    keys, values = (torch.randn(1, kv_heads, total, dim, generator=g, dtype=torch.float64, requires_grad=True)
+                    for _ in range(2))
+    for rank in range(cp):
+        shard = CPShard(None, rank, cp, total, cu, torch.device("cpu"), balanced=balanced)
+        ranges = [shard.half(h) for h in shard.computes(rank)] if balanced else [(shard.start, shard.end)]
+        for start, end in ranges:
+            q = torch.randn(1, heads, end - start, dim, generator=g, dtype=torch.float64, requires_grad=True)
+            dout = torch.randn(1, end - start, heads, dim, generator=g, dtype=torch.float64)
+            got, want = (_grads(attend_span(q, keys, values, 0.25, shard, start, end, kernel), (q, keys, values), dout)
+                         for kernel in ("cudnn", "sdpa"))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)

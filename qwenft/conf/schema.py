@@ -37,7 +37,8 @@ class MeshOptions:
 @dataclass
 class KernelsOptions:
     gdn: str = "auto"  # auto = fla on CUDA when importable, else torch
-    # packed full attention: auto = flash_varlen on CUDA in bf16/fp16 (torch >= 2.10), else sdpa (dense block mask)
+    # packed full attention: auto = on CUDA in bf16/fp16, cudnn for rows of long documents (2048+ tokens on average)
+    # and flash_varlen (torch >= 2.10) for the rest; else sdpa (dense block mask)
     attention: str = "auto"
     # the lm_head's cross-entropy: fused = gradients formed in the forward, no fp32 logits, a vocab-parallel head
     # too (qwenft.models.linear_ce); auto = fused on CUDA, else torch
@@ -289,7 +290,7 @@ CHOICES = {
     "mesh.backend": ("auto", "nccl", "gloo"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.kernels.gdn": ("auto", "fla", "torch"),
-    "model.kernels.attention": ("auto", "sdpa", "flash_varlen"),
+    "model.kernels.attention": ("auto", "sdpa", "flash_varlen", "cudnn"),
     "model.kernels.ce": ("auto", "torch", "fused"),
     "model.kernels.moe": ("auto", "grouped_mm", "loop"),
     "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective", "auto"),

@@ -389,6 +389,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         signals.clear_marker(run_dir)
 
     from qwenft.models.loader import checkpoint_files
+    from qwenft.models.qwen3_5.attention import LONG_PIECES, resolve_attention_kernel
     from qwenft.models.qwen3_5.gdn import check_kernel
 
     torch.manual_seed(cfg.seed)
@@ -406,6 +407,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
             checkpoint_files(Path(cfg.model.path))
     dtypes = resolve_dtypes(cfg, device.type)
     spec = RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device.type, dtypes))
+    attention = resolve_attention_kernel(cfg.model.kernels.attention, True, device, dtypes.compute)  # fails at start
     if not spec.parallel.fsdp:
         moot = [f"{key}={str(value).lower()}" for key, value in (
             ("mesh.fsdp_prefetch", cfg.mesh.fsdp_prefetch),
@@ -482,8 +484,11 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     gdn = resolve_gdn_kernel(cfg.model.kernels.gdn)
     if gdn == "fla" and gdn_graphs(spec.parallel.cuda_graphs, spec.layout.tp):
         gdn += ", replayed as CUDA graphs (model.cuda_graphs, mesh.tp > 1)"
-    log.info("kernels: GatedDeltaNet %s (model.kernels.gdn=%s); cross-entropy %s (model.kernels.ce=%s); optimizer "
-             "%s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn, spec.parallel.ce_kernel, cfg.model.kernels.ce,
+    if cfg.model.kernels.attention == "auto" and attention == "flash_varlen":
+        attention += f" (cuDNN by document piece where a row's documents average {LONG_PIECES}+ tokens)"
+    log.info("kernels: GatedDeltaNet %s (model.kernels.gdn=%s); attention %s (model.kernels.attention=%s); "
+             "cross-entropy %s (model.kernels.ce=%s); optimizer %s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn,
+             attention, cfg.model.kernels.attention, spec.parallel.ce_kernel, cfg.model.kernels.ce,
              type(optimizer).__name__, "fused" if fused else "foreach", cfg.optim.fused)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)

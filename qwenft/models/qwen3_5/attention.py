@@ -1,8 +1,9 @@
 """Gated full attention, Qwen3.5's RMSNorm and (M-)RoPE.
 
 Packed batches (cu_seqlens) attend block-diagonally: on CUDA in bf16/fp16 through torch's varlen flash
-kernel, which never forms a mask; elsewhere (fp32, CPU, `model.kernels.attention=sdpa`) through SDPA with a
-dense block-diagonal causal mask.
+kernel, which never forms a mask, or, for rows of few long documents, cuDNN's attention one document piece at a
+time (piece_attention: faster than FlashAttention 2 at head_dim 256, one kernel call pair a piece); elsewhere
+(fp32, CPU, `model.kernels.attention=sdpa`) through SDPA with a dense block-diagonal causal mask.
 """
 
 import functools
@@ -16,7 +17,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from .configs import TextConfig
 from .varlen import varlen_info
 
-ATTENTION_KERNELS = ("auto", "sdpa", "flash_varlen")
+ATTENTION_KERNELS = ("auto", "sdpa", "flash_varlen", "cudnn")
+# auto takes cuDNN by pieces where a call's document pieces average at least this many queries: there the kernel's
+# speed outweighs a kernel call pair per piece; shorter documents go to the varlen flash kernel's single call
+LONG_PIECES = 2048
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
@@ -206,17 +210,52 @@ def _varlen_attn_params() -> frozenset:
     return frozenset(inspect.signature(_varlen_attn()).parameters)
 
 
-def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+def _cudnn_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention (with its log-sum-exp, for piece_attention) runs here."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cudnn.is_available()
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
+
+
+def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                             mean_piece: float | None = None) -> str:
+    """The kernel that runs `model.kernels.attention=kernel`: sdpa, flash_varlen or cudnn. `mean_piece`: the
+    call's queries per document piece (auto takes cudnn from LONG_PIECES up); None, as at start, never picks it."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"model.kernels.attention={kernel!r}; valid: {list(ATTENTION_KERNELS)}")
     flash_ok = device.type == "cuda" and _varlen_attn() is not None
-    half = dtype in (torch.float16, torch.bfloat16)  # the flash kernel takes no fp32
+    half = dtype in (torch.float16, torch.bfloat16)  # neither kernel takes fp32
     if kernel == "flash_varlen" and not (flash_ok and half):
         raise ValueError(f"model.kernels.attention=flash_varlen needs CUDA, torch >= 2.10 and bf16/fp16 compute "
                          f"(have {device.type}, torch {torch.__version__}, {dtype}); use auto or sdpa")
+    if kernel == "cudnn" and not _cudnn_ok(device, dtype):
+        raise ValueError(f"model.kernels.attention=cudnn needs CUDA with cuDNN and bf16/fp16 compute "
+                         f"(have {device.type}, {dtype}); use auto or sdpa")
     if kernel == "auto":
+        if packed and mean_piece is not None and mean_piece >= LONG_PIECES and _cudnn_ok(device, dtype):
+            return "cudnn"
         return "flash_varlen" if packed and flash_ok and half else "sdpa"
     return kernel
+
+
+def mean_piece(offsets: list[int]) -> float:
+    """Queries per non-empty piece of the host offsets `offsets` (a fixed layout's empty documents left out)."""
+    pieces = sum(b > a for a, b in zip(offsets[:-1], offsets[1:]))
+    return (offsets[-1] - offsets[0]) / max(1, pieces)
+
+
+def piece_kernel(device: torch.device) -> str:
+    """piece_attention's kernel for `model.kernels.attention=cudnn` on `device`: cuDNN's; on the CPU (tests only:
+    the choice needs CUDA) its flash kernel, the same math."""
+    return "cudnn" if device.type == "cuda" else "cpu_flash"
+
+
+def _by_pieces(q_bhtd, k_bhtd, v_bhtd, scale: float, offsets: list[int]) -> torch.Tensor:
+    """Packed causal attention one document at a time through piece_attention -> [B, T, H, D]."""
+    from .piece_attention import attend_pieces
+
+    B, H, T, D = q_bhtd.shape
+    q, k, v = (t.transpose(0, 1).reshape(1, t.shape[1], B * T, D) for t in (q_bhtd, k_bhtd, v_bhtd))  # views at B=1
+    return attend_pieces(q, k, v, scale, offsets, offsets, piece_kernel(q.device)).view(B, T, H, D)
 
 
 def _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -259,8 +298,12 @@ def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
-    if resolve_attention_kernel(kernel, True, q_bhtd.device, q_bhtd.dtype) == "flash_varlen":
+    offsets = varlen_info(cu_seqlens).offsets
+    chosen = resolve_attention_kernel(kernel, True, q_bhtd.device, q_bhtd.dtype, mean_piece(offsets))
+    if chosen == "flash_varlen":
         return _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale, cu_seqlens)
+    if chosen == "cudnn":
+        return _by_pieces(q_bhtd, k_bhtd, v_bhtd, scale, offsets)
     B, _, T, _ = q_bhtd.shape
     doc = document_ids(cu_seqlens, B, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=q_bhtd.device).tril()

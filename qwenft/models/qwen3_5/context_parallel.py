@@ -86,19 +86,25 @@ class CPShard:
         """`segments` as int64 offsets on the stream's device (the span's own packed layout)."""
         return torch.tensor(self.segments, dtype=torch.long, device=self.device)
 
-    def flash_offsets(self, start: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
-        """For the flash kernel, the queries [start, end) of the stream: the first stream token that one of them
-        sees (the start of the document `start` is in); each document piece's int32 offsets among the queries
-        and among the keys [first, end), on the stream's device; and the longest piece's queries and keys. Only
-        the first piece has fewer queries than keys: its queries are its keys' last ones. Once per range."""
+    def piece_offsets(self, start: int, end: int) -> tuple[int, list[int], list[int]]:
+        """The queries [start, end) of the stream by document piece, on the host: the first stream token that one
+        of them sees (the start of the document `start` is in), and each piece's offsets among the queries and
+        among the keys [first, end). Only the first piece has fewer queries than keys: its queries are its keys'
+        last ones. Once per range."""
         def make():
             cu = self.cu_seqlens_cpu.tolist()
             first = max(c for c in cu if c <= start)
             inside = [c for c in cu if start < c < end]
-            cu_q = [0, *(c - start for c in inside), end - start]
-            cu_k = [0, *(c - first for c in inside), end - first]
-            longest = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in (cu_q, cu_k))
-            on_device = (copy_to_device(torch.tensor(c, dtype=torch.int32), self.device) for c in (cu_q, cu_k))
+            return first, [0, *(c - start for c in inside), end - start], [0, *(c - first for c in inside), end - first]
+        return self._cached(("pieces", start, end), make)
+
+    def flash_offsets(self, start: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
+        """`piece_offsets` for the flash kernel: the first key, the offsets as int32 on the stream's device, and
+        the longest piece's queries and keys. Once per range."""
+        def make():
+            first, *offsets = self.piece_offsets(start, end)
+            longest = (max(b - a for a, b in zip(c[:-1], c[1:])) for c in offsets)
+            on_device = (copy_to_device(torch.tensor(c, dtype=torch.int32), self.device) for c in offsets)
             return first, *on_device, *longest
         return self._cached(("flash", start, end), make)
 
@@ -349,10 +355,17 @@ def attend_span(q_bhld, keys, values, scale: float, shard: CPShard, start: int, 
     """The queries [1, H, l, D] of the stream's tokens [start, end) over the whole stream's keys and values
     [1, Hkv, T, D] -> [1, l, H, D]. `kernel`: model.kernels.attention. The flash kernel takes each document
     piece of the range as a sequence whose keys run from its document's start (the first piece's queries are
-    its keys' last ones); masked SDPA, the CPU's path, an [l, end] mask."""
-    from .attention import flash_varlen, resolve_attention_kernel
+    its keys' last ones), cuDNN's takes the same pieces one at a time (piece_attention); masked SDPA, the CPU's
+    path, an [l, end] mask."""
+    from .attention import flash_varlen, mean_piece, piece_kernel, resolve_attention_kernel
+    from .piece_attention import attend_pieces
 
-    if resolve_attention_kernel(kernel, True, q_bhld.device, q_bhld.dtype) == "flash_varlen":
+    first, cu_q, cu_k = shard.piece_offsets(start, end)
+    chosen = resolve_attention_kernel(kernel, True, q_bhld.device, q_bhld.dtype, mean_piece(cu_q))
+    if chosen == "cudnn":
+        return attend_pieces(q_bhld, keys[:, :, first:end], values[:, :, first:end], scale, cu_q, cu_k,
+                             piece_kernel(q_bhld.device))
+    if chosen == "flash_varlen":
         first, *offsets = shard.flash_offsets(start, end)
         q = q_bhld[0].transpose(0, 1).contiguous()  # [l, H, D]
         k, v = (t[0, :, first:end].transpose(0, 1).contiguous() for t in (keys, values))  # [end - first, Hkv, D]

@@ -1,6 +1,6 @@
 """Causal attention of document pieces through a dense kernel that returns its log-sum-exp: cuDNN's on CUDA,
 faster than FlashAttention 2 at Qwen3.5's head_dim 256 (docs/performance.md), and the CPU's flash kernel, the
-same math, as its reference in tests. Not yet a `model.kernels.attention` choice: nothing in a run calls it.
+same math, as its reference in tests. `model.kernels.attention=cudnn` (or auto, for long documents) runs it.
 
 A piece is `lq` queries of one document over `lk >= lq` keys of it, the queries being the keys' last ones: a
 whole document (lq == lk), or a context-parallel span's piece of a document that began before the span. A dense

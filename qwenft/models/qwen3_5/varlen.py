@@ -27,6 +27,11 @@ class Varlen:
     max_len: int  # longest document
 
     @functools.cached_property
+    def offsets(self) -> list[int]:
+        """`cu_seqlens_cpu` as a list (what attention's kernel choice and cuDNN's pieces read per layer)."""
+        return self.cu_seqlens_cpu.tolist()
+
+    @functools.cached_property
     def chunk_indices(self) -> torch.Tensor:
         """[blocks, 2] int64 on the batch's device: (document, block within it) of every FLA_CHUNK-token block
         of every document, in order (what fla's `prepare_chunk_indices` computes), built on the host."""
