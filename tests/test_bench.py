@@ -12,7 +12,7 @@ from torch.autograd import DeviceType
 
 from bench_modes import train as bench_train
 from distributed import free_port, run_distributed
-from helpers import REPO, compose
+from helpers import REPO, build_data, call_alone, compose, model_config
 
 BENCH = str(REPO / "scripts" / "bench.py")
 
@@ -207,9 +207,9 @@ def test_media_mode_measures_video_and_image_batches_of_one_token_count(tmp_path
 
     monkeypatch.setattr(configs, "_tiny_vlm", configs._tiny_vlm)  # media's model for the run, restored after it
     out = tmp_path / "media.json"
-    media.main(["--rows", "2", "--frames", "4", "--size", "32", "64", "--text", "tiny", "--vision-depth", "1",
-                "--repeat", "1", "--json", str(out), "data.seq_len=256", "train.max_steps=3",
-                "train.global_batch_size=1"])
+    call_alone(media.main, ["--rows", "2", "--frames", "4", "--size", "32", "64", "--text", "tiny", "--vision-depth",
+                            "1", "--repeat", "1", "--json", str(out), "data.seq_len=256", "train.max_steps=3",
+                            "train.global_batch_size=1"])
     report = json.loads(out.read_text())
     assert report["vision_tokens_by_micro_batch"] == [2 * 2 * 2] * 3  # 3 steps of 1 micro batch
     tokens = report["tokens_by_micro_batch"]
@@ -243,3 +243,35 @@ def test_media_profile_names_the_vision_towers_forward():
     assert len(ranges) == 3
     for r in ranges:  # the tower's matmul inside, the relu after it outside
         assert [c.name for c in r.cpu_children] == ["aten::linear"]
+
+
+def _tower_under_fsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from bench_modes.media import tower_seconds
+    from qwenft.distributed.fsdp import apply_fsdp
+    from qwenft.distributed.mesh import init_process_group
+    from qwenft.models.loader import build_model
+
+    init_process_group("gloo")
+    cfg = compose(["recipe=tiny_vlm", "data.seq_len=128"])
+    model_cfg = model_config(cfg)
+    _, data, _ = build_data(cfg, model_cfg, 1, 0, 1)
+    mb = next(b for b in data if len(b["video_grid_thw"]))
+    model = build_model(model_cfg, device="cpu")
+    apply_fsdp(model, init_device_mesh("cpu", (1,)), torch.bfloat16)  # fp32 weights computing in bf16
+    calls = []
+    model.visual.merger.register_forward_hook(lambda module, args, out: calls.append(("forward", out.dtype)))
+    model.visual.merger.register_full_backward_hook(lambda *_: calls.append(("backward", None)))
+    seconds = tower_seconds(model, [mb], torch.device("cpu"), repeat=2)
+    sharded = all(isinstance(p, DTensor) and p.grad is None for p in model.parameters())
+    return seconds, calls, sharded
+
+
+def test_media_times_the_tower_of_an_fsdp_model():
+    """A GPU run keeps fp32 weights computing in bf16, so FSDP wraps the model and the tower's weights are the
+    root unit's, sharded outside the model's forward: `bench.py media` gathers them for its rounds (one untimed
+    and 2 timed: 3 forwards, in bf16, and 3 backwards) and leaves the model sharded, without gradients."""
+    seconds, calls, sharded = call_alone(_tower_under_fsdp)
+    assert seconds > 0 and calls == [("forward", torch.bfloat16), ("backward", None)] * 3 and sharded

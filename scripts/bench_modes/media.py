@@ -86,10 +86,20 @@ def check_same_tokens(batches: dict[str, list[dict]], token_ids: dict[str, int])
 def tower_seconds(model, micro_batches: list[dict], device, repeat: int) -> float:
     """Median over `repeat` rounds (after one untimed) of the vision tower's forward + backward over `micro_batches`:
     `model.visual` called on each micro batch's pixels and grids as the model's forward calls it, then a backward
-    from its output embeddings."""
+    from its output embeddings.
+
+    Under FSDP (one GPU too, when the weights are stored in another dtype than they compute in) the tower's
+    weights belong to the root unit, which only the model's own forward gathers: here the root is gathered
+    (in the compute dtype) before the rounds and released after them, so its gather is not timed, nor the
+    reduction of its gradients, which land in the gathered copies and are dropped."""
+    from torch.distributed.fsdp import FSDPModule
+
     from qwenft.train.evaluate import device_batch
 
     batches = [device_batch(mb, device) for mb in micro_batches]
+    sharded = isinstance(model, FSDPModule)
+    if sharded:
+        model.unshard()
     with torch.no_grad():
         embeds = [model.embed_tokens(mb["input_ids"]) for mb in batches]
 
@@ -112,6 +122,8 @@ def tower_seconds(model, micro_batches: list[dict], device, repeat: int) -> floa
         sync()
         times.append(time.perf_counter() - start)
     model.visual.zero_grad(set_to_none=True)
+    if sharded:
+        model.reshard()
     return statistics.median(times[1:])
 
 
@@ -206,7 +218,7 @@ def measure(args, overrides: list[str], root: Path) -> dict:
     use_model(args.text, args.vision_depth)
     videos = write_videos(root, args.rows, args.frames, height, width)
     # every frame and picture kept at its size: the budgets allow exactly it
-    base = ["recipe=tiny_vlm", "data.seq_len=8192", "train.max_steps=6", "train.global_batch_size=2",
+    base = ["recipe=tiny_vlm", "data.seq_len=8192", "train.max_steps=8", "train.global_batch_size=2",
             "train.micro_batch_size=1", "lr_scheduler.warmup_steps=0", "checkpoint.every_steps=0",
             "checkpoint.export_hf=false", f"data.image.max_pixels={height * width}", "data.image.min_pixels=1024",
             f"data.video.max_pixels={args.frames * height * width}", f"data.video.min_frames={args.frames}",
