@@ -1,5 +1,4 @@
-"""Tokens/s of VLM video micro batches against image micro batches with the same token counts, and the vision
-tower's share of a step.
+"""Video micro batches' tokens/s against image micro batches' of the same token counts, and the vision tower's share.
 
     python scripts/bench.py media [--rows 8] [--frames 16] [--size 360 640] [--text 0.8b] [--vision-depth 12] \
         [--repeat 3] [--json out.json] [--profile PATH] [overrides ...]
@@ -194,6 +193,12 @@ def main(argv: list[str]) -> None:
     args, overrides = parser.parse_known_args(argv)
     if args.frames < 2 or args.frames % 2:
         parser.error(f"--frames {args.frames}: a video's frames pair into temporal patches; give an even number >= 2")
+    from qwenft.models.qwen3_5.configs import _named
+
+    if args.text not in _named():
+        parser.error(f"--text {args.text}: the decoder sizes are {', '.join(_named())}")
+    if args.rows < 1 or min(args.size) < 1:
+        parser.error(f"--rows {args.rows} --size {args.size[0]} {args.size[1]}: give at least 1 row of at least 1x1 px")
     with tempfile.TemporaryDirectory(prefix="qwenft_media_") as root:
         report = measure(args, overrides, Path(root))
     runs = {kind: report[kind] for kind in KINDS}
