@@ -35,14 +35,14 @@ from qwenft.conf import compose
 from qwenft.train.metrics import read_metrics_rows
 
 KINDS = ("image", "video")
-QUESTION = "Where does the square go?"
 
 
-def image_row(frames: list[str], filler: int) -> dict:
-    """A row with the pictures `frames` and data_workers' question, `filler` words longer."""
-    parts = [{"type": "image", "image": f} for f in frames]
-    parts.append({"type": "text", "text": QUESTION + " the" * filler})
-    return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "To the right."}]}
+def image_row(video_row: dict, filler: int) -> dict:
+    """data_workers' video row with its video's even frames as pictures, its question `filler` words longer."""
+    (user, answer), (video, question) = video_row["messages"], video_row["messages"][0]["content"]
+    parts = [{"type": "image", "image": f} for f in video["video"][::2]]
+    parts.append({"type": "text", "text": question["text"] + " the" * filler})
+    return {"messages": [{**user, "content": parts}, answer]}
 
 
 def write_image_rows(root: Path, videos: Path, processor, max_image_bytes: int) -> Path:
@@ -54,14 +54,13 @@ def write_image_rows(root: Path, videos: Path, processor, max_image_bytes: int) 
         return len(tokenize_vlm_row(row, processor, root, "assistant", max_image_bytes)[0])
 
     rows = [json.loads(line) for line in videos.read_text().splitlines()]
-    frames = [row["messages"][0]["content"][0]["video"][::2] for row in rows]
-    target, shortest = tokens(rows[0]), tokens(image_row(frames[0], 0))
-    filler = max(0, target - shortest) // (tokens(image_row(frames[0], 1)) - shortest)
-    if tokens(image_row(frames[0], filler)) != target:
+    target, shortest = tokens(rows[0]), tokens(image_row(rows[0], 0))
+    filler = max(0, target - shortest) // (tokens(image_row(rows[0], 1)) - shortest)
+    if tokens(image_row(rows[0], filler)) != target:
         raise ValueError(f"no filler text makes an image row {target} tokens long, the video row's (it has "
                          f"{shortest} without filler)")
     path = root / "images.jsonl"
-    path.write_text("".join(json.dumps(image_row(f, filler)) + "\n" for f in frames))
+    path.write_text("".join(json.dumps(image_row(row, filler)) + "\n" for row in rows))
     return path
 
 
