@@ -9,6 +9,7 @@
     python scripts/bench.py host [--repeat 20] recipe=tiny data.seq_len=16 [mesh.tp=2] [overrides ...]
     python scripts/bench.py activations [--docs 60] recipe=tiny model=qwen3_5_27b data.seq_len=4096 [overrides ...]
     python scripts/bench.py data_workers [--workers 0 2 4] [--videos 24] [--frames 16] [overrides ...]
+    python scripts/bench.py media [--frames 16] [--size 360 640] [--json out.json] [--profile PATH] [overrides ...]
 
 | mode | what it measures | needs |
 |---|---|---|
@@ -20,6 +21,7 @@
 | host | the host's time per decoder layer (kernels too small to matter) | CPU |
 | activations | the activation bytes per token autograd keeps, against `qwenft plan`'s estimate | CUDA or CPU |
 | data_workers | VLM video steps with micro batches made by `data.num_workers` threads, against batches made before the run | CUDA (or the CPU) |
+| media | tokens/s of VLM video micro batches against image micro batches of the same token counts; the vision tower's share of a step | CUDA (or the CPU) |
 
 `python scripts/bench.py MODE --help` lists a mode's options. Each mode's code is `scripts/bench_modes/MODE.py`.
 """
@@ -29,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations", "data_workers")
+MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations", "data_workers", "media")
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

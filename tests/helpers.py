@@ -89,6 +89,13 @@ def qwenft_alone(*args) -> int:
         return main(list(args))
 
 
+def call_alone(fn, *args):
+    """`fn(*args)` in this process, as train_alone runs a lone rank (a scripts/bench.py mode's `main` that trains
+    in-process, or code that makes its own process group); its result."""
+    with _alone():
+        return fn(*args)
+
+
 @contextmanager
 def _alone():
     """A process group made inside is destroyed after it and the rendezvous variables put back."""

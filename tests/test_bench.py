@@ -1,5 +1,5 @@
 """scripts/bench.py on the CPU: the training step's report and kernel breakdown, the mode dispatch, the host
-time and activation modes."""
+time, activation and media (video against image batches) modes."""
 
 import json
 import subprocess
@@ -7,11 +7,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from bench_modes import train as bench_train
 from distributed import free_port, run_distributed
-from helpers import REPO, compose
+from helpers import REPO, build_data, call_alone, compose, model_config
 
 BENCH = str(REPO / "scripts" / "bench.py")
 
@@ -131,8 +132,8 @@ def test_unknown_mode_names_the_modes(tmp_path):
     out = subprocess.run([sys.executable, BENCH, "kernel"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("bench.py: unknown mode 'kernel': the first argument is one of train, kernels, "
-                                  "layers, fused, moe, host, activations, data_workers, an option or a KEY=VALUE override "
-                                  "(a training step)")
+                                  "layers, fused, moe, host, activations, data_workers, media, an option or a "
+                                  "KEY=VALUE override (a training step)")
 
 
 def test_moe_flops_per_token_count_the_active_parameters():
@@ -169,3 +170,109 @@ def test_fake_world_refuses_a_pipeline(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "bench.py [train]: error: --fake-world plays one rank alone, and a pipeline stage waits for what the other "
         "stages send: mesh.pp=2 cannot run there (mesh.pp=1 can)")
+
+
+def _media_batch(ids: list[int], padding: int) -> dict:
+    return {"input_ids": torch.tensor([ids + [0] * padding]),
+            "padding_mask": torch.tensor([[False] * len(ids) + [True] * padding])}
+
+
+def test_media_check_refuses_batches_of_different_token_counts():
+    """`bench.py media` compares batches only where the image and the video micro batch hold as many vision tokens
+    and as many tokens outside padding; a difference in either stops it, naming the micro batch."""
+    from bench_modes.media import check_same_tokens
+
+    token_ids = {"image": 5, "video": 6}
+    image = [_media_batch([1, 5, 5, 2], 4), _media_batch([1, 5, 5, 2, 7], 3)]
+    with pytest.raises(ValueError, match=r"^micro batch 1: the image batch holds 2 image tokens of 5 tokens, the "
+                                         r"video batch 2 video tokens of 4;"):
+        check_same_tokens({"image": image, "video": [_media_batch([1, 6, 6, 2], 4)] * 2}, token_ids)
+    with pytest.raises(ValueError, match=r"^micro batch 0: .* 2 image tokens of 4 tokens, the video batch 3 video "
+                                         r"tokens of 4;"):
+        check_same_tokens({"image": image, "video": [_media_batch([6, 6, 6, 2], 4)]}, token_ids)
+    video = [_media_batch([1, 6, 6, 2], 4), _media_batch([6, 1, 2, 6, 7], 3)]  # the vision tokens anywhere
+    assert check_same_tokens({"image": image, "video": video}, token_ids) == [(2, 4), (2, 5)]
+    with pytest.raises(ValueError, match=r"^micro batch 0: .* 0 image tokens of 3 tokens, .* equal and above 0"):
+        check_same_tokens({"image": [_media_batch([1, 2, 7], 5)], "video": [_media_batch([1, 2, 7], 5)]}, token_ids)
+
+
+@pytest.mark.slow
+def test_media_mode_measures_video_and_image_batches_of_one_token_count(tmp_path, monkeypatch, capsys):
+    """`bench.py media` end to end on the CPU at tiny sizes, in-process: videos of 4 frames of 32x64 px against rows
+    of 2 such pictures. A frame pair or a picture is 2x4 patches of 16 px, merged 2x2: 2 tokens; 2 of them a row, and
+    both rows of each kind packed into every 256-token micro batch. The report holds both runs' numbers, and tokens/s
+    is the step's 256 tokens over its time (--profile: test_media_profile_names_the_vision_towers_forward)."""
+    from bench_modes import media
+    from qwenft.models.qwen3_5 import configs
+
+    monkeypatch.setattr(configs, "_tiny_vlm", configs._tiny_vlm)  # media's model for the run, restored after it
+    out = tmp_path / "media.json"
+    call_alone(media.main, ["--rows", "2", "--frames", "4", "--size", "32", "64", "--text", "tiny", "--vision-depth",
+                            "1", "--repeat", "1", "--json", str(out), "data.seq_len=256", "train.max_steps=3",
+                            "train.global_batch_size=1"])
+    report = json.loads(out.read_text())
+    assert report["vision_tokens_by_micro_batch"] == [2 * 2 * 2] * 3  # 3 steps of 1 micro batch
+    tokens = report["tokens_by_micro_batch"]
+    assert len(set(tokens)) == 1 and 8 < tokens[0] < 256
+    for kind in ("image", "video"):
+        run = report[kind]
+        assert run["steps_timed"] == 1 and run["micro_batches_per_step"] == 1
+        assert run["tokens_per_sec"] == pytest.approx(256 / run["step_time_s"])
+        assert run["vision_tower_fwd_bwd_s_per_step"] > 0
+        assert run["vision_tower_share_of_step"] == pytest.approx(
+            run["vision_tower_fwd_bwd_s_per_step"] / run["step_time_s"])
+    assert report["video_over_image_tokens_per_sec"] == pytest.approx(
+        report["video"]["tokens_per_sec"] / report["image"]["tokens_per_sec"])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[0].strip() for line in printed if "|" in line] == ["kind", "image", "video"]
+
+
+def test_media_profile_names_the_vision_towers_forward():
+    """`bench.py media --profile`'s tables show the vision tower's forward as one range a call, around the
+    tower's ops and no others."""
+    from torch.profiler import profile
+
+    from bench_modes.media import label_forward
+
+    tower, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    label_forward(tower, "vision tower forward")
+    with profile() as prof:
+        for _ in range(3):
+            head(tower(torch.ones(2, 8)).relu())
+    ranges = [e for e in prof.events() if e.name == "vision tower forward"]
+    assert len(ranges) == 3
+    for r in ranges:  # the tower's matmul inside, the relu after it outside
+        assert [c.name for c in r.cpu_children] == ["aten::linear"]
+
+
+def _tower_under_fsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from bench_modes.media import tower_seconds
+    from qwenft.distributed.fsdp import apply_fsdp
+    from qwenft.distributed.mesh import init_process_group
+    from qwenft.models.loader import build_model
+
+    init_process_group("gloo")
+    cfg = compose(["recipe=tiny_vlm", "data.seq_len=128", "data.num_workers=0"])
+    model_cfg = model_config(cfg)
+    _, data, _ = build_data(cfg, model_cfg, 1, 0, 1)
+    mb = next(b for b in data if len(b["video_grid_thw"]))
+    data.close()
+    model = build_model(model_cfg, device="cpu")
+    apply_fsdp(model, init_device_mesh("cpu", (1,)), torch.bfloat16)  # fp32 weights computing in bf16
+    calls = []
+    model.visual.merger.register_forward_hook(lambda module, args, out: calls.append(("forward", out.dtype)))
+    model.visual.merger.register_full_backward_hook(lambda *_: calls.append(("backward", None)))
+    seconds = tower_seconds(model, [mb], torch.device("cpu"), repeat=2)
+    sharded = all(isinstance(p, DTensor) and p.grad is None for p in model.parameters())
+    return seconds, calls, sharded
+
+
+def test_media_times_the_tower_of_an_fsdp_model():
+    """A GPU run keeps fp32 weights computing in bf16, so FSDP wraps the model and the tower's weights are the
+    root unit's, sharded outside the model's forward: `bench.py media` gathers them for its rounds (one untimed
+    and 2 timed: 3 forwards, in bf16, and 3 backwards) and leaves the model sharded, without gradients."""
+    seconds, calls, sharded = call_alone(_tower_under_fsdp)
+    assert seconds > 0 and calls == [("forward", torch.bfloat16), ("backward", None)] * 3 and sharded

@@ -109,6 +109,13 @@ def profiled_run(cfg, warmup: int, trace: str | None = None):
     return result, prof.key_averages(), profiled  # slow: > 45 s for 3 steps of the 27B shape on an H200
 
 
+def write_profile_table(averages, path: str) -> None:
+    """The profiler's kernels by their own time, then ops (FSDP's record_function ranges among them) with what they
+    launch, as text at `path`."""
+    Path(path).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+                          + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+
+
 def host_profiled_run(cfg, warmup: int, out: str):
     """`run(cfg)` with cProfile on for the steps after the first `warmup` (to the end of the last step, not the
     run's teardown); writes the functions by own time and by cumulative time to `out` (rank R > 0: `out.rankR`).
@@ -198,9 +205,7 @@ def main(argv: list[str]) -> None:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
         result, averages, profiled = profiled_run(cfg, args.warmup, trace)
         if dist.get_rank() == 0:
-            # kernels by their own time, then ops (FSDP's record_function ranges among them) with what they launch
-            Path(args.profile).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
-                                          + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+            write_profile_table(averages, args.profile)
         breakdown = kernel_breakdown(averages, profiled)
     elif args.host_profile:
         result = host_profiled_run(cfg, args.warmup, args.host_profile)
