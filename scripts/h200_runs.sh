@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_one_gpu|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
 # .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
@@ -12,7 +12,7 @@
 # has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
 # own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_tests, mtp, fp8 or fp8_numerics}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -161,6 +161,20 @@ bench fake_cp4_128k_balanced_flash 80 1 0 "--warmup 1 --fake-world 4 --fake-cp-r
   data.seq_len=131072 mesh.cp=4 mesh.cp_balanced_attention=true model.kernels.attention=flash_varlen
 bench one_gpu_32k_flash $((${BUDGET_S:-590} - $(date +%s) + start)) 1 0 "--warmup 1" train.max_steps=4 $long \
   data.seq_len=32768 model.kernels.attention=flash_varlen ;;
+cp_profile)  # where the balanced cp4 rank's step goes against one GPU's at 32,768 (both cuDNN by piece, AC on), then
+# both with selective checkpointing (which keeps attention's outputs instead of running its forward again); the
+# profiler's post-processing takes about a minute a run; on a fresh machine the first two runs compile fla's cp and
+# unsplit kernels (about 4 and 2.5 min): set DEADLINE, and run the selective pair again in the next (warm) call
+python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
+long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16"
+bench cp4_balanced_profile 330 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3 --profile $out/cp4_balanced.txt" \
+  train.max_steps=3 $long data.seq_len=131072 mesh.cp=4 model.activation_checkpointing=true
+bench one_gpu_32k_profile 200 1 0 "--warmup 1 --profile $out/one_gpu_32k.txt" train.max_steps=3 $long \
+  data.seq_len=32768 model.activation_checkpointing=true
+bench cp4_balanced_selective 60 1 0 "--warmup 1 --fake-world 4 --fake-cp-rank 3" train.max_steps=4 $long \
+  data.seq_len=131072 mesh.cp=4 model.activation_checkpointing=selective
+bench one_gpu_32k_selective 60 1 0 "--warmup 1" train.max_steps=4 $long data.seq_len=32768 \
+  model.activation_checkpointing=selective ;;
 cp_one_gpu)  # cp_balanced's one-GPU runs alone: 32,768 tokens a row, auto's kernel (cuDNN) and the varlen flash kernel
 python scripts/long_rows.py "$out/long.jsonl" --rows 4 --words 180000
 long="data.path=$out/long.jsonl train.global_batch_size=1 data.cache_dir=$out/cache $bf16 model.activation_checkpointing=true"
@@ -196,6 +210,6 @@ mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained hea
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_tests, mtp, fp8 or fp8_numerics" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics" >&2
    exit 2 ;;
 esac
