@@ -8,10 +8,12 @@ kernel's causal mask is aligned at the top left (query i sees keys up to i), so 
 blocks: every query over the keys before the queries (no mask), and over its own keys (the causal square). The
 blocks' outputs merge by their log-sum-exps, and the backward runs each block's kernel backward with the merged
 output and log-sum-exp: each block's softmax is then normalised by the whole row's, which makes the blocks'
-gradients sum to the piece's exactly. Key-value heads are repeated to the query heads for the kernels (GQA) and
-their gradients summed back.
+gradients sum to the piece's exactly. Grouped-query attention: cuDNN takes the fewer key-value heads itself
+where it can (checked once a process, `cudnn_takes_gqa`); otherwise, and on the CPU, the key-value heads are
+repeated to the query heads for the kernels and their gradients summed back.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,36 @@ def _cpu_backward(dout, q, k, v, out, lse, state, causal: bool, scale: float):
 
 
 KERNELS = {"cudnn": _Kernel(_cudnn_forward, _cudnn_backward), "cpu_flash": _Kernel(_cpu_forward, _cpu_backward)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@functools.cache
+def cudnn_takes_gqa(dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention runs grouped-query attention itself (fewer key-value heads than query heads): its
+    output and gradients on a small causal block and a small unmasked one equal those with the heads repeated.
+    Its kernel then reads each key-value head once, and no repeated copy of the keys and values is made."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 4, 128, 64, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, 192, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(1, 4, 128, 64, device="cuda", generator=g).to(dtype)
+    for keys, causal in ((slice(64, None), True), (slice(0, 64), False)):
+        kv = [t[:, :, keys].contiguous() for t in (k, v)]
+        try:
+            grouped = _cudnn_forward(q, *kv, causal, 0.125)
+            grouped_grads = _cudnn_backward(dout, q, *kv, *grouped, causal, 0.125)
+        except RuntimeError:  # this cuDNN or torch refuses the head counts
+            return False
+        rep = [t.repeat_interleave(2, dim=1) for t in kv]
+        full = _cudnn_forward(q, *rep, causal, 0.125)
+        dq, dk, dv = _cudnn_backward(dout, q, *rep, *full, causal, 0.125)
+        want = [full[0], dq, *(d.unflatten(1, (2, 2)).sum(2) for d in (dk, dv))]
+        got = [grouped[0], *grouped_grads]
+        if any(a.shape != b.shape or _rel(a, b) > 1e-2 for a, b in zip(got, want)):
+            return False
+    return True
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +152,8 @@ def attend_piece(q_bhld, k_bhld, v_bhld, scale: float, kernel: str = "cudnn") ->
     if q_bhld.shape[2] < SMALL_PIECE:
         return _masked_piece(q_bhld, k_bhld, v_bhld, scale)
     heads = q_bhld.shape[1] // k_bhld.shape[1]
-    k, v = (t.repeat_interleave(heads, dim=1) if heads > 1 else t for t in (k_bhld, v_bhld))
+    grouped = heads == 1 or (kernel == "cudnn" and cudnn_takes_gqa(q_bhld.dtype))
+    k, v = (t if grouped else t.repeat_interleave(heads, dim=1) for t in (k_bhld, v_bhld))
     return _PieceAttention.apply(q_bhld, k, v, scale, KERNELS[kernel]).transpose(1, 2)
 
 
