@@ -1,6 +1,6 @@
 """Video rows train the same numbers on every mesh as in one process (fp32, CPU, gloo ranks), as image rows do:
-tp2, pp2 with pipeline.reduce_grad_per_microbatch, dp2; the pipeline schedule hands each microbatch exactly its
-own videos; LoRA on the vision tower trains on videos.
+tp2, pp2 with pipeline.reduce_grad_per_microbatch, dp2, and activation checkpointing with compile; the pipeline
+schedule hands each microbatch exactly its own videos; LoRA on the vision tower trains on videos.
 
 The data: frame-list videos (PNG frames of a square moving across a noisy background, made here) in chat rows,
 some with an image beside the video, some with an image only, under recipe=tiny_vlm.
@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from distributed import run_distributed
-from helpers import assert_same_training, build_data, compose, model_config, train_with_state
+from helpers import (assert_same_training, assert_within, build_data, compose, fp32_rtol, model_config,
+                     train_with_state)
 
 
 def _frames(n, height, width, seed):
@@ -89,6 +90,20 @@ def test_video_batches_train_as_one_process(video_rows, reference, tmp_path, mes
     results = run_distributed(train_with_state, 2, _overrides(video_rows, tmp_path / "run", *mesh))
     for result in results:
         assert_same_training(result, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_video_batches_train_as_one_process_checkpointed_and_compiled(video_rows, reference, tmp_path):
+    """model.activation_checkpointing=true with model.compile=true (the vision tower eager, its video embeddings
+    scattered into the compiled layers' input, the layers recomputed with the videos' M-RoPE positions): every step's loss
+    within fp32_rtol of the eager run's. The parameters are left to tests/test_compile.py: after AdamW steps
+    compiled rounding shows in near-zero gradient elements."""
+    (result,) = run_distributed(train_with_state, 1, _overrides(video_rows, tmp_path / "run", "model.compile=true",
+                                                                 "model.activation_checkpointing=true"))
+    assert len(result.losses) == len(reference.losses) == 3
+    for step, (a, b) in enumerate(zip(result.losses, reference.losses)):
+        assert_within(f"step {step + 1}'s loss", abs(a - b) / abs(b), fp32_rtol(step))
 
 
 def test_pipeline_microbatches_carry_their_own_videos(video_rows):
