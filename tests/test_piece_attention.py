@@ -120,3 +120,27 @@ def test_context_parallel_ranges_by_pieces_equal_the_dense_mask(cudnn_here, bala
                          for kernel in ("cudnn", "sdpa"))
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("mode", ["true", "selective"])
+def test_pieces_under_activation_checkpointing(cudnn_here, mode):
+    """The tiny decoder with attention by pieces on a packed row: under checkpointing (selective keeps the piece
+    kernels' outputs and its recompute takes them back in call order) the gradients equal no checkpointing's."""
+    from qwenft.distributed.activation_checkpointing import apply_activation_checkpointing
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5.configs import named_config
+
+    cfg = named_config("tiny")
+    ids = torch.randint(0, cfg.text.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 5, 40, 41, 64])
+    grads = []
+    for checkpointed in (False, True):
+        model = init_random_weights(build_model(cfg, kernels="torch", head=False, attention_kernel="cudnn"), seed=1,
+                                    device="cpu", dtype=torch.float64)
+        if checkpointed:
+            apply_activation_checkpointing(model, mode)
+        model(input_ids=ids, cu_seqlens=cu).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-12, atol=1e-12, msg=name)

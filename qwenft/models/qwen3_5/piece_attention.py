@@ -61,7 +61,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def cudnn_takes_gqa(dtype: torch.dtype) -> bool:
     """Whether cuDNN's attention runs grouped-query attention itself (fewer key-value heads than query heads): its
     output and gradients on a small causal block and a small unmasked one equal those with the heads repeated.
-    Its kernel then reads each key-value head once, and no repeated copy of the keys and values is made."""
+    Its kernel then reads each key-value head once, and no repeated copy of the keys and values is made. Run
+    outside any dispatch mode: selective checkpointing's mode would keep these calls' outputs as the layer's."""
+    # torch has no public way to step outside the active dispatch modes (2.13)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        return _grouped_equals_repeated(dtype)
+
+
+def _grouped_equals_repeated(dtype: torch.dtype) -> bool:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 4, 128, 64, device="cuda", generator=g).to(dtype)
     k, v = (torch.randn(1, 2, 192, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
