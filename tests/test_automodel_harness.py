@@ -38,6 +38,13 @@ def moe_ckpt(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dense_ckpt")
+    make_ckpt.main([str(out), "--tiny"])
+    return out
+
+
 def test_moe_checkpoint_is_qwenfts_config_in_the_layout_automodel_reads(moe_ckpt):
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -87,14 +94,16 @@ def test_make_ckpt_refuses_a_bad_size_with_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_summarize_recovers_step_times_and_counts_active_flops_with_qwenft(moe_ckpt, tmp_path):
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_summarize_recovers_step_times_and_counts_active_flops_with_qwenft(kind, request, tmp_path):
+    ckpt = request.getfixturevalue(f"{kind}_ckpt")
     seq, sequences = 256, 2
     tps = [2.0e6, 4.0e7, 5.0e7, 4.5e7, 3.0e7]  # tokens/s as Automodel logs them; the first step is compile-slow
     rows = [dict(step=i, num_tokens_per_step=seq * sequences, tps=t, mem=1.0 + i, loss=6.0 - 0.1 * i)
             for i, t in enumerate(tps)]
     (tmp_path / "training.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "result.json"
-    summarize.main([str(tmp_path / "training.jsonl"), str(moe_ckpt), "--warmup", "2", "--seq", str(seq),
+    summarize.main([str(tmp_path / "training.jsonl"), str(ckpt), "--warmup", "2", "--seq", str(seq),
                     "--mbs", str(sequences), "--out", str(out)])
     res = json.loads(out.read_text())
 
@@ -102,8 +111,11 @@ def test_summarize_recovers_step_times_and_counts_active_flops_with_qwenft(moe_c
     assert res["step_s_median"] == round(step_s, 4)
     assert res["tok_s_median"] == round(seq * sequences / step_s)
     assert (res["steps_measured"], res["warmup_excluded"], res["peak_mem_alloc_gib_measured"]) == (3, 2, 5.0)
-    # qwenft's own count, as its runs report it: active parameters (top-2 of 8 experts and the shared expert)
-    t = config_from_hf_dir(moe_ckpt).text
+    # qwenft's own count, as its runs report it: MoE counts active parameters (top-2 of 8 experts, the shared expert)
+    t = config_from_hf_dir(ckpt).text
     assert res["tflops_qwenft_median"] == round(flops_per_token(t, seq) * seq * sequences / step_s / 1e12, 1)
-    assert res["tflops_6N_attn_median"] is None  # all-parameter 6N has no MoE meaning
-    assert res["model"].endswith("8 experts top 2")
+    if kind == "moe":
+        assert res["tflops_6N_attn_median"] is None  # all-parameter 6N has no MoE meaning
+        assert res["model"].startswith("Qwen3_5MoeForCausalLM") and res["model"].endswith("8 experts top 2")
+    else:
+        assert res["tflops_6N_attn_median"] > 0 and res["model"].startswith("Qwen3_5ForCausalLM")
