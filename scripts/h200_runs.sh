@@ -2,21 +2,23 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
-# side_by_side runs on one GPU and needs NeMo Automodel's bundle too (../shared/gpu/automodel/build.sh makes
-# .amodel/); lean and lora run right after it on the same (warm) machine, whose caches hold the compiled kernels.
+# side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
+# makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
+# compiled kernels.
 #
-# Each run is scripts/bench.py on the 27B shape cut to 8 layers (seq 4096, global batch 8, micro batch 1), with
-# --plan: the report holds `qwenft plan`'s peak next to the measured one. The first step of a layout the host
-# has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded shapes are a layout of their
-# own), and model.compile=true adds inductor's compile: allow for it in the limits.
+# Each run is scripts/bench.py on the 27B shape cut to 8 layers (moe_side_by_side: the 35B-A3B shape cut to 4), seq
+# 4096, global batch 8, micro batch 1, with --plan: the report holds `qwenft plan`'s peak next to the measured one.
+# The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
+# shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
-base="recipe=tiny model=qwen3_5_27b model.num_layers=8 data.seq_len=4096 train.global_batch_size=8
+shape="model=qwen3_5_27b model.num_layers=8"  # the model group and its cut; moe_side_by_side sets its own
+base="data.seq_len=4096 train.global_batch_size=8
       train.micro_batch_size=1 lr_scheduler.warmup_steps=0 optim.lr=1e-5 model.compile=false checkpoint.export_hf=false"
 bf16="optim.master_dtype=bfloat16 optim.state_dtype=bfloat16"  # NeMo Automodel's numerics
 memory_options="optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 model.ce_chunk_tokens=1024
@@ -32,7 +34,7 @@ bench() {  # name limit_s nproc gpus bench-args overrides...
   echo "=== $name $(date +%T)"
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$gpus timeout -s KILL "$limit" torchrun --nproc-per-node "$nproc" \
-    --master-port $((29500 + RANDOM % 1000)) scripts/bench.py $bargs --json "$out/$name.json" $base "$@" \
+    --master-port $((29500 + RANDOM % 1000)) scripts/bench.py $bargs --json "$out/$name.json" recipe=tiny $shape $base "$@" \
     run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
   local rc=$?
   # a KILLed torchrun leaves its workers running: they would share the GPU with the next run
@@ -83,6 +85,30 @@ GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel" bash .amodel/run.sh >
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
 bench bf16_ac_off_compile_cuda_graphs $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 \
   model.activation_checkpointing=false model.compile=true model.cuda_graphs=true ;;
+moe_side_by_side)  # NeMo Automodel 0.7.0's native Qwen3.5-MoE (torch._grouped_mm experts) and qwenft on the 35B-A3B
+# shape cut to 4 layers, Automodel's numerics, AC off, one after the other on this GPU: qwenft eager (the MoE groups'
+# default) first (it pays fla's kernel compile for these head counts, which Automodel's run then finds cached), then
+# Automodel with what is left but 70 s (at most 330 s: it writes an 8.8 GB checkpoint first), then qwenft compiled in
+# the rest of the device tool's 600 s. The last line is each run's tokens/s against Automodel's.
+start=$(date +%s)
+shape="model=qwen3_5_35b_a3b model.num_layers=4"
+bench moe_bf16_ac_off 240 1 0 "--warmup 2 --plan" train.max_steps=8 $bf16 model.activation_checkpointing=false
+echo "=== automodel_moe $(date +%T)"
+wall=$((515 - $(date +%s) + start)); [ $wall -gt 330 ] && wall=330
+MODEL=moe GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel_moe" bash .amodel/run.sh > "$out/automodel_moe.log" 2>&1
+echo "=== automodel_moe rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_moe.log"
+bench moe_bf16_ac_off_compile $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=8 $bf16 \
+  model.activation_checkpointing=false model.compile=true
+python3 - "$out/automodel_moe/result.json" "$out/moe_bf16_ac_off.json" "$out/moe_bf16_ac_off_compile.json" <<'PY'
+import json, sys
+from pathlib import Path
+am = json.loads(Path(sys.argv[1]).read_text())["tok_s_median"] if Path(sys.argv[1]).is_file() else None
+for f in map(Path, sys.argv[2:]):
+    qf = json.loads(f.read_text())["tokens_per_sec_per_gpu"] if f.is_file() else None
+    ratio = f"{qf / am:.3f}x" if qf and am else "n/a"
+    print(f"=== {f.stem}: {qf} tokens/s against Automodel's {am}: {ratio}")
+PY
+;;
 lora)  # after side_by_side, warm: LoRA rank 16 on every linear against full finetuning, eager, AC off, both
 # profiled (the frozen base's backward has no weight-gradient matmuls: about 2/3 of full finetuning's matmul time)
 bench full_ft_profile 300 1 0 "--warmup 2 --plan --profile $out/full_ft.txt" train.max_steps=5 $bf16 \
@@ -210,6 +236,6 @@ mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained hea
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics" >&2
    exit 2 ;;
 esac
