@@ -62,7 +62,7 @@ REPLICATED = {"tiny": ("input_layernorm", "linear_attn.norm", "self_attn.q_norm"
               "tiny_vlm": ("visual.",)}
 
 # one cold start of torch, the data's first build (the tiny tokenizer, the VLM set) and NCCL, then 20 short steps
-RUN_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 180
 
 
 def torchrun(nproc: int, out_dir: Path, overrides) -> list[dict]:
@@ -103,7 +103,7 @@ def one_gpu(tmp_path_factory):
     return reference
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60, method="signal")  # the one-GPU run of its kind too, the first time
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30, method="signal")  # the one-GPU run of its kind too, the first time
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_gpus_train_like_one(tmp_path, one_gpu, layout):
     kind, mesh = LAYOUTS[layout]
