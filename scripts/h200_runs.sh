@@ -140,7 +140,7 @@ QWENFT_TEST_TOLERANCE_LOG="$out/multi_gpu_tolerances.jsonl" PYTHONUNBUFFERED=1 t
 echo "=== test_multi_gpu rc=$? $(date +%T)"
 # a KILLed pytest leaves its torchrun's workers running (each in a session of its own), holding the GPUs
 pkill -9 -f "tests/gpu/multi_gpu_rank.py" 2>/dev/null
-grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout|worst loss gap|differ" "$out/test_multi_gpu.log" | tail -40 ;;
+grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout|rank\(s\)|worst loss gap|differ" "$out/test_multi_gpu.log" | tail -60 ;;
 cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768 tokens a row against fake cp4 worlds at
 # 131,072 (the same 32,768 tokens a rank), played as the first span (rank 0) and as the last (the heaviest
 # attention), AC on, bf16, eager, each row one document (long_rows.py: the worst case for contiguous spans'
