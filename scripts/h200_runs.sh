@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -158,6 +158,15 @@ echo "=== test_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|
 PYTHONUNBUFFERED=1 timeout -s KILL 360 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_packed_kernels.py \
   > "$out/test_packed_kernels.log" 2>&1
 echo "=== test_packed_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_packed_kernels.log" | tail -20 ;;
+multi_gpu_tests)  # on 2 GPUs: every layout over NCCL against one GPU, 20 steps each, and tp ranks' replicated
+# parameters bit-identical (tests/gpu/test_multi_gpu.py: each run a torchrun of its own, 11 in all); each loss gap
+# against its bound goes to multi_gpu_tolerances.jsonl
+QWENFT_TEST_TOLERANCE_LOG="$out/multi_gpu_tolerances.jsonl" PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v \
+  -rA -p no:cacheprovider tests/gpu/test_multi_gpu.py > "$out/test_multi_gpu.log" 2>&1
+echo "=== test_multi_gpu rc=$? $(date +%T)"
+# a KILLed pytest leaves its torchrun's workers running (each in a session of its own), holding the GPUs
+pkill -9 -f "tests/gpu/multi_gpu_rank.py" 2>/dev/null
+grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout|rank\(s\)|worst loss gap|differ" "$out/test_multi_gpu.log" | tail -60 ;;
 cp)  # context parallel's ceiling, then the cp kernels' tests: one GPU at 32,768 tokens a row against fake cp4 worlds at
 # 131,072 (the same 32,768 tokens a rank), played as the first span (rank 0) and as the last (the heaviest
 # attention), AC on, bf16, eager, each row one document (long_rows.py: the worst case for contiguous spans'

@@ -36,7 +36,8 @@ def test_every_gpu_test_has_a_limit_inside_its_call(tmp_path):
                     "-p", "gpu_limits_recorder", "tests/gpu"], cwd=REPO, env=env, check=True, capture_output=True,
                    timeout=120)
     limits = json.loads(out.read_text())
-    files = ("test_cuda_model", "test_kernels", "test_cudnn_pieces", "test_packed_kernels", "test_cp_kernels")
+    files = ("test_cuda_model", "test_kernels", "test_cudnn_pieces", "test_packed_kernels", "test_cp_kernels",
+             "test_multi_gpu")
     assert len(limits) >= 20 and {n.split("::")[0] for n in limits} == {f"tests/gpu/{name}.py" for name in files}
     # the outer limit of the h200_runs.sh part that runs the test's file
     script = (REPO / "scripts" / "h200_runs.sh").read_text()

@@ -8,22 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (assert_same_training, compose, logged_losses, parity_overrides, rel_err, run_qwenft,
-                     save_random_checkpoint, train_alone)
+from helpers import (CUDA_FP32, assert_same_training, compose, logged_losses, parity_overrides, rel_err,
+                     run_qwenft, save_random_checkpoint, train_alone)
 from qwenft.distributed.fake_pg import fake_process_group
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
 
 pytestmark = pytest.mark.gpu
-
-# fp32 end to end on CUDA, where model.dtype=auto computes in bf16 and the auto kernels (fla's GDN, the fused
-# cross-entropy) run below fp32 precision; lr 2e-4 as tests/test_compile.py (AdamW turns fp32 rounding noise in
-# GDN's ill-conditioned decay gradients into parameter differences that grow with the learning rate), and
-# AdamW's eps at 1e-6 as the CPU tier's MoE parity runs (tests/test_expert_parallel.py: with 1e-8 an update is
-# ~lr x sign(m) even where a gradient sits at rounding level, so CUDA's and the CPU's last digits could move a
-# parameter by lr).
-FP32 = ("model.dtype=float32", "model.kernels.gdn=torch", "model.kernels.ce=torch", "model.kernels.attention=sdpa",
-        "optim.lr=2e-4", "optim.eps=1e-6")
 
 
 def test_tiny_forward_on_cuda_equals_cpu():
@@ -100,7 +91,7 @@ def test_three_steps_on_cuda_equal_cpu(tmp_path):
     every parameter of the fp32 HF export within 1e-4. Both start from one checkpoint on disk: the seed's random
     init draws from the device's generator, so a CPU run and a CUDA run of the same seed start apart."""
     checkpoint = save_random_checkpoint(named_config("tiny"), tmp_path / "start", seed=7, tokenizer="tiny")
-    extra = (*FP32, "checkpoint.export_dtype=float32", f"model.path={checkpoint}")
+    extra = (*CUDA_FP32, "checkpoint.export_dtype=float32", f"model.path={checkpoint}")
     cpu_dir, cuda_dir = tmp_path / "cpu", tmp_path / "cuda"
     cpu = run_qwenft("train", *parity_overrides(cpu_dir, *extra), env={"CUDA_VISIBLE_DEVICES": ""})
     assert cpu.returncode == 0, cpu.stderr[-4000:]
@@ -118,12 +109,12 @@ def test_three_steps_on_cuda_equal_cpu(tmp_path):
 def test_compiled_layers_train_like_eager_on_cuda(tmp_path):
     """model.compile=true (inductor's Triton kernels for each layer's norms, MLP and the mixers' projections)
     against eager, 3 steps of the tiny recipe in fp32 on CUDA: losses and every parameter within 1e-4."""
-    eager = train_alone(parity_overrides(tmp_path / "eager", *FP32, "checkpoint.export_hf=false"),
+    eager = train_alone(parity_overrides(tmp_path / "eager", *CUDA_FP32, "checkpoint.export_hf=false"),
                         return_state=True)
     from torch._dynamo.utils import counters
 
     counters.clear()
-    compiled = train_alone(parity_overrides(tmp_path / "compiled", *FP32, "checkpoint.export_hf=false",
+    compiled = train_alone(parity_overrides(tmp_path / "compiled", *CUDA_FP32, "checkpoint.export_hf=false",
                                             "model.compile=true"), return_state=True)
     assert counters["stats"]["unique_graphs"] > 0  # it did compile: equal runs would pass otherwise
     assert_same_training(compiled, eager, rtol=1e-4)
@@ -137,7 +128,7 @@ def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
     CUDA graphs (inductor counts each one it cannot record)."""
     from torch._dynamo.utils import counters
 
-    common = (*FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
+    common = (*CUDA_FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
               "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2")
     compiled = train_alone(parity_overrides(tmp_path / "compiled", *common), return_state=True)
     counters.clear()
@@ -214,7 +205,7 @@ def test_cuda_graphs_at_tp2_train_like_compile_in_a_fake_world(tmp_path):
 
     losses = []
     for name, extra in (("compiled", ()), ("graphs", ("model.cuda_graphs=true",))):
-        overrides = parity_overrides(tmp_path / name, *FP32, "checkpoint.export_hf=false", "mesh.tp=2",
+        overrides = parity_overrides(tmp_path / name, *CUDA_FP32, "checkpoint.export_hf=false", "mesh.tp=2",
                                      "model.compile=true", "model.activation_checkpointing=false", *extra)
         with fake_process_group(world_size=2):
             losses.append(run(compose(overrides)).losses)
