@@ -48,17 +48,28 @@ def eager(tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """One process, model.compile=true with activation checkpointing, its kernels compiled into a fresh
+    model.kernels.cache_dir: (result, graphs compiled, that dir). The data-parallel and pipeline runs below compile
+    the same layer graphs (the MoE run GatedDeltaNet's) and take them from this dir, as a later run of a user's
+    would, instead of compiling them again (inductor + g++: most of a cold run's time on the 2-core CI box)."""
+    tmp = tmp_path_factory.mktemp("compiled")
+    caches = tmp / "kernels"
+    ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp, "compiled", "model.compile=true",
+                                                                "model.activation_checkpointing=true",
+                                                                f"model.kernels.cache_dir={caches}"))
+    return result, graphs, caches
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compiled_layers_train_like_eager(tmp_path, eager):
+def test_compiled_layers_train_like_eager(eager, compiled):
     """3 steps of 4 packed microbatches each (documents per microbatch vary), activation checkpointing on:
     losses and every parameter within fp32_rtol of eager. 5 graphs, compiled once for all 4 layers and 12
     microbatches: attention in/out, GDN in/decay/out (a layer's output graph runs the MLP too). Its kernels land
     in model.kernels.cache_dir, where a later run finds them."""
-    caches = tmp_path / "kernels"
-    ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "compiled", "model.compile=true",
-                                                                "model.activation_checkpointing=true",
-                                                                f"model.kernels.cache_dir={caches}"))
+    result, graphs, caches = compiled
     assert_same_training(result, eager[0], lr=LR)
     assert eager[1] == 0
     assert graphs == 5, f"{graphs} graphs compiled; expected 5 (a recompile?)"
@@ -68,10 +79,11 @@ def test_compiled_layers_train_like_eager(tmp_path, eager):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager):
+def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager, compiled):
     """FSDP2 over 2 ranks: the graphs run inside each layer's unshard/reshard hooks."""
     results = run_distributed(_train, 2, _overrides(tmp_path, "dp2", "model.compile=true",
-                                                    "pipeline.reduce_grad_per_microbatch=true"))
+                                                    "pipeline.reduce_grad_per_microbatch=true",
+                                                    f"model.kernels.cache_dir={compiled[2]}"))
     for result, graphs in results:
         assert_same_training(result, eager[0], lr=LR)
         assert graphs == 5
@@ -93,7 +105,7 @@ def test_compiled_layers_under_tp2_train_like_eager(tmp_path, eager):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, graphs", [("1f1b", [3, 5]), ("zbv", [5, 3])])
-def test_compiled_layers_under_pp2_train_like_eager(tmp_path, eager, schedule, graphs):
+def test_compiled_layers_under_pp2_train_like_eager(tmp_path, eager, compiled, schedule, graphs):
     """Two pipeline ranks with the knob on and activation checkpointing: 1F1B (the 27B recipes' schedule) and
     ZBV, whose weight-gradient step differentiates the compiled layers a second time, towards their parameters.
     Each rank compiles the graphs of its own layers (GatedDeltaNet's in/decay/out: 3; with the attention layer:
@@ -102,10 +114,11 @@ def test_compiled_layers_under_pp2_train_like_eager(tmp_path, eager, schedule, g
     results = run_distributed(_train, 2, _overrides(tmp_path, f"pp2-{schedule}", "model.compile=true", "mesh.pp=2",
                                                     f"pipeline.schedule={schedule}",
                                                     "pipeline.reduce_grad_per_microbatch=true",
-                                                    "model.activation_checkpointing=true"))
+                                                    "model.activation_checkpointing=true",
+                                                    f"model.kernels.cache_dir={compiled[2]}"))
     for result, _ in results:
         assert_same_training(result, eager[0], lr=LR)
-    assert [compiled for _, compiled in results] == graphs
+    assert [n for _, n in results] == graphs
 
 
 def _vlm_overrides(tmp_path, name, *extra):
@@ -171,7 +184,7 @@ def test_compiled_vlm_gradients_equal_eager():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compiled_moe_layers_train_like_eager(tmp_path):
+def test_compiled_moe_layers_train_like_eager(tmp_path, compiled):
     """tiny_moe: the shared expert compiles as the dense MLP does, the routing and the routed experts stay eager
     (`compile_layer`): 6 graphs (the output graphs stop before the MoE block, the shared expert is one more) and
     no recompile over 12 microbatches, and every step's loss (token CE + aux loss) within fp32_rtol of eager.
@@ -180,7 +193,8 @@ def test_compiled_moe_layers_train_like_eager(tmp_path):
     gradient elements becomes parameter differences (2.8e-5 on norm weights after 3 steps here), and a router
     tie that the rounding resolves the other way (a token's k-th and (k+1)-th expert within 1e-7) moves whole
     experts."""
-    moe = ("model.name=tiny_moe", "model.kernels.moe=loop")
+    # GatedDeltaNet's graphs are the dense model's: their kernels come from `compiled`'s cache dir
+    moe = ("model.name=tiny_moe", "model.kernels.moe=loop", f"model.kernels.cache_dir={compiled[2]}")
     _assert_compiled_losses_equal_eager(_overrides(tmp_path, "moe-eager", *moe),
                                         _overrides(tmp_path, "moe-compiled", *moe, "model.compile=true"), graphs=6)
 

@@ -7,7 +7,6 @@
 - `$ qwenft ...` lines followed by a `qwenft: error: ...` line: that exact line and exit code 2.
 Templates (`recipe=X`, `…`, `[overrides]`) and `export` (it needs a trained run) are left out."""
 
-import os
 import re
 import shlex
 import subprocess
@@ -76,8 +75,9 @@ def test_the_docs_have_commands():
 @pytest.mark.slow
 @pytest.mark.parametrize("where, command, error", COMMANDS, ids=[w for w, _, _ in COMMANDS])
 def test_documented_command_runs_as_written(where, command, error, tmp_path, monkeypatch, capsys):
-    """`slurm` in a subprocess whose PATH has no SLURM, as the docs' outputs assume; the others in this process
-    through qwenft.cli.main, what the `qwenft` command calls (a subprocess would add ~4 s of imports to each)."""
+    """In this process through qwenft.cli.main, what the `qwenft` command calls (a subprocess would add ~4 s of
+    imports to each; tests/test_cli.py and tests/test_slurm.py run the command itself); `slurm` with a PATH that
+    has no SLURM, as the docs' outputs assume."""
     words = shlex.split(command)
     at = words.index("qwenft")
     sub, args = words[at + 1], words[at + 2:]
@@ -88,20 +88,15 @@ def test_documented_command_runs_as_written(where, command, error, tmp_path, mon
         args = [*args, "--dry-run"]
     if sub == "train":  # compose and validate as train does (show), then lay the mesh out on torchrun's world
         sub = "show"
-    if sub == "slurm":
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        env.pop("RANK", None)
-        env["PATH"] = str(Path(sys.executable).parent)  # no SLURM here, as the docs' outputs assume
-        out = subprocess.run([sys.executable, "-m", "qwenft", sub, *args], cwd=tmp_path, capture_output=True,
-                             text=True, env=env, timeout=300)
-    else:
-        from qwenft.cli import main
+    from qwenft.cli import main
 
-        monkeypatch.chdir(tmp_path)  # files the command writes (plan.json=...) land here
-        monkeypatch.delenv("RANK", raising=False)
-        code = main([sub, *args])
-        printed = capsys.readouterr()
-        out = subprocess.CompletedProcess([sub, *args], code, printed.out, printed.err)
+    if sub == "slurm":
+        monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no SLURM here, as the docs' outputs assume
+    monkeypatch.chdir(tmp_path)  # files the command writes (plan.json=..., slurm's run dir) land here
+    monkeypatch.delenv("RANK", raising=False)
+    code = main([sub, *args])
+    printed = capsys.readouterr()
+    out = subprocess.CompletedProcess([sub, *args], code, printed.out, printed.err)
     if error is not None and world is None:
         assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == error, (where, out.stderr[-2000:])
         return

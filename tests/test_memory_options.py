@@ -131,21 +131,34 @@ def test_master_bf16_keeps_bf16_weights_grads_and_state(tmp_path):
     assert seen["state"] == {torch.bfloat16}
 
 
+# every bf16 option and the chunked CE at the tiny recipe's lr, 5 steps
+BF16_OPTIONS = ["train.max_steps=5", "optim.lr=3e-3", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
+                "model.ce_chunk_tokens=48"]
+
+
+@pytest.fixture(scope="module")
+def bf16_one(tmp_path_factory):
+    """One process with BF16_OPTIONS, keeping its checkpoints of steps 2, 4 and 5: the reference of the two-rank
+    runs and the uninterrupted run a resume is compared with."""
+    tmp = tmp_path_factory.mktemp("bf16_one")
+    (result,) = run_distributed(train_with_state, 1, _overrides(tmp, "one", "checkpoint.every_steps=2",
+                                                                "checkpoint.keep=3", *BF16_OPTIONS))
+    return result, tmp / "one"
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.dp=2"], ["mesh.pp=2"], ["mesh.tp=2", "mesh.vocab_parallel=false"],
                                   ["mesh.tp=2", "model.kernels.ce=fused"]])
-def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
+def test_all_options_on_two_ranks_train_like_one(tmp_path, bf16_one, mesh):
     """All three options with FSDP over 2 ranks (DTensor shards in the optimizer), 2 pipeline stages, or 2
     tensor-parallel ranks (the head whole, or vocab-parallel with the fused CE chunked). Stochastic rounding
     draws per local chunk, so the numbers are not bitwise those of one process: measured within 0.05% over 5
     steps (allowed: 1%). Under tp, replicated weights (norms) must
     stay identical on both ranks: each rank rounds its own copy, with the same bits (a rank-dependent seed
     was checked to make them differ)."""
-    opts = ["train.max_steps=5", "optim.lr=3e-3", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
-            "model.ce_chunk_tokens=48"]
-    (one,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "one", *opts))
-    results = run_distributed(train_with_state, 2, _overrides(tmp_path, "two", *opts, *mesh))
+    one, _ = bf16_one
+    results = run_distributed(train_with_state, 2, _overrides(tmp_path, "two", *BF16_OPTIONS, *mesh))
     for step, (a, b) in enumerate(zip(results[0].losses, one.losses)):
         assert abs(a - b) < 0.01 * b, f"step {step + 1}: loss {a} vs one process {b}"
     if "mesh.tp=2" in mesh:
@@ -155,17 +168,15 @@ def test_all_options_on_two_ranks_train_like_one(tmp_path, mesh):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_bf16_options_resume_exactly(tmp_path):
+def test_bf16_options_resume_exactly(tmp_path, bf16_one):
     """A run resumed from its step-2 checkpoint ends with the uninterrupted run's losses and weights, bit for
     bit: the bf16 moments come back in bf16 (not cast to the weights' dtype) and stochastic rounding draws
     from (seed, step, parameter, chunk), not from a generator state the checkpoint would have to carry."""
-    opts = ["train.max_steps=4", "optim.lr=3e-3", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
-            "model.ce_chunk_tokens=48"]
-    (full,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "full", "checkpoint.every_steps=2", *opts))
-    step2 = tmp_path / "full" / "checkpoints" / "step-000002"
+    full, full_dir = bf16_one
+    step2 = full_dir / "checkpoints" / "step-000002"
     (resumed,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "resumed", f"checkpoint.resume={step2}",
-                                                                 *opts))
-    assert resumed.losses == full.losses[2:]
+                                                                 *BF16_OPTIONS))
+    assert len(full.losses) == 5 and resumed.losses == full.losses[2:]
     for name, t in full.state_dict.items():
         assert torch.equal(resumed.state_dict[name], t), name
 
