@@ -138,5 +138,5 @@ def test_two_gpus_train_like_one(tmp_path, one_gpu, layout):
 
 def gaps(out_dir: Path, names) -> dict:
     """name -> the relative gap between rank 0's and rank 1's values of these parameters (multi_gpu_rank.py's .pt)."""
-    first, second = (torch.load(out_dir / f"rank{rank}_replicated.pt") for rank in (0, 1))
+    first, second = (torch.load(out_dir / f"rank{rank}_replicated.pt", weights_only=True) for rank in (0, 1))
     return {name: f"{rel_err(second[name], first[name]):.1e}" for name in names}
