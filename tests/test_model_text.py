@@ -173,7 +173,7 @@ def test_auto_takes_cudnn_for_long_documents(monkeypatch):
 
     cuda = torch.device("cuda")  # a device object only: the choice, not a kernel, is tested
     monkeypatch.setattr(attention, "_varlen_attn", lambda: object())
-    monkeypatch.setattr(attention, "_cudnn_ok", lambda device, dtype: device.type == "cuda" and dtype == torch.bfloat16)
+    monkeypatch.setattr(attention, "cudnn_ok", lambda device, dtype: device.type == "cuda" and dtype == torch.bfloat16)
     assert mean_piece([0, 4096, 8192, 8192, 8192]) == 4096
     assert resolve_attention_kernel("auto", True, cuda, torch.bfloat16, LONG_PIECES) == "cudnn"
     assert resolve_attention_kernel("auto", True, cuda, torch.bfloat16, LONG_PIECES - 1) == "flash_varlen"

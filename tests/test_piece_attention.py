@@ -73,7 +73,7 @@ def cudnn_here(monkeypatch):
     math (`attention.piece_kernel`), so the wiring below runs for real."""
     from qwenft.models.qwen3_5 import attention
 
-    monkeypatch.setattr(attention, "_cudnn_ok", lambda device, dtype: True)
+    monkeypatch.setattr(attention, "cudnn_ok", lambda device, dtype: True)
 
 
 def _grads(out, inputs, dout):

@@ -389,7 +389,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         signals.clear_marker(run_dir)
 
     from qwenft.models.loader import checkpoint_files
-    from qwenft.models.qwen3_5.attention import LONG_PIECES, resolve_attention_kernel
+    from qwenft.models.qwen3_5.attention import LONG_PIECES, cudnn_ok, resolve_attention_kernel
     from qwenft.models.qwen3_5.gdn import check_kernel
 
     torch.manual_seed(cfg.seed)
@@ -484,7 +484,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     gdn = resolve_gdn_kernel(cfg.model.kernels.gdn)
     if gdn == "fla" and gdn_graphs(spec.parallel.cuda_graphs, spec.layout.tp):
         gdn += ", replayed as CUDA graphs (model.cuda_graphs, mesh.tp > 1)"
-    if cfg.model.kernels.attention == "auto" and attention == "flash_varlen":
+    if cfg.model.kernels.attention == "auto" and attention == "flash_varlen" and cudnn_ok(device, dtypes.compute):
         attention += f" (cuDNN by document piece where a row's documents average {LONG_PIECES}+ tokens)"
     log.info("kernels: GatedDeltaNet %s (model.kernels.gdn=%s); attention %s (model.kernels.attention=%s); "
              "cross-entropy %s (model.kernels.ce=%s); optimizer %s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn,

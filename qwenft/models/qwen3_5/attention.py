@@ -210,7 +210,7 @@ def _varlen_attn_params() -> frozenset:
     return frozenset(inspect.signature(_varlen_attn()).parameters)
 
 
-def _cudnn_ok(device: torch.device, dtype: torch.dtype) -> bool:
+def cudnn_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether cuDNN's attention (with its log-sum-exp, for piece_attention) runs here."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.backends.cudnn.is_available()
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
@@ -227,11 +227,11 @@ def resolve_attention_kernel(kernel: str, packed: bool, device: torch.device, dt
     if kernel == "flash_varlen" and not (flash_ok and half):
         raise ValueError(f"model.kernels.attention=flash_varlen needs CUDA, torch >= 2.10 and bf16/fp16 compute "
                          f"(have {device.type}, torch {torch.__version__}, {dtype}); use auto or sdpa")
-    if kernel == "cudnn" and not _cudnn_ok(device, dtype):
+    if kernel == "cudnn" and not cudnn_ok(device, dtype):
         raise ValueError(f"model.kernels.attention=cudnn needs CUDA with cuDNN and bf16/fp16 compute "
                          f"(have {device.type}, {dtype}); use auto or sdpa")
     if kernel == "auto":
-        if packed and mean_piece is not None and mean_piece >= LONG_PIECES and _cudnn_ok(device, dtype):
+        if packed and mean_piece is not None and mean_piece >= LONG_PIECES and cudnn_ok(device, dtype):
             return "cudnn"
         return "flash_varlen" if packed and flash_ok and half else "sdpa"
     return kernel
@@ -298,12 +298,12 @@ def attend(q_bhtd, k_bhtd, v_bhtd, scale: float, cu_seqlens: torch.Tensor | None
     if cu_seqlens is None:
         out = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
-    offsets = varlen_info(cu_seqlens).offsets
-    chosen = resolve_attention_kernel(kernel, True, q_bhtd.device, q_bhtd.dtype, mean_piece(offsets))
+    info = varlen_info(cu_seqlens)
+    chosen = resolve_attention_kernel(kernel, True, q_bhtd.device, q_bhtd.dtype, info.mean_piece)
     if chosen == "flash_varlen":
         return _flash_varlen(q_bhtd, k_bhtd, v_bhtd, scale, cu_seqlens)
     if chosen == "cudnn":
-        return _by_pieces(q_bhtd, k_bhtd, v_bhtd, scale, offsets)
+        return _by_pieces(q_bhtd, k_bhtd, v_bhtd, scale, info.offsets)
     B, _, T, _ = q_bhtd.shape
     doc = document_ids(cu_seqlens, B, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=q_bhtd.device).tril()

@@ -32,6 +32,13 @@ class Varlen:
         return self.cu_seqlens_cpu.tolist()
 
     @functools.cached_property
+    def mean_piece(self) -> float:
+        """Tokens per non-empty document (attention.mean_piece of `offsets`): once per batch, not per layer."""
+        from .attention import mean_piece
+
+        return mean_piece(self.offsets)
+
+    @functools.cached_property
     def chunk_indices(self) -> torch.Tensor:
         """[blocks, 2] int64 on the batch's device: (document, block within it) of every FLA_CHUNK-token block
         of every document, in order (what fla's `prepare_chunk_indices` computes), built on the host."""
