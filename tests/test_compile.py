@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import (ConfigError, assert_same_training, assert_within, compose, fp32_rtol, parity_overrides,
-                     train_with_state)
+from helpers import (ConfigError, assert_same_tensors, assert_same_training, assert_within, compose, fp32_rtol,
+                     parity_overrides, train_with_grads, train_with_state)
 
 
 def _train(rank, world_size, overrides):
@@ -87,6 +87,36 @@ def test_compiled_layers_under_dp2_train_like_eager(tmp_path, eager, compiled):
     for result, graphs in results:
         assert_same_training(result, eager[0], lr=LR)
         assert graphs == 5
+
+
+def _train_recording_grads(rank, world_size, overrides):
+    """The run's losses and last step's gradients (helpers.train_with_grads), and the graphs built in this rank."""
+    from torch._dynamo.utils import counters
+
+    return train_with_grads(rank, world_size, overrides), counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_layers_under_cp2_train_like_one_process(tmp_path, compiled):
+    """Context parallel over 2 ranks with activation checkpointing (the 128K recipes' setting), against one eager
+    process: each rank's graphs take its span, the span exchanges (the conv halo, the state fold, attention by
+    halves) run eagerly between them, and again, in the forward's order, when the backward recomputes a layer.
+    Rows of 256 tokens make each span the 128 tokens of the `compiled` run, whose graphs (5, the same code and
+    shapes) come from its kernel cache instead of inductor and g++. Every step's loss and the last step's gradients
+    within fp32_rtol; parameters are not compared: as in tests/test_context_parallel.py, the spans' rounding in
+    near-zero a_proj gradient elements becomes full AdamW updates (1.6e-4 relative after 3 steps)."""
+    def overrides(name, *extra):
+        return _overrides(tmp_path, name, "data.seq_len=256", "model.activation_checkpointing=true", *extra)
+
+    ((reference, _),) = run_distributed(_train_recording_grads, 1, overrides("one"))
+    results = run_distributed(_train_recording_grads, 2, overrides("cp2", "model.compile=true", "mesh.cp=2",
+                                                                    f"model.kernels.cache_dir={compiled[2]}"))
+    for result, graphs in results:
+        for step, (a, b) in enumerate(zip(result.losses, reference.losses, strict=True)):
+            assert_within(f"step {step + 1}'s loss", abs(a - b) / abs(b), fp32_rtol(step, lr=LR))
+        assert_same_tensors(result.grads, reference.grads, fp32_rtol(len(reference.losses) - 1, lr=LR), "gradients")
+        assert graphs == 5, f"{graphs} graphs compiled; expected 5 (a recompile?)"
 
 
 @pytest.mark.distributed
