@@ -52,7 +52,8 @@ LAYOUTS = {
     "dp2": ("tiny", ("mesh.dp=2", "pipeline.reduce_grad_per_microbatch=false")),
     "dp2_reduce_grad_per_microbatch": ("tiny", ("mesh.dp=2", "pipeline.reduce_grad_per_microbatch=true")),
     "pp2_1f1b": ("tiny", ("mesh.pp=2", "pipeline.schedule=1f1b")),
-    # torch's GatedDeltaNet kernel: fla's context-parallel kernels run bf16 only (tests/gpu/test_cp_kernels.py)
+    # torch's GatedDeltaNet kernel, as every layout here (CUDA_FP32): fla's context-parallel kernels sum in TF32;
+    # tests/gpu/test_cp_kernels.py checks them, fp32 in and out, against the unsplit row
     "cp2": ("tiny", ("mesh.cp=2",)),
     "moe_ep2": ("tiny_moe", ("mesh.ep=2",)),  # dp2 = ep2: each rank holds 4 of the 8 experts
     "moe_tp2": ("tiny_moe", ("mesh.tp=2",)),  # the MoE block replicated on both tp ranks
