@@ -10,6 +10,7 @@ or a conv reset at a span edge moves outputs at the 1e-2 level; the summaries ro
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from distributed import run_distributed
 from helpers import assert_same_tensors, assert_within, fp32_rtol, parity_overrides, train_with_grads
@@ -278,6 +279,30 @@ def test_vlm_equals_one_process(tmp_path):
     assert any(name.startswith("visual.") for name in reference.grads)
     for result in run_distributed(_first_step, 2, overrides("cp2", "mesh.cp=2")):
         assert_same_run(result, reference, grads_after=0)
+    # the compared step's microbatches have an image whose tokens cross the span edge (each row's 256 tokens are
+    # the stream: spans of 128)
+    crossing = [(start, end) for start, end in _media_runs(overrides("batches", "mesh.cp=2"), 2) if start < 128 < end]
+    assert crossing, "no image or video crosses the span edge in the first step"
+
+
+def _media_runs(overrides, microbatches: int) -> list[tuple[int, int]]:
+    """[start, end) in the stream of each run of consecutive image or video tokens in the first `microbatches`
+    microbatches that a run with these overrides trains on (every cp rank reads them all)."""
+    from helpers import build_data, compose, model_config
+
+    cfg = compose(overrides)
+    model_cfg = model_config(cfg)
+    media_ids = torch.tensor([model_cfg.image_token_id, model_cfg.video_token_id])
+    _, data, _ = build_data(cfg, model_cfg, cfg.train.micro_batch_size, 0, 1)
+    runs = []
+    try:
+        for batch, _ in zip(data, range(microbatches)):
+            media = torch.isin(batch["input_ids"].flatten(), media_ids).int()
+            edges = torch.diff(F.pad(media, (1, 1))).nonzero().flatten().tolist()
+            runs += zip(edges[::2], edges[1::2])
+    finally:
+        data.close()
+    return runs
 
 
 def _first_step(rank, world_size, overrides):
