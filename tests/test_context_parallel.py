@@ -221,6 +221,10 @@ def test_training_equals_one_process(tmp_path, reference, extra):
     (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with this flash-linear-attention has no context-parallel"),
+    # spans of 2 tokens (8 / 4), the conv reaching 3 rows back; 9 tokens make spans of 3 (the stream padded to 12)
+    (["mesh.cp=4", "data.seq_len=8"], "mesh.cp=4 with data.seq_len=8: a span of 2 tokens (train.micro_batch_size x "
+                                      "data.seq_len / mesh.cp) is shorter than the 3 rows GatedDeltaNet's conv reads "
+                                      "from the span before; valid: data.seq_len >= 9 (or mesh.cp=1)"),
 ])
 def test_unsupported_combinations_fail_in_one_line(tmp_path, monkeypatch, extra, message):
     """Refused before anything is built (the spec a run and `qwenft plan` resolve), as on a CUDA machine whose

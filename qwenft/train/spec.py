@@ -184,14 +184,23 @@ def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
     return dtypes.master != dtypes.compute
 
 
-def check_cp(cfg: Config, layout: Layout, model_cfg, device: str) -> None:
+def check_cp(cfg: Config, layout: Layout, model_cfg, device: str, microbatch_size: int) -> None:
     """mesh.cp > 1 with what context parallel does not run with yet; raised before anything is built."""
     if layout.cp == 1:
         return
+    from qwenft.models.qwen3_5.configs import LINEAR_ATTENTION
     from qwenft.models.qwen3_5.gdn import resolve_kernel
 
+    text = model_cfg.text
+    span = -(-microbatch_size * cfg.data.seq_len // layout.cp)  # the stream is padded to a multiple of cp
+    halo = text.linear_conv_kernel_dim - 1  # the rows GatedDeltaNet's conv reads from the previous span
     why = None
-    if cfg.mesh.sequence_parallel:
+    if LINEAR_ATTENTION in text.layer_types and span < halo:
+        least = (halo - 1) * layout.cp // microbatch_size + 1
+        why = (f"data.seq_len={cfg.data.seq_len}: a span of {span} tokens (train.micro_batch_size x data.seq_len / "
+               f"mesh.cp) is shorter than the {halo} rows GatedDeltaNet's conv reads from the span before; valid: "
+               f"data.seq_len >= {least}")
+    elif cfg.mesh.sequence_parallel:
         why = "mesh.sequence_parallel=true splits the same tokens again over tp; set it to false"
     elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda" and not _fla_has_cp():
         why = ("this flash-linear-attention has no context-parallel kernels (fla.ops.cp, fla >= 0.5); upgrade it "
@@ -216,7 +225,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
 
     validate_tp(model_cfg.text, layout.tp, cfg.mesh.sequence_parallel)
     validate_ep(model_cfg.text, layout.ep)
-    check_cp(cfg, layout, model_cfg, device)
+    check_cp(cfg, layout, model_cfg, device, batching.microbatch_size)
     name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
     num_layers = model_cfg.text.num_hidden_layers
     virtual, layers = 1, [list(range(num_layers))]
