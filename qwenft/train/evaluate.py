@@ -43,8 +43,9 @@ def val_micro_batches(val_data, max_batches: int | None) -> list[dict]:
     return batches if max_batches is None else batches[:max_batches]
 
 
-def eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_in_model: bool) -> float:
-    """Mean token CE over the validation batches: CE summed over microbatches and dp ranks / label tokens."""
+def eval_loss_unpipelined(model, val_batches: list[dict], device, loss_group, ce_in_model: bool) -> float:
+    """Mean token CE over the validation batches: CE summed over microbatches and the loss group (dp x cp) /
+    label tokens."""
     from torch.distributed.fsdp import FSDPModule
 
     model.eval()
@@ -59,7 +60,7 @@ def eval_loss_unpipelined(model, val_batches: list[dict], device, dp_group, ce_i
             m.reshard()
     model.train()
     totals = torch.stack([ce, tokens.to(device)])
-    dist.all_reduce(totals, group=dp_group)
+    dist.all_reduce(totals, group=loss_group)
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
@@ -75,7 +76,7 @@ def build_eval_schedule(stage_modules: list[tuple[int, torch.nn.Module]], num_st
     return stages, pp_schedule.build_schedule(schedule, stages, num_microbatches, loss_fn)
 
 
-def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, dp_group,
+def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches: int, device, loss_group,
                          pp_group, ce_in_model: bool) -> float:
     """Mean token CE through the pipeline; the last group of microbatches is filled up with label-free copies."""
     from qwenft.distributed.pipeline import schedule as pp_schedule
@@ -90,7 +91,8 @@ def eval_loss_pipelined(eval_schedule, val_batches: list[dict], num_microbatches
         filler = dict(group[-1], labels=torch.full_like(group[-1]["labels"], IGNORE_INDEX))
         group = group + [filler] * (num_microbatches - len(group))
         batch = pp_schedule.PipelineBatch.from_microbatches(group, device)
-        group_ce, group_tokens = pp_schedule.pipeline_eval_loss(schedule, stages, batch, dp_group, pp_group, ce_in_model)
+        group_ce, group_tokens = pp_schedule.pipeline_eval_loss(schedule, stages, batch, loss_group, pp_group,
+                                                                ce_in_model)
         ce += group_ce
         tokens += group_tokens
     for s in stages:

@@ -179,9 +179,9 @@ def _first_stage_args(stages, batch: PipelineBatch) -> tuple:
 
 
 def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_tokens: torch.Tensor,
-               dp_group, pp_group) -> torch.Tensor:
-    """Forward + backward of all microbatches; returns the step loss summed over microbatches and dp ranks,
-    on every rank (the last stage's value, all-reduced over pp)."""
+               loss_group, pp_group) -> torch.Tensor:
+    """Forward + backward of all microbatches; returns the step loss summed over microbatches and the loss
+    group (dp x cp), on every rank (the last stage's value, all-reduced over pp)."""
     loss_fn.label_tokens = label_tokens
     loss_fn.reset()
     losses: list = []
@@ -189,14 +189,15 @@ def train_step(schedule, stages, batch: PipelineBatch, loss_fn: TokenCE, label_t
                   **batch.kwargs(labels=loss_fn.ce_in_model))
     loss_fn.keep_last(len(losses))
     loss = _token_loss(stages, loss_fn, label_tokens.device)
-    dist.all_reduce(loss, group=dp_group)
+    dist.all_reduce(loss, group=loss_group)
     dist.all_reduce(loss, group=pp_group)
     return loss
 
 
-def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_group,
+def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, loss_group, pp_group,
                        ce_in_model: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward-only pass of a batch: (summed token CE, label tokens), both summed over dp ranks, on every rank.
+    """Forward-only pass of a batch: (summed token CE, label tokens), both summed over the loss group (dp x cp),
+    on every rank.
 
     `schedule` should be one built for evaluation only (its own stages over the same modules, `build_schedule`
     with a `TokenCE` whose label_tokens stays 1): flipping a training schedule between step() and eval()
@@ -212,7 +213,7 @@ def pipeline_eval_loss(schedule, stages, batch: PipelineBatch, dp_group, pp_grou
                 m.reshard()
     ce = _summed_loss(stages, losses, batch.labels.device)
     tokens = count_label_tokens(batch.labels).to(ce)
-    dist.all_reduce(ce, group=dp_group)
+    dist.all_reduce(ce, group=loss_group)
     dist.all_reduce(ce, group=pp_group)
-    dist.all_reduce(tokens, group=dp_group)
+    dist.all_reduce(tokens, group=loss_group)
     return ce, tokens
