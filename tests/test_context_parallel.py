@@ -245,6 +245,25 @@ def test_unsupported_combinations_fail_in_one_line(tmp_path, monkeypatch, extra,
     assert len(str(info.value).splitlines()) == 1 and message in str(info.value), str(info.value)
 
 
+def test_a_step_counts_each_token_once(tmp_path):
+    """cp ranks share a row's tokens: a step's tokens (metrics' tokens/s) are the global batch's, and the batch is
+    split over dp alone, whatever cp is."""
+    from qwenft.conf.layout import resolve_layout
+    from qwenft.train.spec import resolve_spec
+
+    from helpers import compose, model_config
+
+    specs = {}
+    for cp, dp in ((1, 1), (2, 1), (4, 2)):
+        cfg = compose(parity_overrides(tmp_path, f"mesh.cp={cp}", f"mesh.dp={dp}", "train.micro_batch_size=1"))
+        specs[cp] = resolve_spec(cfg, resolve_layout(1, 1, dp, cp * dp, cp=cp), model_config(cfg), "cpu")
+    for cp, dp in ((1, 1), (2, 1), (4, 2)):
+        b = specs[cp].batching
+        assert b.tokens_per_step == b.global_batch_size * b.seq_len == specs[1].batching.tokens_per_step
+        assert b.microbatch_size * b.num_microbatches * dp == b.global_batch_size, (cp, b)
+        assert specs[cp].layout.world_size == cp * dp
+
+
 @pytest.mark.slow
 def test_checkpoint_resumes_on_another_cp(tmp_path):
     """Saved at step 2 by cp2, resumed by cp4: steps 3 and 4 train the losses of one process that never
