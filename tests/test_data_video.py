@@ -479,7 +479,7 @@ def test_processor_overrides_are_checked(cache):
 def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_config(files, tmp_path):
     """Video rows build under mesh.pp > 1 as under pp = 1 (the pipeline schedule carries videos as it carries
     images: tests/test_video_mesh.py). The HF export's preprocessors include the checkpoint's video processor
-    config."""
+    config as it is (a data.video.* override is not written)."""
     import json
 
     from qwenft.conf import compose
@@ -489,7 +489,7 @@ def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_
     path = tmp_path / "rows.jsonl"
     rows = [chat(video([str(files / p) for p in frame_paths("run", 4)]), text("?")), chat(text("no video"))]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = compose(["recipe=tiny_vlm", f"data.path={path}", "mesh.pp=2"])
+    cfg = compose(["recipe=tiny_vlm", f"data.path={path}", "mesh.pp=2", "data.video.max_frames=8"])
     for pp in (1, 2):
         _, data, _ = build_data(compose(["recipe=tiny_vlm", f"data.path={path}", f"mesh.pp={pp}"]),
                                 named_config("tiny_vlm"), 1, 0, 1)
@@ -498,3 +498,4 @@ def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_
     for p in exported:
         p.save_pretrained(tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "video_preprocessor_config.json").read_text())["max_frames"] == 16
+    assert load_preprocessors(cfg, vision=True)[1].video.max_frames == 8  # the override trains, is not written
