@@ -346,8 +346,8 @@ def test_export_of_tp2_pp2_checkpoint_loads_in_transformers(tmp_path, tp2_pp2_in
 def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
     """`qwenft export` of a tiny_vlm run's checkpoint: transformers' Qwen3_5ForConditionalGeneration loads every
     key (vision tower included), the tokenizer, image processor and video processor config come along
-    (data.tokenizer=tiny_vlm is a built-in name, not a dir), and an image + text batch gives the logits of the
-    parameters the run trained."""
+    (data.tokenizer=tiny_vlm is a built-in name, not a dir), and an image + text batch and a batch with a video
+    give the logits of the parameters the run trained."""
     import torch
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3_5ForConditionalGeneration
 
@@ -389,6 +389,23 @@ def test_export_of_tiny_vlm_checkpoint_loads_in_transformers(tmp_path, capsys):
         ref = native(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid)
         got = hf(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid,
                  mm_token_type_ids=(ids == cfg.image_token_id).int()).logits
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    # a batch with a video (2 temporal patches of 2 x 2 tokens, each its own vision_start/end, as the processor
+    # lays them out) next to an image
+    ids = torch.randint(7, cfg.text.vocab_size, (2, 24), generator=gen)
+    ids[0, 3], ids[0, 4:8], ids[0, 8] = cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id
+    for start in (2, 10):
+        ids[1, start], ids[1, start + 5] = cfg.vision_start_token_id, cfg.vision_end_token_id
+        ids[1, start + 1:start + 5] = cfg.video_token_id
+    video_grid = torch.tensor([[2, 4, 4]])
+    pixel_values = torch.randn(16, patch_dim, generator=gen)
+    pixel_values_videos = torch.randn(32, patch_dim, generator=gen)
+    types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    with torch.no_grad():
+        ref = native(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid[:1],
+                     pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid)
+        got = hf(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid[:1],
+                 pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid, mm_token_type_ids=types).logits
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 

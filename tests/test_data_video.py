@@ -11,6 +11,7 @@ expansion, tokenizing, positions) is transformers' own code.
 
 import dataclasses
 import enum
+import math
 import sys
 import types
 from functools import partial
@@ -94,6 +95,21 @@ def reference_processor(proc, cache, **video_kwargs):
     return Processor(Qwen2VLImageProcessorPil.from_pretrained(path), proc.tokenizer,
                      Qwen3VLVideoProcessor.from_pretrained(path, **video_kwargs),
                      chat_template=proc.tokenizer.chat_template)
+
+
+def checkpoint_dir(cache, tmp_path, **video_config):
+    """A copy of the tiny processor dir whose video processor config has `video_config` set: a checkpoint's own
+    video settings (which no data.video.* key overrides)."""
+    import json
+    import shutil
+
+    from qwenft.data.tiny_vlm import tiny_vlm_processor_dir
+
+    path = tmp_path / "checkpoint"
+    shutil.copytree(tiny_vlm_processor_dir(cache), path)
+    config = path / "video_preprocessor_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **video_config}))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +202,16 @@ PARITY = {
     # 3 frames count as 4 in smart_resize's budget check (rounded to even): 64 px frames stay, over by 4/3
     "frame_list_odd_at_budget": ([video(frame_paths("tri", 3), fps=2), text("?")], {"max_pixels": 3 * 64 * 64},
                                  [("frames", "tri", 3, {"fps": 2.0, "frames_indices": list(range(3))})]),
+    # a checkpoint whose video processor caps the pixels per frame (qwen-vl-utils' rule, cap_pixels_per_frame):
+    # at max_video_tokens x 32^2 px a frame (2048 here, under the budget's 65536 / 5), 64x64 -> 32x32 px frames
+    "frame_list_cap_per_frame": ([video(frame_paths("walk", 5), fps=2), text("Where?")],
+                                 {"min_pixels": 1024, "checkpoint": {"cap_pixels_per_frame": True,
+                                                                     "max_video_tokens": 2}},
+                                 [("frames", "walk", 5, {"fps": 2.0, "frames_indices": list(range(5))})]),
+    # the cap's floor (1.05 x min_pixels a frame) lifts the budget over data.video.max_pixels: frames stay 64x64
+    "frame_list_cap_floor": ([video(frame_paths("walk", 5), fps=2), text("Where?")],
+                             {"max_pixels": 8192, "checkpoint": {"cap_pixels_per_frame": True}},
+                             [("frames", "walk", 5, {"fps": 2.0, "frames_indices": list(range(5))})]),
     "file": ([text("Watch: "), video("clip.mp4"), text("Which way?")], {}, [("file", "clip.mp4", 2.0, None)]),
     "file_fps_and_budget": ([video("clip.mp4"), text("Which way?"), image("pic.png")],
                             {"fps": 4, "max_frames": 6, "max_pixels": 6 * 32 * 48},
@@ -197,17 +223,21 @@ PARITY = {
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=needs_av) if c.startswith("file") else c for c in PARITY])
-def test_ids_pixels_and_positions_equal_transformers(case, proc, cache, files, transformers_video):
+def test_ids_pixels_and_positions_equal_transformers(case, proc, cache, files, transformers_video, tmp_path):
     from transformers.video_utils import VideoMetadata, load_video
 
     parts, overrides, videos = PARITY[case]
-    mine = load_processor("tiny_vlm", cache_dir=cache, video=overrides)
+    overrides = dict(overrides)
+    checkpoint = overrides.pop("checkpoint", {})  # video processor config the checkpoint itself holds
+    mine = load_processor(checkpoint_dir(cache, tmp_path, **checkpoint) if checkpoint else "tiny_vlm",
+                          cache_dir=cache, video=overrides)
     (doc,), skipped = tokenize_vlm_rows([chat(*parts)], mine, 4096, files)
     assert not skipped
     pixel_values_videos, video_grid_thw = mine.video_pixels(doc.videos)
 
     size = {"shortest_edge": mine.video.min_pixels, "longest_edge": mine.video.max_pixels}
-    hf = reference_processor(proc, cache, size=size, **{k: v for k, v in overrides.items() if k != "max_pixels"})
+    hf = reference_processor(proc, cache, size=size, **checkpoint,
+                             **{k: v for k, v in overrides.items() if k not in ("min_pixels", "max_pixels")})
     clips, metadata = [], []
     for kind, source, n_or_fps, meta in videos:
         if kind == "frames":
@@ -223,7 +253,7 @@ def test_ids_pixels_and_positions_equal_transformers(case, proc, cache, files, t
     prompt = proc.tokenizer.apply_chat_template(rendered, tokenize=False)
     images = [Image.open(files / p["image"]) for p in parts if p["type"] == "image"] or None
     ref = hf(text=[prompt], images=images, videos=clips, video_metadata=metadata, do_sample_frames=False,
-             cap_pixels_per_frame=False, return_tensors="pt")
+             cap_pixels_per_frame=checkpoint.get("cap_pixels_per_frame", False), return_tensors="pt")
 
     assert doc.input_ids == ref["input_ids"][0].tolist()
     assert torch.equal(video_grid_thw, ref["video_grid_thw"])
@@ -237,9 +267,37 @@ def test_ids_pixels_and_positions_equal_transformers(case, proc, cache, files, t
     assert all(doc.labels[t - 1] == IGNORE_INDEX for t in video_positions.tolist())  # never a target
     if case == "frame_list_odd_at_budget":
         assert doc.videos[0].grid == (2, 4, 4)
+    if case == "frame_list_cap_per_frame":
+        assert doc.videos[0].grid == (3, 2, 2)  # 32x32 px frames; 64x64 without the cap
+    if case == "frame_list_cap_floor":
+        assert doc.videos[0].grid == (3, 4, 4)  # 64x64 px frames; 32x32 without the cap
     if case == "file_fps_and_budget":  # sampled at 4 fps (9 frames), capped at 6; shrunk into the budget
         assert doc.videos[0].indices == tuple(sample_indices(23, 10.0, 4, 4, 6)) and len(doc.videos[0].indices) == 6
         assert video_grid_thw.prod().item() * 16 * 16 * 2 <= 6 * 32 * 48
+
+
+@pytest.mark.parametrize("checkpoint, overrides", [
+    ({}, {}), ({}, {"max_pixels": 32768}),
+    ({"cap_pixels_per_frame": True, "max_video_tokens": 2}, {"min_pixels": 1024}),  # the cap binds
+    ({"cap_pixels_per_frame": True}, {"max_pixels": 8192}),  # its floor lifts the budget
+], ids=["budget", "max_pixels", "cap", "cap_floor"])
+def test_plan_budget_is_the_most_a_video_makes(cache, tmp_path, checkpoint, overrides):
+    """`budget_patches` (what `qwenft plan` counts a video at) is the largest patch count the pipeline makes of
+    frame lists of every length up to max_frames and of several frame sizes."""
+    from qwenft.data.video import budget_patches
+
+    path = checkpoint_dir(cache, tmp_path, **checkpoint)
+    mine = load_processor(str(path), video=overrides)
+    for h, w in ((128, 128), (64, 128), (64, 64), (32, 96), (160, 160)):
+        (tmp_path / f"{h}x{w}").mkdir()
+        for i in range(16):
+            Image.fromarray(np.full((h, w, 3), 10 * i, np.uint8)).save(tmp_path / f"{h}x{w}" / f"{i}.png")
+    rows = [chat(video(frame_paths(f"{h}x{w}", n)), text("?"))
+            for n in range(2, 17) for h, w in ((128, 128), (64, 128), (64, 64), (32, 96), (160, 160))]
+    docs, skipped = tokenize_vlm_rows(rows, mine, 8192, tmp_path)
+    assert not skipped
+    made = max(math.prod(v.grid) for doc in docs for v in doc.videos)
+    assert budget_patches(str(path), overrides.get("max_pixels"), overrides.get("min_pixels")) == made
 
 
 def test_frame_sampling_follows_qwen3_vl(proc, cache):
@@ -421,7 +479,7 @@ def test_processor_overrides_are_checked(cache):
 def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_config(files, tmp_path):
     """Video rows build under mesh.pp > 1 as under pp = 1 (the pipeline schedule carries videos as it carries
     images: tests/test_video_mesh.py). The HF export's preprocessors include the checkpoint's video processor
-    config."""
+    config as it is (a data.video.* override is not written)."""
     import json
 
     from qwenft.conf import compose
@@ -431,7 +489,7 @@ def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_
     path = tmp_path / "rows.jsonl"
     rows = [chat(video([str(files / p) for p in frame_paths("run", 4)]), text("?")), chat(text("no video"))]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = compose(["recipe=tiny_vlm", f"data.path={path}", "mesh.pp=2"])
+    cfg = compose(["recipe=tiny_vlm", f"data.path={path}", "mesh.pp=2", "data.video.max_frames=8"])
     for pp in (1, 2):
         _, data, _ = build_data(compose(["recipe=tiny_vlm", f"data.path={path}", f"mesh.pp={pp}"]),
                                 named_config("tiny_vlm"), 1, 0, 1)
@@ -440,3 +498,4 @@ def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_
     for p in exported:
         p.save_pretrained(tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "video_preprocessor_config.json").read_text())["max_frames"] == 16
+    assert load_preprocessors(cfg, vision=True)[1].video.max_frames == 8  # the override trains, is not written

@@ -361,7 +361,22 @@ def test_frozen_parts_get_no_grad_and_stay_bit_identical(tiny_batch, vision, lan
     assert by_default["projector"] > 0 and by_default["language"] == 0
 
 
-def test_vision_activation_checkpointing_gives_the_same_grads(tiny_batch):
+@pytest.fixture(scope="module")
+def video_batch(proc, cache):
+    """A micro batch of the tiny set's first picture row and first video row."""
+    from qwenft.data.tiny_vlm import tiny_vlm_data_dir
+
+    data = tiny_vlm_data_dir(cache)
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    kinds = [any(p.get("type") == "video" for m in r["messages"] if isinstance(m["content"], list)
+                 for p in m["content"]) for r in rows]
+    picked = [rows[kinds.index(False)], rows[kinds.index(True)]]
+    return next(build_vlm_data(picked, proc, seq_len=128, micro_batch_size=2, base_dir=data))
+
+
+def test_vision_activation_checkpointing_gives_the_same_grads(video_batch):
+    """The tower's blocks checkpointed: the same tower grads, on a micro batch with a picture and a video."""
+    assert len(video_batch["video_grid_thw"]) >= 1 and len(video_batch["image_grid_thw"]) >= 1
     grads = []
     for ac in (False, True):
         model = small_vlm(seed=2)
@@ -369,7 +384,7 @@ def test_vision_activation_checkpointing_gives_the_same_grads(tiny_batch):
         if ac:
             assert checkpoint_vision(model) == 2
         assert [n for n, _ in model.named_parameters()] == names  # checkpoint keys unchanged
-        b = tiny_batch
+        b = video_batch
         logits = forward_batch(model, b)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten()).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("visual.")})

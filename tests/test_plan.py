@@ -458,29 +458,30 @@ def test_plan_errors_name_the_key(capsys):
 
 @pytest.mark.slow
 def test_vlm_plan_counts_videos_at_their_pixel_budget(tmp_path):
-    """plan.videos: each video counts the patches the data pipeline makes of a frame-list video that fills the
-    pixel budget (data.video.max_pixels, else the checkpoint's: tiny_vlm's 16 x 64 x 64), on top of
+    """plan.videos: each video counts the patches the data pipeline makes of the largest video the pixel budget
+    lets through (data.video.max_pixels, else the checkpoint's: tiny_vlm's 16 x 64 x 64): 5 frames, which the
+    resize counts as 4 and the temporal patches pad to 6, each at a quarter of the budget; on top of
     plan.image_patches; at most every token a vision token, which is also the default."""
     import numpy as np
     from PIL import Image
 
     from helpers import build_data
 
-    frames = []
-    for i in range(16):
-        frames.append(str(tmp_path / f"{i}.png"))
-        Image.fromarray(np.full((64, 64, 3), 16 * i, np.uint8)).save(frames[-1])
     rows = tmp_path / "rows.jsonl"
     row = {"messages": [{"role": "user", "content": [{"type": "video", "video": None}, {"type": "text", "text": "?"}]},
                         {"role": "assistant", "content": "!"}]}
-    for budget, n in ((None, 16), (32768, 8)):  # tiny_vlm's own budget; data.video.max_pixels=32768
-        row["messages"][0]["content"][0]["video"] = frames[:n]
+    for budget, (h, w) in ((None, (128, 128)), (32768, (64, 128))):  # tiny_vlm's own; data.video.max_pixels
+        frames = []
+        for i in range(5):
+            frames.append(str(tmp_path / f"{h}x{w}_{i}.png"))
+            Image.fromarray(np.full((h, w, 3), 16 * i, np.uint8)).save(frames[-1])
+        row["messages"][0]["content"][0]["video"] = frames
         rows.write_text(json.dumps(row) + "\n")
         over = [f"data.video.max_pixels={budget}"] if budget else []
         cfg = compose(["recipe=tiny_vlm", f"data.path={rows}", *over])
         _, data, _ = build_data(cfg, model_config(cfg), 1, 0, 1)
         video_patches = int(next(iter(data))["video_grid_thw"].prod())  # the video at the budget, as trained
-        assert video_patches == n * 64 * 64 // (2 * 16 * 16)
+        assert video_patches == 6 * h * w // (2 * 16 * 16) == 3 * (budget or 16 * 64 * 64) // (2 * 2 * 16 * 16)
 
         def act(*plan):
             return _plan("recipe=tiny_vlm", *over, *plan)[1][0].activation_bytes["ac_off"]

@@ -66,9 +66,8 @@ def _kind(row) -> str:
 @pytest.mark.slow
 def test_videos_train_below_what_one_frame_allows(tmp_path):
     """250 steps of one 512-token row (8 videos) each, the recipe's optimizer and schedule: ~45 s a run on the
-    2-core CPU box. Which question the video model learns first varies with the batching and the schedule (here:
-    order; at 8 conversations a step and a constant lr, direction); the mean over both falls clearly below chance
-    and below the first-frame model's, which stays at chance for each."""
+    2-core CPU box. For each question kind the video model's loss falls clearly below chance and below the
+    first-frame model's, which stays at chance."""
     from qwenft.data.tiny_vlm import tiny_vlm_data_dir
 
     data_dir = tiny_vlm_data_dir()
@@ -86,7 +85,8 @@ def test_videos_train_below_what_one_frame_allows(tmp_path):
         evaluated = _video_rows(data_dir, "val.jsonl", first_frame_only)
         results[name] = _answer_losses(result.state_dict, evaluated)
     (video_kinds, video), (first_kinds, first) = results["video"], results["first_frame"]
+    print(f"answer loss (nats), video / first frame / chance: {results}, {chance:.3f}")
     for kind, kind_chance in KINDS.values():
         assert first_kinds[kind] > kind_chance - 0.2, (kind, results)
+        assert video_kinds[kind] < kind_chance - 0.5 and video_kinds[kind] < first_kinds[kind] - 0.5, (kind, results)
     assert first > chance - 0.1, (chance, results)
-    assert video < chance - 0.4 and video < first - 0.4, (chance, results)

@@ -172,13 +172,21 @@ def patch_times(times: list[float], temporal_patch_size: int) -> list[float]:
     return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
 
 
+def frame_budget(num_frames: int, s: VideoSettings) -> int:
+    """The bound on t x h x w that Qwen3-VL's video resize applies to `num_frames` frames: data.video.max_pixels,
+    or with the checkpoint's `cap_pixels_per_frame` (qwen-vl-utils' rule) num_frames x a frame's share, at most
+    max_video_tokens merged patches and at least 1.05 x min_pixels."""
+    if not s.cap_pixels_per_frame:
+        return s.max_pixels
+    factor = s.patch_size * s.merge_size
+    share = max(min(s.max_video_tokens * factor * factor, s.max_pixels // num_frames), int(s.min_pixels * 1.05))
+    return share * num_frames
+
+
 def resized_size(num_frames: int, height: int, width: int, s: VideoSettings) -> tuple[int, int]:
     """(height, width) all frames are resized to: Qwen3-VL's video `smart_resize` within the pixel budget."""
     factor, temporal = s.patch_size * s.merge_size, s.temporal_patch_size
-    max_pixels = s.max_pixels
-    if s.cap_pixels_per_frame:
-        per_frame = max(min(s.max_video_tokens * factor * factor, s.max_pixels // num_frames), int(s.min_pixels * 1.05))
-        max_pixels = per_frame * num_frames
+    max_pixels = frame_budget(num_frames, s)
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
@@ -194,8 +202,10 @@ def resized_size(num_frames: int, height: int, width: int, s: VideoSettings) -> 
         beta = math.sqrt(s.min_pixels / (num_frames * height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
     if min(t, num_frames) * h * w > max_pixels:  # a side at its floor (factor px): the budget cannot hold it
+        budget = f"data.video.max_pixels={s.max_pixels}" if max_pixels == s.max_pixels else (
+            f"{max_pixels} (the checkpoint's cap_pixels_per_frame, max_video_tokens={s.max_video_tokens})")
         raise BadRow("video_too_large", f"video of {num_frames} frames needs {num_frames * h * w} pixels even at "
-                                        f"{w}x{h} px a frame, over data.video.max_pixels={s.max_pixels}")
+                                        f"{w}x{h} px a frame, over {budget}")
     return h, w
 
 
@@ -355,15 +365,34 @@ def with_overrides(s: VideoSettings, **overrides) -> VideoSettings:
     return s
 
 
-def budget_patches(path_or_name: str, max_pixels: int | None = None) -> int:
-    """Vision patches of one video at its pixel budget, for `qwenft plan`: `max_pixels` (data.video.max_pixels;
-    None = the checkpoint's `size.longest_edge`) bounds frames x h x w, so at most max_pixels / (temporal patch x
-    patch^2) patches. `path_or_name`: a checkpoint dir (its video processor config) or "tiny_vlm"."""
+def budget_patches(path_or_name: str, max_pixels: int | None = None, min_pixels: int | None = None,
+                   max_frames: int | None = None) -> int:
+    """The most vision patches one video can make, for `qwenft plan`. A video of n frames (at most max_frames)
+    is resized so that min(t, n) x h x w stays within its budget (`resized_size`; t: n rounded to even, half to
+    even) and padded to ceil(n / 2) x 2 frames, so an odd count can exceed the budget (5 frames: 6 frames at a
+    quarter each, 1.5x). The budget is `max_pixels` (data.video.max_pixels; None = the checkpoint's
+    `size.longest_edge`) or, where the checkpoint caps the pixels per frame (`cap_pixels_per_frame`), n x that cap,
+    which its floor of 1.05 x min_pixels a frame can lift above max_pixels. `min_pixels`, `max_frames`:
+    data.video.* (None = the checkpoint's). `path_or_name`: a checkpoint dir (its video processor config) or
+    "tiny_vlm"."""
     if path_or_name == "tiny_vlm":
         from qwenft.data.tiny_vlm import VIDEO_PROCESSOR as config
     else:
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
         config = Qwen3VLVideoProcessor.from_pretrained(path_or_name).to_dict()
-    max_pixels = config["size"]["longest_edge"] if max_pixels is None else max_pixels
-    return max_pixels // (config["temporal_patch_size"] * config["patch_size"] ** 2)
+    settings = VideoSettings(
+        patch_size=config["patch_size"], merge_size=config["merge_size"],
+        temporal_patch_size=config["temporal_patch_size"],
+        min_pixels=config["size"]["shortest_edge"] if min_pixels is None else min_pixels,
+        max_pixels=config["size"]["longest_edge"] if max_pixels is None else max_pixels, fps=1.0, min_frames=1,
+        max_frames=config["max_frames"] if max_frames is None else max_frames, image_mean=(), image_std=(),
+        rescale_factor=1.0, cap_pixels_per_frame=bool(config.get("cap_pixels_per_frame")),
+        max_video_tokens=config.get("max_video_tokens", 768))
+    temporal, area = settings.temporal_patch_size, (settings.patch_size * settings.merge_size) ** 2
+    most = 0
+    for n in range(temporal, settings.max_frames + 1):
+        checked = min(round(n / temporal) * temporal, n)  # frames resized_size holds within the budget
+        frame = frame_budget(n, settings) // checked // area * area  # h x w, a multiple of the merged patch
+        most = max(most, math.ceil(n / temporal) * temporal * frame)
+    return most // (temporal * settings.patch_size ** 2)

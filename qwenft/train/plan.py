@@ -203,8 +203,9 @@ def _stage_activations(ctx: _Context, module, mode: str | None = None) -> tuple[
 
 def _vision_activations(ctx: _Context, module) -> tuple[float, float]:
     """(AC off, AC on) vision tower activations of one microbatch; 0 without a tower or when it is frozen.
-    Patches per sequence: plan.image_patches + plan.videos x one video's patches at its pixel budget, at most
-    every token a vision token (seq_len x merge^2, also the default when neither is set). A video's patches
+    Patches per sequence: plan.image_patches + plan.videos x the most patches one video can make (its pixel
+    budget, an odd frame count padded, the checkpoint's per-frame cap: `budget_patches`), at most every token a
+    vision token (seq_len x merge^2, also the default when neither is set). A video's patches
     cost what an image's do: the same blocks, attention within each frame pair."""
     from qwenft.models.freeze import VISION_PROJECTOR
 
@@ -217,7 +218,9 @@ def _vision_activations(ctx: _Context, module) -> tuple[float, float]:
         from qwenft.data.video import budget_patches
 
         source = cfg.data.tokenizer or cfg.model.path or "tiny_vlm"
-        videos = cfg.plan.videos * budget_patches(source, cfg.data.video.max_pixels) if cfg.plan.videos else 0
+        v = cfg.data.video
+        videos = cfg.plan.videos * budget_patches(source, v.max_pixels, v.min_pixels, v.max_frames) \
+            if cfg.plan.videos else 0
         patches = min(patches, (cfg.plan.image_patches or 0) + videos)
     patches *= ctx.spec.batching.microbatch_size
     trained = {n.startswith(f"{VISION_PROJECTOR}.") for n, p in visual.named_parameters() if p.requires_grad}
