@@ -294,7 +294,7 @@ def test_vlm_equals_one_process(tmp_path):
         return ["recipe=tiny_vlm", "train.max_steps=2", "data.seq_len=256", "model.kernels.gdn=torch",
                 "train.progress_bar=false", "optim.lr=5e-4", "lr_scheduler.warmup_steps=0",
                 "checkpoint.export_hf=false", "train.global_batch_size=2", "train.micro_batch_size=1",
-                f"run_dir={tmp_path / name}", *extra]
+                "seed=4", f"run_dir={tmp_path / name}", *extra]  # seed 4's data order: an image on the edge
 
     # the first step's gradients: the set's video rows put GDN's A_log / dt_bias (sums with heavy cancellation)
     # at ~1e-5 of one process, which one AdamW step amplifies to ~5e-5 across the model
