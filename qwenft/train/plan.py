@@ -399,74 +399,18 @@ def resolve_plan_layout(cfg: Config):
                           cp=cfg.mesh.cp)
 
 
-class _MeshCoords:
-    """Any rank's coordinate in the same-shaped group of a sub-mesh of one rank's mesh: rank r's group of a mesh
-    spans the same dims of the root mesh (pp, dp[_outer], cp, [ep,] tp) as this rank's, so r's coordinate in it is
-    the place, in this rank's group, of the rank with r's root coordinates on those dims."""
-
-    def __init__(self, root: torch.Tensor):
-        self.root = root  # every rank, placed in the root mesh
-        self.at = {int(r): tuple(int(i) for i in (root == r).nonzero()[0]) for r in root.flatten()}
-        self.meshes: dict = {}  # id(mesh) -> (root dims it spans, {rank's coordinates on them: its place in it})
-
-    def add(self, mesh) -> None:
-        """Take in `mesh` (inside the process group its ranks' tensor needs)."""
-        key = id(mesh)
-        if key not in self.meshes:
-            ranks = mesh.mesh
-            places = [tuple(int(i) for i in (ranks == r).nonzero()[0]) for r in ranks.flatten()]
-            dims = [d for d in range(self.root.ndim) if len({self.at[int(r)][d] for r in ranks.flatten()}) > 1]
-            self.meshes[key] = dims, {tuple(self.at[int(r)][d] for d in dims): list(place)
-                                      for r, place in zip(ranks.flatten(), places)}
-
-    def of(self, mesh, rank: int) -> list[int] | None:
-        """`rank`'s coordinate in its group of `mesh` (taken in with `add`), or None where it has none."""
-        dims, places = self.meshes[id(mesh)]
-        return places.get(tuple(self.at[rank][d] for d in dims))
-
-
-@dataclass
-class _Share:
-    """One built rank's model parts and parameters, planned for every rank of its pipeline stage that holds shards
-    of the same shapes (a rank's shards differ only where a dim splits unevenly, e.g. a 1-row weight over dp)."""
-    modules: list
-    params: list
-    coords: _MeshCoords
-    dtensors: list = field(default_factory=list)
-    shapes: list = field(default_factory=list)
-
-    def __post_init__(self):
-        from torch.distributed.tensor import DTensor
-
-        self.dtensors = [p for _, m in self.modules for p in m.parameters() if isinstance(p, DTensor)]
-        self.shapes = [tuple(p.to_local().shape) for p in self.dtensors]
-        for p in self.dtensors:
-            self.coords.add(p.device_mesh)
-
-    def fits(self, rank: int) -> bool:
-        """Whether `rank`'s shard of every DTensor parameter, at its coordinate in its group, has this share's
-        shape (DTensor's own rule for a coordinate's local shape)."""
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-        for p, shape in zip(self.dtensors, self.shapes):
-            coordinate = self.coords.of(p.device_mesh, rank)
-            if coordinate is None or tuple(_compute_local_shape_and_global_offset(
-                    p.shape, p.device_mesh.shape, coordinate, p.placements, skip_offset=True)[0]) != shape:
-                return False
-        return True
-
-
 def predict(cfg: Config, share_stages: bool = True) -> list[RankPlan]:
     """The memory of every rank of `cfg` on GPUs (model.dtype=auto: bf16 compute), in rank order.
 
     Builds each rank's share through `build.build_model_parts` on a fake process group (fake_pg), one
     rank at a time, in this process; needs no GPU and no process group of its own. With `share_stages` (the
     default) a rank whose every parameter shard has the shape of an already built rank of its pipeline stage
-    (`_Share.fits`) is planned from that rank's share with its own mesh coordinates instead of built again: the
-    ranks of a stage build the same modules and differ only in which rows their shards hold."""
+    (`plan_share.StageShare.fits`) is planned from that rank's share with its own mesh coordinates instead of
+    built again: the ranks of a stage build the same modules and differ only in which rows their shards hold."""
     from qwenft.distributed.fake_pg import fake_process_group
     from qwenft.distributed.mesh import build_mesh
     from qwenft.train import build
+    from qwenft.train.plan_share import MeshCoords, StageShare
     from qwenft.train.spec import resolve_spec
 
     if dist.is_initialized():
@@ -480,7 +424,7 @@ def predict(cfg: Config, share_stages: bool = True) -> list[RankPlan]:
     model_cfg = build.model_config(cfg)
     spec = resolve_spec(cfg, layout, model_cfg, "cuda")  # what the plan is for; nothing is allocated there
     ctx = _Context(cfg, model_cfg, spec)
-    plans, shares, names, where = [], defaultdict(list), ("pp", "dp", "tp"), None  # shares: pp rank -> [_Share]
+    plans, shares, names, where = [], defaultdict(list), ("pp", "dp", "tp"), None  # shares: pp rank -> [StageShare]
     for rank in range(layout.world_size):
         if where is not None:
             coords = {name: where.of(mesh_of[name], rank)[0] for name in names}
@@ -492,13 +436,13 @@ def predict(cfg: Config, share_stages: bool = True) -> list[RankPlan]:
             mesh = build_mesh(layout, device="cpu")
             coords = {name: mesh[name].get_local_rank() for name in names}
             if where is None:  # the first rank's mesh places every other rank
-                where, mesh_of = _MeshCoords(mesh.mesh), {name: mesh[name] for name in names}
+                where, mesh_of = MeshCoords(mesh.mesh), {name: mesh[name] for name in names}
                 for sub in mesh_of.values():
                     where.add(sub)
             modules = build.build_model_parts(cfg, model_cfg, spec, mesh)
             params = _rank_params(modules)
             if share_stages:
-                shares[coords["pp"]].append(_Share(modules, params, where))
+                shares[coords["pp"]].append(StageShare(modules, params, where))
         plans.append(_rank_plan(ctx, rank, coords, modules, params))
     return plans
 
