@@ -52,6 +52,18 @@ def test_27b_tp4pp4_sixteen_ranks_cover_the_model_once(tp4pp4):
     assert plans[-1].logits_bytes > 0 and plans[0].logits_bytes == 0  # only the last stage has the head
 
 
+@pytest.mark.parametrize("overrides", [
+    ["recipe=tiny_3d"],  # tp2 x pp2 x dp2: FSDP's shards of tp shards
+    ["recipe=tiny_moe", "mesh.dp=2", "mesh.ep=2", "mesh.cp=2", "mesh.tp=2"],  # ep inside dp, cp
+    ["recipe=qwen3_5_35b_a3b", "model.num_layers=4", "model.activation_checkpointing=false"],  # a 1-row gate over dp8
+])
+def test_ranks_planned_from_a_stage_mates_share_equal_their_own_builds(overrides):
+    """predict builds a rank only when no built rank of its stage has shards of its shapes; every rank built on its
+    own (share_stages=False) gives the same plans, uneven shards (some ranks holding an empty row) included."""
+    cfg = compose(overrides, missing_ok=True)
+    assert plan_lib.predict(cfg) == plan_lib.predict(cfg, share_stages=False)
+
+
 def test_tiny_3d_ranks_cover_the_model_once():
     cfg, plans = _plan("recipe=tiny_3d")
     assert len(plans) == 8

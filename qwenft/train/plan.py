@@ -262,12 +262,15 @@ def _logits(ctx: _Context, modules, chunks: int) -> tuple[int, int, int]:
 def rank_plan(cfg: Config, model_cfg, spec: RunSpec, rank: int, coords: dict, modules) -> RankPlan:
     """One rank's plan from its model parts (`build.build_model_parts`, meta) and its mesh coordinates
     (pp, dp, tp)."""
-    return _rank_plan(_Context(cfg, model_cfg, spec), rank, coords, modules)
+    return _rank_plan(_Context(cfg, model_cfg, spec), rank, coords, modules, _rank_params(modules))
 
 
-def _rank_plan(ctx: _Context, rank: int, coords: dict, modules) -> RankPlan:
+def _rank_params(modules) -> list[_Param]:
+    return [p for stage, module in modules for p in _fsdp_params(stage, module)]
+
+
+def _rank_plan(ctx: _Context, rank: int, coords: dict, modules, params: list[_Param]) -> RankPlan:
     cfg, pp, par = ctx.cfg, ctx.layout.pp, ctx.spec.parallel
-    params = [p for stage, module in modules for p in _fsdp_params(stage, module)]
     t = ctx.model_cfg.text
     moe_layers = sum(len(m.layers) for _, m in modules) if t.is_moe else 0
     # after FSDP's all-gather a rank holds its ep rank's share (1/mesh.ep) of every MoE layer's experts it runs
@@ -399,14 +402,18 @@ def resolve_plan_layout(cfg: Config):
                           cp=cfg.mesh.cp)
 
 
-def predict(cfg: Config) -> list[RankPlan]:
+def predict(cfg: Config, share_stages: bool = True) -> list[RankPlan]:
     """The memory of every rank of `cfg` on GPUs (model.dtype=auto: bf16 compute), in rank order.
 
     Builds each rank's share through `build.build_model_parts` on a fake process group (fake_pg), one
-    rank at a time, in this process; needs no GPU and no process group of its own."""
+    rank at a time, in this process; needs no GPU and no process group of its own. With `share_stages` (the
+    default) a rank whose every parameter shard has the shape of an already built rank of its pipeline stage
+    (`plan_share.StageShare.fits`) is planned from that rank's share with its own mesh coordinates instead of
+    built again: the ranks of a stage build the same modules and differ only in which rows their shards hold."""
     from qwenft.distributed.fake_pg import fake_process_group
     from qwenft.distributed.mesh import build_mesh
     from qwenft.train import build
+    from qwenft.train.plan_share import MeshCoords, StageShare
     from qwenft.train.spec import resolve_spec
 
     if dist.is_initialized():
@@ -420,12 +427,26 @@ def predict(cfg: Config) -> list[RankPlan]:
     model_cfg = build.model_config(cfg)
     spec = resolve_spec(cfg, layout, model_cfg, "cuda")  # what the plan is for; nothing is allocated there
     ctx = _Context(cfg, model_cfg, spec)
-    plans = []
+    plans, shares, names, where = [], defaultdict(list), ("pp", "dp", "tp"), None  # shares: pp rank -> [StageShare]
     for rank in range(layout.world_size):
+        if where is not None:
+            coords = {name: where.of(mesh_of[name], rank)[0] for name in names}
+            share = next((s for s in shares[coords["pp"]] if s.fits(rank)), None)
+            if share is not None:
+                plans.append(_rank_plan(ctx, rank, coords, share.modules, share.params))
+                continue
         with fake_process_group(layout.world_size, rank):
             mesh = build_mesh(layout, device="cpu")
-            coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
-            plans.append(_rank_plan(ctx, rank, coords, build.build_model_parts(cfg, model_cfg, spec, mesh)))
+            coords = {name: mesh[name].get_local_rank() for name in names}
+            if where is None:  # the first rank's mesh places every other rank
+                where, mesh_of = MeshCoords(mesh.mesh), {name: mesh[name] for name in names}
+                for sub in mesh_of.values():
+                    where.add(sub)
+            modules = build.build_model_parts(cfg, model_cfg, spec, mesh)
+            params = _rank_params(modules)
+            if share_stages:
+                shares[coords["pp"]].append(StageShare(modules, params, where))
+        plans.append(_rank_plan(ctx, rank, coords, modules, params))
     return plans
 
 
