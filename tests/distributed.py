@@ -79,6 +79,21 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     return [results[r] for r in range(world_size)]
 
 
+def run_apart(fn, n: int, *args, timeout: float = 300.0) -> list:
+    """fn(i, *args) for i in range(n), each in a process of its own forked at once, as a lone rank (world size 1,
+    a rendezvous port of its own): independent runs side by side on the CI box's cores. Their results in order."""
+    return run_distributed(_apart, n, fn, args, timeout=timeout)
+
+
+def _apart(rank, world_size, fn, args):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank has joined rank 0's store before any leaves the group
+    dist.destroy_process_group()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
+    return fn(rank, *args)
+
+
 def _attempt(fn, world_size: int, args: tuple, timeout: float) -> tuple[dict, list, bool]:
     """`_run_once` with the hung ranks' stacks added to its errors."""
     with tempfile.TemporaryDirectory() as stacks:
