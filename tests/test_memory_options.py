@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import run_apart, run_distributed
 from helpers import assert_same_training, compose, parity_overrides, train, train_with_state
 
 
@@ -66,10 +66,9 @@ def test_bf16_state_and_weights_train_like_fp32(tmp_path):
         "master": ["optim.master_dtype=bfloat16"],
         "both": ["optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16"],
     }
-    losses = {}
-    for name, extra in runs.items():
-        (result,) = run_distributed(train, 1, _overrides(tmp_path, name, *common, *extra))
-        losses[name] = result.losses
+    overrides = [_overrides(tmp_path, name, *common, *extra) for name, extra in runs.items()]
+    results = run_apart(lambda i: train(0, 1, overrides[i]), len(overrides))  # side by side, a lone rank each
+    losses = {name: result.losses for name, result in zip(runs, results)}
     ref = losses["fp32"]
     assert ref[-1] < ref[0] - 2.0
     for name, tol in {"state": 0.002, "master": 0.015, "both": 0.015}.items():
@@ -85,9 +84,9 @@ def test_bf16_weights_keep_small_updates(tmp_path):
     6.1692, down from 6.2542). Round to nearest (stochastic_rounding=False, not a config key) measured 6.2356:
     it kept 30% of the fp32 run's parameter change."""
     common = ["train.max_steps=20", "optim.lr=2e-5", "lr_scheduler.warmup_steps=0", "lr_scheduler.decay=constant"]
-    (fp32,) = run_distributed(train, 1, _overrides(tmp_path, "fp32", *common))
-    (bf16,) = run_distributed(train, 1, _overrides(tmp_path, "bf16", *common, "optim.state_dtype=bfloat16",
-                                                   "optim.master_dtype=bfloat16"))
+    overrides = [_overrides(tmp_path, "fp32", *common),
+                 _overrides(tmp_path, "bf16", *common, "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16")]
+    fp32, bf16 = run_apart(lambda i: train(0, 1, overrides[i]), 2)  # side by side, a lone rank each
     fell = fp32.losses[0] - fp32.losses[-1]
     assert fell > 0.05
     assert abs(bf16.losses[-1] - fp32.losses[-1]) < 0.1 * fell, (bf16.losses, fp32.losses)
