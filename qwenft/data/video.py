@@ -375,20 +375,16 @@ def budget_patches(path_or_name: str, max_pixels: int | None = None, min_pixels:
     which its floor of 1.05 x min_pixels a frame can lift above max_pixels. `min_pixels`, `max_frames`:
     data.video.* (None = the checkpoint's). `path_or_name`: a checkpoint dir (its video processor config) or
     "tiny_vlm"."""
-    if path_or_name == "tiny_vlm":
-        from qwenft.data.tiny_vlm import VIDEO_PROCESSOR as config
-    else:
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-        config = Qwen3VLVideoProcessor.from_pretrained(path_or_name).to_dict()
-    settings = VideoSettings(
-        patch_size=config["patch_size"], merge_size=config["merge_size"],
-        temporal_patch_size=config["temporal_patch_size"],
-        min_pixels=config["size"]["shortest_edge"] if min_pixels is None else min_pixels,
-        max_pixels=config["size"]["longest_edge"] if max_pixels is None else max_pixels, fps=1.0, min_frames=1,
-        max_frames=config["max_frames"] if max_frames is None else max_frames, image_mean=(), image_std=(),
-        rescale_factor=1.0, cap_pixels_per_frame=bool(config.get("cap_pixels_per_frame")),
-        max_video_tokens=config.get("max_video_tokens", 768))
+    if path_or_name == "tiny_vlm":
+        from qwenft.data.tiny_vlm import VIDEO_PROCESSOR
+
+        processor = Qwen3VLVideoProcessor(**VIDEO_PROCESSOR)
+    else:
+        processor = Qwen3VLVideoProcessor.from_pretrained(path_or_name)
+    settings = VideoSettings.from_processor(processor, max_pixels=max_pixels, min_pixels=min_pixels,
+                                            max_frames=max_frames)
     temporal, area = settings.temporal_patch_size, (settings.patch_size * settings.merge_size) ** 2
     most = 0
     for n in range(temporal, settings.max_frames + 1):
