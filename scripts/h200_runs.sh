@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|tp2_trace|side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -63,6 +63,9 @@ profile)  # the kernel breakdown, AC on (GPU 0) and off (GPU 1); the profiler's 
 (bench profile_ac_off 300 1 1 "--warmup 1 --profile $out/profile_ac_off.txt" train.max_steps=3 \
    model.activation_checkpointing=false) &
 wait ;;
+profile_fastest)  # the kernel breakdown of the side-by-side's fastest setting: bf16 numerics, AC off, compiled (steps 2-3)
+bench profile_bf16_ac_off_compile 300 1 0 "--warmup 1 --profile $out/profile_bf16_ac_off_compile.txt" train.max_steps=3 \
+  $bf16 model.activation_checkpointing=false model.compile=true ;;
 compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
  bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
@@ -85,6 +88,26 @@ GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel" bash .amodel/run.sh >
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
 bench bf16_ac_off_compile_cuda_graphs $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 \
   model.activation_checkpointing=false model.compile=true model.cuda_graphs=true ;;
+defaults_side_by_side)  # on a warm machine (fla's kernels compiled): the model group's defaults (bf16 numerics, compile,
+# model.activation_checkpointing=auto: the plan picks), then NeMo Automodel 0.7.0, then model.fp8=tensorwise (AC off,
+# compiled; torchao on PYTHONPATH as for fp8); the last lines are each run's tokens/s against Automodel's
+# ($base turns compile off for the eager runs; the model group compiles, so the defaults run turns it back on)
+bench defaults 150 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
+echo "=== automodel $(date +%T)"
+GBS=8 STEPS=8 WARMUP=2 WALL=$(limit_by_deadline 230) OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
+echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
+bench fp8_tensorwise_ac_off_compile 140 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+  model.compile=true model.fp8=tensorwise
+python3 - "$out/automodel/result.json" "$out/defaults.json" "$out/fp8_tensorwise_ac_off_compile.json" <<'PY'
+import json, sys
+from pathlib import Path
+am = json.loads(Path(sys.argv[1]).read_text())["tok_s_median"] if Path(sys.argv[1]).is_file() else None
+for f in map(Path, sys.argv[2:]):
+    qf = json.loads(f.read_text())["tokens_per_sec_per_gpu"] if f.is_file() else None
+    ratio = f"{qf / am:.3f}x" if qf and am else "n/a"
+    print(f"=== {f.stem}: {qf} tokens/s against Automodel's {am}: {ratio}")
+PY
+;;
 moe_side_by_side)  # NeMo Automodel 0.7.0's native Qwen3.5-MoE (torch._grouped_mm experts) and qwenft on the 35B-A3B
 # shape cut to 4 layers, Automodel's numerics, AC off, one after the other on this GPU: qwenft eager (the MoE groups'
 # default) first (it pays fla's kernel compile for these head counts, which Automodel's run then finds cached), then
@@ -226,19 +249,23 @@ done ;;
 fp8_numerics)  # 300 steps of the 0.8B shape from one init on one data order: bf16 against each float8 recipe, AC
 # off, compiled; the loss curves go to $out/<run>.metrics.jsonl (FP8_RECIPES picks the recipes, off = bf16). The
 # data is a Markov chain of 8 successors a word (long_rows.py): its loss has a floor of about ln 8 a word, where the
-# tiny chat set's falls to zero within 300 steps, too low for a comparison in percent
+# tiny chat set's falls to zero within 300 steps, too low for a comparison in percent. The runs share the GPU, all at
+# once: their losses, not their times, are what this part measures (each run alone: about 70 s of compile on a warm
+# machine, then about 50 s for the 300 steps)
 python scripts/long_rows.py "$out/markov.jsonl" --rows 3000 --words 1100 --successors 8
+limit=$(limit_by_deadline 330)
 for recipe in ${FP8_RECIPES:-off tensorwise rowwise rowwise_with_gw_hp}; do
   name="numerics_0_8b_fp8_$recipe"
-  echo "=== $name $(date +%T)"
-  # the first step compiles (about 70 s on a warm machine), the 300 steps take about 50 s
-  timeout -s KILL "$(limit_by_deadline 200)" python -m qwenft train recipe=tiny model=qwen3_5_0_8b data.path="$out/markov.jsonl" \
-    data.cache_dir="$out/cache" train.progress_bar=false data.seq_len=1024 train.global_batch_size=8 train.micro_batch_size=8 train.max_steps=300 optim.lr=3e-4 \
-    lr_scheduler.warmup_steps=20 model.activation_checkpointing=false model.compile=true model.fp8=$recipe \
-    checkpoint.export_hf=false run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
-  echo "=== $name rc=$? $(date +%T)"; tail -2 "$out/$name.log"
-  cp "$out/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
-done ;;
+  (echo "=== $name $(date +%T)"
+   timeout -s KILL "$limit" python -m qwenft train recipe=tiny model=qwen3_5_0_8b data.path="$out/markov.jsonl" \
+     data.cache_dir="$out/cache_$recipe" train.progress_bar=false data.seq_len=1024 train.global_batch_size=8 \
+     train.micro_batch_size=8 train.max_steps=300 optim.lr=3e-4 lr_scheduler.warmup_steps=20 \
+     model.activation_checkpointing=false model.compile=true model.fp8=$recipe checkpoint.export_hf=false \
+     run_dir="$out/runs/$name" > "$out/$name.log" 2>&1
+   echo "=== $name rc=$? $(date +%T)"; tail -2 "$out/$name.log"
+   cp "$out/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null) &
+done
+wait ;;
 cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
 PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
   > "$out/test_cp_kernels.log" 2>&1
