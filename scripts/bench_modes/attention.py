@@ -1,22 +1,23 @@
 """Causal attention at head_dim 256 (Qwen3.5-27B's 24 query heads, 4 KV heads) through each of torch's kernels
 on one GPU: forward and forward + backward time and TFLOP/s (the backward counted as 2.5 forwards), bf16.
 
-    python scripts/probe_attention.py [OUT.json]
+    python scripts/bench.py attention [--json out.json]
 
 The kernels: qwenft's varlen flash path (`attention.flash_varlen`, FlashAttention 2), SDPA restricted to its
-flash and cuDNN backends (GQA, and key/value heads expanded), and compiled flex_attention. Results:
-docs/performance.md ("Attention by halves against contiguous spans")."""
+flash and cuDNN backends (GQA, and key/value heads expanded), and compiled flex_attention; a kernel that refuses
+a shape gets an `error` entry instead of times. Results: docs/performance.md ("Attention by halves against
+contiguous spans")."""
+import argparse
 import json
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from qwenft.models.qwen3_5.attention import flash_varlen as qwenft_flash_varlen
 
 H, HKV, D = 24, 4, 256
 dev = "cuda"
-results = []
 
 
 def timed(fn, iters=5):
@@ -32,7 +33,7 @@ def timed(fn, iters=5):
     return s.elapsed_time(e) / iters / 1e3
 
 
-def case(name, tq, tk, causal, fn_factory):
+def case(name, tq, tk, causal, fn_factory) -> dict:
     q = torch.randn(tq, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(tk, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(tk, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -50,7 +51,7 @@ def case(name, tq, tk, causal, fn_factory):
     except Exception as exc:  # noqa: BLE001
         r = dict(kernel=name, tq=tq, tk=tk, causal=causal, error=f"{type(exc).__name__}: {str(exc)[:200]}")
     print(json.dumps(r), flush=True)
-    results.append(r)
+    return r
 
 
 def flash_varlen(q, k, v, causal):
@@ -86,13 +87,18 @@ def flex(q, k, v, causal):
     return lambda: compiled(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), block_mask=mask, enable_gqa=True)
 
 
-print(torch.__version__, torch.backends.cudnn.version(), torch.cuda.get_device_name(), flush=True)
-shapes = [(32768, 32768, True), (16384, 16384, True), (16384, 65536, False), (8192, 8192, True)]
-kernels = [("flash_varlen", flash_varlen), ("sdpa_cudnn_gqa", sdpa(SDPBackend.CUDNN_ATTENTION)),
+SHAPES = [(32768, 32768, True), (16384, 16384, True), (16384, 65536, False), (8192, 8192, True)]
+KERNELS = [("flash_varlen", flash_varlen), ("sdpa_cudnn_gqa", sdpa(SDPBackend.CUDNN_ATTENTION)),
            ("sdpa_cudnn_expanded", sdpa(SDPBackend.CUDNN_ATTENTION, gqa=False)),
            ("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("flex", flex)]
-for tq, tk, causal in shapes:
-    for name, make in kernels:
-        case(name, tq, tk, causal, make)
-if len(sys.argv) > 1:
-    json.dump(results, open(sys.argv[1], "w"), indent=1)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench.py attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    print(torch.__version__, torch.backends.cudnn.version(), torch.cuda.get_device_name(), flush=True)
+    results = [case(name, tq, tk, causal, make) for tq, tk, causal in SHAPES for name, make in KERNELS]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
