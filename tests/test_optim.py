@@ -125,3 +125,31 @@ def test_build_optimizer_picks_the_optimizer():
                       LowPrecisionAdamW)
     with pytest.raises(ValueError, match="optim.fused=true .* set optim.fused=auto"):
         build_optimizer(fp32, 1e-3, 0.0, (0.9, 0.95), 1e-8, "true", state_dtype="bfloat16")
+
+
+def test_deferred_clip_scale_equals_scaling_the_gradients_first():
+    """`scale_grads` (the clip coefficient applied inside the step, in fp32) against the same optimizer on gradients
+    multiplied beforehand, fp32 and bf16 weights and gradients: powers of two, so the multiply is exact in either
+    dtype and the two must agree bit for bit; per-parameter scales (the MTP head is clipped apart from the trunk);
+    `.grad` left as it was; the pending scales gone after the step and after `zero_grad`."""
+    scales = [torch.tensor(0.25), torch.tensor(0.5)]  # the first two parameters', then the rest's
+    for dtype in (torch.float32, torch.bfloat16):
+        ref, ours = _params(dtype=dtype), _params(dtype=dtype)
+        opt_ref, opt = (LowPrecisionAdamW(ps, state_dtype=torch.bfloat16, stochastic_rounding=False, chunk_numel=64,
+                                          **HYPER) for ps in (ref, ours))
+        for step in range(3):
+            grads = _grads(ref, step)
+            for i, (p, q, g) in enumerate(zip(ref, ours, grads)):
+                p.grad = g * scales[0 if i < 2 else 1].to(dtype)
+                q.grad = g.clone()
+            opt.scale_grads(ours[:2], scales[0])
+            opt.scale_grads(ours[2:], scales[1])
+            opt_ref.step()
+            opt.step()
+            assert all(torch.equal(q.grad, g) for q, g in zip(ours, grads))
+            assert not opt._grad_scales
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), dtype
+    opt.scale_grads(ours, scales[0])
+    opt.zero_grad()
+    assert not opt._grad_scales and all(p.grad is None for p in ours)

@@ -324,7 +324,8 @@ def _block_output(linear, args, output, mesh, seq):
     return _FromBlock.apply(output, mesh, seq)
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None, device=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_group=None, device=None,
+                    optimizer=None) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters on different meshes, optionally over pipeline stages.
 
     TP + FSDP leaves (dp, tp) DTensors for sharded weights next to dp-only DTensors (or plain tensors) for
@@ -332,6 +333,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_grou
     reduced on its own, then combined (and over `pp_group`, each stage holding its own parameters). Returns
     the total norm as a plain tensor, equal on all ranks, as one process would compute it. `device`: where the
     norm lives on a rank without gradients (a pipeline stage that holds none of `parameters`).
+    `optimizer`: one with `scale_grads(params, coef)` (`LowPrecisionAdamW`) takes the clip coefficient into its
+    next step instead of a pass of its own over every gradient here.
     """
     params = [p for p in parameters if p.grad is not None]
     groups = defaultdict(list)
@@ -352,6 +355,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_grou
             dist.all_reduce(total, group=pp_group)
             total = total ** (1.0 / norm_type)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if optimizer is not None:
+        optimizer.scale_grads(params, coef)
+        return total
     with torch.no_grad():
         for grads in groups.values():
             for g in grads:

@@ -36,13 +36,15 @@ def _store(ptr, offs, mask, x, bits16, IS_BF16: tl.constexpr, STOCHASTIC: tl.con
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-                  seed, P_BF16: tl.constexpr, M_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, decay, beta1, beta2, eps, step_size,
+                  bias_correction2_sqrt, seed, P_BF16: tl.constexpr, M_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  SCALED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    if SCALED:  # gradient clipping's coefficient, a 0-dim fp32 tensor on the device (no host sync)
+        g = g * tl.load(scale_ptr)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
     p = p * decay
@@ -65,14 +67,18 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, beta1, beta2, eps, step_
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step_size: float,
-                  bias_correction2_sqrt: float, seed: int, stochastic_rounding: bool) -> None:
+                  bias_correction2_sqrt: float, seed: int, stochastic_rounding: bool,
+                  grad_scale: torch.Tensor | None = None) -> None:
     """AdamW on one contiguous CUDA tensor, in place: parameters fp32 or bf16, moments fp32 or bf16 (both
     moments one dtype), the gradient any float dtype. `step_size` is -lr / (1 - beta1^step) as torch's
-    foreach AdamW computes it."""
+    foreach AdamW computes it. `grad_scale`: a 0-dim tensor on the device the gradient is multiplied by in fp32
+    first (gradient clipping's coefficient); `grad` itself is not written."""
     n = param.numel()
     if n == 0:
         return
+    scale = grad if grad_scale is None else grad_scale.float()  # any pointer when unscaled: never read then
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, n, 1 - lr * weight_decay, beta1, beta2, eps, step_size,
+        param, grad, exp_avg, exp_avg_sq, scale, n, 1 - lr * weight_decay, beta1, beta2, eps, step_size,
         bias_correction2_sqrt, seed % 2**31, P_BF16=param.dtype == torch.bfloat16,
-        M_BF16=exp_avg.dtype == torch.bfloat16, STOCHASTIC=stochastic_rounding, BLOCK=BLOCK)
+        M_BF16=exp_avg.dtype == torch.bfloat16, STOCHASTIC=stochastic_rounding, SCALED=grad_scale is not None,
+        BLOCK=BLOCK)

@@ -109,6 +109,19 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self.fused = fused
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._grad_scales: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's factor in the next step
+
+    def scale_grads(self, params, scale: torch.Tensor) -> None:
+        """Multiply `params`' gradients by `scale` (a 0-dim fp32 tensor: gradient clipping's coefficient) inside
+        the next step, in fp32, instead of in place now: the fused kernel reads each gradient once either way, so
+        the clip costs no pass of its own over them. The gradients themselves stay as they are. Cleared by the
+        step and by `zero_grad` (a skipped step)."""
+        for p in params:
+            self._grad_scales[id(p)] = scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_scales.clear()
+        super().zero_grad(set_to_none=set_to_none)
 
     def _generator(self, device: torch.device, seed: int) -> torch.Generator:
         if device not in self._generators:
@@ -121,6 +134,13 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            self._step()
+        finally:
+            self._grad_scales.clear()
+        return loss
+
+    def _step(self) -> None:
         index = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -142,24 +162,26 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 step_size = (lr / (1 - beta1**step)) * -1
                 bias_correction2_sqrt = (1 - beta2**step) ** 0.5
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                scale = self._grad_scales.get(id(p))
                 if self.fused and all(t.is_cuda and t.is_contiguous() for t in tensors):
                     from qwenft.train.adamw_kernel import adamw_update_
 
                     adamw_update_(*tensors, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                                   weight_decay=group["weight_decay"], step_size=step_size,
                                   bias_correction2_sqrt=bias_correction2_sqrt,
-                                  seed=_seed(self.seed, int(step), index), stochastic_rounding=self.stochastic_rounding)
+                                  seed=_seed(self.seed, int(step), index), stochastic_rounding=self.stochastic_rounding,
+                                  grad_scale=scale)
                     continue
                 parts = _chunks(tensors, self.chunk_numel)
                 for chunk_id, views in enumerate(parts):
                     if batch and batch_numel + views[0].numel() > self.chunk_numel:
                         self._update(batch, group)
                         batch, batch_numel = [], 0
-                    batch.append((views, step_size, bias_correction2_sqrt, _seed(self.seed, int(step), index, chunk_id)))
+                    batch.append((views, step_size, bias_correction2_sqrt, _seed(self.seed, int(step), index, chunk_id),
+                                  scale))
                     batch_numel += views[0].numel()
             if batch:
                 self._update(batch, group)
-        return loss
 
     def _update(self, batch: list, group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -169,7 +191,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         bias_correction2_sqrts = [b[2] for b in batch]
         # fp32 work tensors; an fp32 tensor is its own work tensor (.float() returns it), updated in place
         params32, exp_avgs32, exp_avg_sqs32 = ([t.float() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs))
+        # the gradients in fp32, times their clip coefficient where one is pending (never in place on `.grad`)
         grads32 = [g.float() for g in grads]
+        grads32 = [g32 if b[4] is None else g32.mul_(b[4]) if g32 is not g else g32 * b[4]
+                   for g32, g, b in zip(grads32, grads, batch)]
         if weight_decay != 0:
             torch._foreach_mul_(params32, 1 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs32, grads32, 1 - beta1)
@@ -181,7 +206,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params32, exp_avgs32, denom, step_sizes)
         del denom
-        for (views, _, _, seed), work in zip(batch, zip(params32, exp_avgs32, exp_avg_sqs32)):
+        for (views, _, _, seed, _), work in zip(batch, zip(params32, exp_avgs32, exp_avg_sqs32)):
             for i, (dst, src) in enumerate(zip((views[0], views[2], views[3]), work)):
                 if dst is src:
                     continue

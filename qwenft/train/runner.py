@@ -18,6 +18,7 @@ from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
 from qwenft.train.build import Job, build_job, lora_config
+from qwenft.train.optim import LowPrecisionAdamW
 from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, with_mtp_labels
 from qwenft.models.loss import count_label_tokens
 from qwenft.train.metrics import peak_memory_gib
@@ -145,11 +146,13 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     pp_group = job.pp_group if job.spec.layout.pp > 1 else None
     params = job.params
+    # LowPrecisionAdamW applies the clip coefficient inside its step (no pass of its own over the gradients)
+    deferred = job.optimizer if isinstance(job.optimizer, LowPrecisionAdamW) else None
     if job.cfg.model.mtp == "head":  # the head's gradients clipped alone: the trunk's norm and clipping as without it
         head = {id(p) for p in job.head_params}
         params = [p for p in params if id(p) not in head]
-        clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device)
-    grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device)
+        clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
+    grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     lr = job.scheduler.get_last_lr()[0]
     loss_value = step_loss.item()
     # loss and grad norm are reduced over every rank, so all ranks take the same branch

@@ -157,3 +157,23 @@ def test_moe_block_backward_is_bit_reproducible():
         runs.append([y, xg.grad, *(p.grad.clone() for p in block.parameters())])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_fused_adamw_applies_a_pending_clip_scale():
+    """The clip coefficient read by the kernel from the device (no sync) equals the foreach path's fp32 multiply,
+    and the gradient in memory is not written."""
+    from qwenft.train.optim import LowPrecisionAdamW
+
+    results = []
+    for fused in (True, False):
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        p = torch.nn.Parameter(torch.randn(513, 1031, device="cuda", generator=gen))
+        g = torch.randn(p.shape, device="cuda", generator=gen).to(torch.bfloat16)
+        opt = LowPrecisionAdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                state_dtype=torch.float32, stochastic_rounding=False, fused=fused)
+        p.grad = g.clone()
+        opt.scale_grads([p], torch.tensor(0.37, device="cuda"))
+        opt.step()
+        assert torch.equal(p.grad, g)
+        results.append(p.detach().clone())
+    assert _rel(results[0], results[1]) < 1e-6
