@@ -132,7 +132,7 @@ def test_unknown_mode_names_the_modes(tmp_path):
     out = subprocess.run([sys.executable, BENCH, "kernel"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("bench.py: unknown mode 'kernel': the first argument is one of train, kernels, "
-                                  "layers, fused, moe, host, activations, data_workers, media, an option or a "
+                                  "layers, fused, moe, host, activations, data_workers, media, attention, an option or a "
                                   "KEY=VALUE override (a training step)")
 
 
