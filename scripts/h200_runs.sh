@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -166,6 +166,18 @@ bench tp1_compile 260 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_
 for tp in 2 4; do
   bench fake_tp${tp}_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp
+done ;;
+fake_tp_sp_graphs)  # target 4 with sequence parallelism: one GPU compiled, then rank 0 of fake tp2 and tp4 worlds compiled
+# with CUDA graphs, each with mesh.sequence_parallel=true (the norms and residual adds on 1/tp of the tokens); the fake
+# world fills every collective's output from the rank's own data (fake_pg.LocalCopyGroup), so the losses are finite
+# but not a real run's, and can grow past bf16's range through the layers: train.on_nonfinite=skip keeps such a step
+# timed (its optimizer step skipped, 1-2% of a step; the log's "step N skipped" lines say which); per GPU = tokens/s
+# against tp1's
+bench tp1_compile 260 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+for tp in 2 4; do
+  bench fake_tp${tp}_sp_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
+    model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp mesh.sequence_parallel=true \
+    train.on_nonfinite=skip
 done ;;
 gpu_tests_model)  # the GPU tier in three parts (this, gpu_tests_kernels, cp_tests), each one call from a cold start:
 # every test has a limit of its own (tests/gpu/conftest.py), so a slow compile fails that test and the rest run; the
