@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -63,8 +63,8 @@ profile)  # the kernel breakdown, AC on (GPU 0) and off (GPU 1); the profiler's 
 (bench profile_ac_off 300 1 1 "--warmup 1 --profile $out/profile_ac_off.txt" train.max_steps=3 \
    model.activation_checkpointing=false) &
 wait ;;
-profile_fastest)  # the kernel breakdown of the side-by-side's fastest setting: bf16 numerics, AC off, compiled (steps 2-3)
-bench profile_bf16_ac_off_compile 300 1 0 "--warmup 1 --profile $out/profile_bf16_ac_off_compile.txt" train.max_steps=3 \
+profile_fastest)  # the kernel breakdown of the side-by-side's fastest setting: bf16 numerics, AC off, compiled (steps 3-4)
+bench profile_bf16_ac_off_compile 300 1 0 "--warmup 2 --profile $out/profile_bf16_ac_off_compile.txt" train.max_steps=4 \
   $bf16 model.activation_checkpointing=false model.compile=true ;;
 compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
@@ -92,13 +92,16 @@ defaults_side_by_side)  # on a warm machine (fla's kernels compiled): the model 
 # model.activation_checkpointing=auto: the plan picks), then NeMo Automodel 0.7.0, then model.fp8=tensorwise (AC off,
 # compiled; torchao on PYTHONPATH as for fp8); the last lines are each run's tokens/s against Automodel's
 # ($base turns compile off for the eager runs; the model group compiles, so the defaults run turns it back on)
-bench defaults 150 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
+bench defaults_vs_automodel 150 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
 echo "=== automodel $(date +%T)"
-GBS=8 STEPS=8 WARMUP=2 WALL=$(limit_by_deadline 230) OUT_DIR="$out/automodel" bash .amodel/run.sh > "$out/automodel.log" 2>&1
-echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
+# an OUT_DIR of its own, emptied first: a ratio never comes from another part's Automodel run
+rm -rf "$out/automodel_defaults"
+GBS=8 STEPS=8 WARMUP=2 WALL=$(limit_by_deadline 230) OUT_DIR="$out/automodel_defaults" bash .amodel/run.sh \
+  > "$out/automodel_defaults.log" 2>&1
+echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
 bench fp8_tensorwise_ac_off_compile 140 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
   model.compile=true model.fp8=tensorwise
-python3 - "$out/automodel/result.json" "$out/defaults.json" "$out/fp8_tensorwise_ac_off_compile.json" <<'PY'
+python3 - "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" "$out/fp8_tensorwise_ac_off_compile.json" <<'PY'
 import json, sys
 from pathlib import Path
 am = json.loads(Path(sys.argv[1]).read_text())["tok_s_median"] if Path(sys.argv[1]).is_file() else None
@@ -167,15 +170,15 @@ for tp in 2 4; do
   bench fake_tp${tp}_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp
 done ;;
-fake_tp_sp_graphs)  # target 4 with sequence parallelism: one GPU compiled, then rank 0 of fake tp2 and tp4 worlds compiled
+fake_tp_sp_graphs)  # tensor parallel's ceiling with sequence parallelism: one GPU compiled, then rank 0 of fake tp2 and tp4 worlds compiled
 # with CUDA graphs, each with mesh.sequence_parallel=true (the norms and residual adds on 1/tp of the tokens); the fake
 # world fills every collective's output from the rank's own data (fake_pg.LocalCopyGroup), so the losses are finite
 # but not a real run's, and can grow past bf16's range through the layers: train.on_nonfinite=skip keeps such a step
 # timed (its optimizer step skipped, 1-2% of a step; the log's "step N skipped" lines say which); per GPU = tokens/s
 # against tp1's
-bench tp1_compile 260 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+bench tp1_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
 for tp in 2 4; do
-  bench fake_tp${tp}_sp_graphs 200 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
+  bench fake_tp${tp}_sp_graphs 190 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp mesh.sequence_parallel=true \
     train.on_nonfinite=skip
 done ;;
@@ -286,6 +289,6 @@ mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained hea
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, tp2_trace, side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics" >&2
    exit 2 ;;
 esac

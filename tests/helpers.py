@@ -178,9 +178,9 @@ def train_with_grads(rank, world_size, overrides):
 # fp32 end to end on CUDA, where model.dtype=auto computes in bf16 and the auto kernels (fla's GDN, the fused
 # cross-entropy) run below fp32 precision; lr 2e-4 as tests/test_compile.py (AdamW turns fp32 rounding noise in
 # GDN's ill-conditioned decay gradients into parameter differences that grow with the learning rate), and
-# AdamW's eps at 1e-6 as the CPU tier's MoE parity runs (tests/test_expert_parallel.py: with 1e-8 an update is
-# ~lr x sign(m) even where a gradient sits at rounding level, so CUDA's and the CPU's last digits could move a
-# parameter by lr).
+# AdamW's eps at 1e-6 (the reason tests/test_expert_parallel.py gives for its MoE parity runs' 1e-5: with 1e-8 an
+# update is ~lr x sign(m) even where a gradient sits at rounding level, so CUDA's and the CPU's last digits could
+# move a parameter by lr).
 CUDA_FP32 = ("model.dtype=float32", "model.kernels.gdn=torch", "model.kernels.ce=torch",
              "model.kernels.attention=sdpa", "optim.lr=2e-4", "optim.eps=1e-6")
 

@@ -279,7 +279,7 @@ def test_readers_jsonl_parquet_and_load_from_disk(tmp_path):
 def test_tiny_tokenizer_trains_caches_and_reloads(tmp_path):
     start = time.perf_counter()
     tok = load_tokenizer("tiny", tmp_path, vocab_size=400)
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 30  # about a second alone: a bound for a loaded box, not a timing
     (cache,) = tmp_path.iterdir()
     assert cache.name.startswith("tiny-")
     mtime = cache.stat().st_mtime_ns

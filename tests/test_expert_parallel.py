@@ -22,10 +22,9 @@ MOE = ("model.name=tiny_moe", "model.kernels.moe=loop", "checkpoint.export_hf=fa
 # validation after the last step: its forward runs the all-to-alls too (pipelined under pp)
 # AdamW's eps at 1e-5: with the default 1e-8 an update is ~lr x sign(m) even where the gradient is at the
 # level of rounding (some norm-weight elements of the tiny MoE model are ~1e-6 and change sign across steps), so
-# rounding differences between meshes would become lr-sized parameter differences. At 1e-6 tp2 still turned the
-# first step's rounding gap in the gradients (1.0e-6) into 2.0e-5 one AdamW step later on some hosts (GatedDeltaNet's
-# q_proj elements with gradients near 1e-6); 1e-5 keeps those updates proportional to their gradients (2.9e-6 there)
-# and the comparison about the parallelism.
+# rounding differences between meshes would become lr-sized parameter differences. At 1e-6 one AdamW step still
+# turned tp2's rounding gap in the gradients of GatedDeltaNet's q_proj (elements near 1e-6) into a gap over the bound
+# on some hosts; 1e-5 keeps those updates proportional to their gradients and the comparison about the parallelism.
 PARITY = (*MOE, "eval.every_steps=3", "eval.dataset=tiny", "optim.eps=1e-5")
 
 

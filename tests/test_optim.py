@@ -130,26 +130,51 @@ def test_build_optimizer_picks_the_optimizer():
 def test_deferred_clip_scale_equals_scaling_the_gradients_first():
     """`scale_grads` (the clip coefficient applied inside the step, in fp32) against the same optimizer on gradients
     multiplied beforehand, fp32 and bf16 weights and gradients: powers of two, so the multiply is exact in either
-    dtype and the two must agree bit for bit; per-parameter scales (the MTP head is clipped apart from the trunk);
-    `.grad` left as it was; the pending scales gone after the step and after `zero_grad`."""
-    scales = [torch.tensor(0.25), torch.tensor(0.5)]  # the first two parameters', then the rest's
+    dtype and parameters and both moments must agree bit for bit (the moments see a scale even where AdamW's
+    normalised update does not). A scale of its own per parameter and per step, two of them in one foreach batch
+    (the MTP head is clipped apart from the trunk); `.grad` left as it was; the pending scales gone after the step
+    and after `zero_grad`."""
     for dtype in (torch.float32, torch.bfloat16):
         ref, ours = _params(dtype=dtype), _params(dtype=dtype)
         opt_ref, opt = (LowPrecisionAdamW(ps, state_dtype=torch.bfloat16, stochastic_rounding=False, chunk_numel=64,
                                           **HYPER) for ps in (ref, ours))
         for step in range(3):
+            scales = [torch.tensor(2.0 ** -(i + step + 1)) for i in range(len(ref))]
             grads = _grads(ref, step)
-            for i, (p, q, g) in enumerate(zip(ref, ours, grads)):
-                p.grad = g * scales[0 if i < 2 else 1].to(dtype)
+            for p, q, g, scale in zip(ref, ours, grads, scales):
+                p.grad = g * scale.to(dtype)
                 q.grad = g.clone()
-            opt.scale_grads(ours[:2], scales[0])
-            opt.scale_grads(ours[2:], scales[1])
+            for q, scale in zip(ours, scales):
+                opt.scale_grads([q], scale)
             opt_ref.step()
             opt.step()
             assert all(torch.equal(q.grad, g) for q, g in zip(ours, grads))
             assert not opt._grad_scales
         for a, b in zip(ours, ref):
             assert torch.equal(a, b), dtype
-    opt.scale_grads(ours, scales[0])
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[a][key], opt_ref.state[b][key]), (dtype, key)
+    opt.scale_grads(ours, torch.tensor(0.5))
     opt.zero_grad()
     assert not opt._grad_scales and all(p.grad is None for p in ours)
+
+
+def test_the_runner_clips_through_lowprecision_adamw(tmp_path):
+    """One step of the tiny recipe with bf16 AdamW state and a clip that bites (max norm 1e-3 against a gradient norm
+    of about 6): the first moment is (1 - beta1) x the clipped gradient, so the coefficient reached the step, while
+    `.grad` (read before the optimizer clears it) keeps the unclipped values. A clip left out would leave the moment
+    about 6,000x too large."""
+    from helpers import tiny_overrides, train_recording_grads
+
+    job, _, grads, values = train_recording_grads(tiny_overrides(
+        tmp_path / "run", "train.max_steps=1", "optim.state_dtype=bfloat16", "optim.max_grad_norm=1e-3"))
+    assert isinstance(job.optimizer, LowPrecisionAdamW)
+    (grad,) = grads
+    norm = torch.stack([g.double().norm() for g in grad.values()]).norm().item()
+    assert norm > 1.0
+    coef = 1e-3 / (norm + 1e-6)
+    named = {n: p for m in job.model_parts for n, p in m.named_parameters() if p.requires_grad}
+    beta1 = job.optimizer.param_groups[0]["betas"][0]
+    got = torch.stack([job.optimizer.state[named[n]]["exp_avg"].double().norm() for n in grad]).norm().item()
+    want = (1 - beta1) * coef * norm
+    assert abs(got - want) < 1e-2 * want, (got, want)  # bf16 moments: 2^-8 relative rounding per element

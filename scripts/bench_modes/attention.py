@@ -37,11 +37,11 @@ def case(name, tq, tk, causal, fn_factory) -> dict:
     q = torch.randn(tq, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(tk, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(tk, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    fn = fn_factory(q, k, v, causal)
     # query-key pairs computed; causal: the queries are the keys' last tq (bottom-right aligned)
     pairs = tq * (tk - tq) + tq * (tq + 1) // 2 if causal else tq * tk
     flops_f = 4 * pairs * H * D
     try:
+        fn = fn_factory(q, k, v, causal)
         out = fn()
         g = torch.randn_like(out)
         tf = timed(fn)

@@ -160,11 +160,12 @@ def test_moe_block_backward_is_bit_reproducible():
 
 
 def test_fused_adamw_applies_a_pending_clip_scale():
-    """The clip coefficient read by the kernel from the device (no sync) equals the foreach path's fp32 multiply,
-    and the gradient in memory is not written."""
+    """The clip coefficient read by the kernel from the device (no sync): both moments after one step are those of
+    the scaled gradient (AdamW's normalised first update hides a scale, the moments do not), equal to the foreach
+    path's fp32 multiply, and the gradient in memory is not written."""
     from qwenft.train.optim import LowPrecisionAdamW
 
-    results = []
+    states = []
     for fused in (True, False):
         gen = torch.Generator(device="cuda").manual_seed(3)
         p = torch.nn.Parameter(torch.randn(513, 1031, device="cuda", generator=gen))
@@ -175,5 +176,9 @@ def test_fused_adamw_applies_a_pending_clip_scale():
         opt.scale_grads([p], torch.tensor(0.37, device="cuda"))
         opt.step()
         assert torch.equal(p.grad, g)
-        results.append(p.detach().clone())
-    assert _rel(results[0], results[1]) < 1e-6
+        m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+        scaled = g.float() * 0.37
+        assert _rel(m, 0.1 * scaled) < 1e-6 and _rel(v, 0.05 * scaled * scaled) < 1e-6
+        states.append((p.detach().clone(), m.clone(), v.clone()))
+    for a, b in zip(*states):
+        assert _rel(a, b) < 1e-6
