@@ -134,7 +134,8 @@ def train_job(overrides, prepare=None):
 
 def train_recording_grads(overrides):
     """Train in this (rank's) process; (job, losses, [{trained name: full gradient} per step], {trained name: full
-    value after training}). The gradients are read before the optimizer clears them."""
+    value after training}). The gradients are read before the optimizer clears them: clipped with torch's AdamW,
+    as computed with `LowPrecisionAdamW` (which takes the clip coefficient into its step)."""
     def full(t):
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 

@@ -155,6 +155,8 @@ def test_deferred_clip_scale_equals_scaling_the_gradients_first():
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(opt.state[a][key], opt_ref.state[b][key]), (dtype, key)
     opt.scale_grads(ours, torch.tensor(0.5))
+    opt.scale_grads(ours[:1], torch.tensor(0.25))  # two clips of one parameter compound
+    assert opt._grad_scales[id(ours[0])].item() == 0.125 and opt._grad_scales[id(ours[1])].item() == 0.5
     opt.zero_grad()
     assert not opt._grad_scales and all(p.grad is None for p in ours)
 

@@ -115,9 +115,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         """Multiply `params`' gradients by `scale` (a 0-dim fp32 tensor: gradient clipping's coefficient) inside
         the next step, in fp32, instead of in place now: the fused kernel reads each gradient once either way, so
         the clip costs no pass of its own over them. The gradients themselves stay as they are. Cleared by the
-        step and by `zero_grad` (a skipped step)."""
+        step and by `zero_grad` (a skipped step). Scales given twice for a parameter multiply, as two in-place
+        clips would."""
         for p in params:
-            self._grad_scales[id(p)] = scale
+            prev = self._grad_scales.get(id(p))
+            self._grad_scales[id(p)] = scale if prev is None else prev * scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scales.clear()
