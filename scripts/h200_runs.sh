@@ -43,6 +43,18 @@ bench() {  # name limit_s nproc gpus bench-args overrides...
   [ -f "$out/$name.json" ] && cat "$out/$name.json"
 }
 
+against_automodel() {  # automodel_result.json bench.json...: each bench run's tokens/s against Automodel's, one line each
+  python3 - "$@" <<'PY'
+import json, sys
+from pathlib import Path
+am = json.loads(Path(sys.argv[1]).read_text())["tok_s_median"] if Path(sys.argv[1]).is_file() else None
+for f in map(Path, sys.argv[2:]):
+    qf = json.loads(f.read_text())["tokens_per_sec_per_gpu"] if f.is_file() else None
+    ratio = f"{qf / am:.3f}x" if qf and am else "n/a"
+    print(f"=== {f.stem}: {qf} tokens/s against Automodel's {am}: {ratio}")
+PY
+}
+
 case $part in
 two_gpu)  # the first run compiles the one-GPU shapes' kernels (dp2 runs them too), tp2 its own
 bench dp2_knob_off 150 2 0,1 "--warmup 1 --plan" train.max_steps=4 mesh.dp=2 pipeline.reduce_grad_per_microbatch=false
@@ -101,15 +113,8 @@ GBS=8 STEPS=8 WARMUP=2 WALL=$(limit_by_deadline 230) OUT_DIR="$out/automodel_def
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
 bench fp8_tensorwise_ac_off_compile 140 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
   model.compile=true model.fp8=tensorwise
-python3 - "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" "$out/fp8_tensorwise_ac_off_compile.json" <<'PY'
-import json, sys
-from pathlib import Path
-am = json.loads(Path(sys.argv[1]).read_text())["tok_s_median"] if Path(sys.argv[1]).is_file() else None
-for f in map(Path, sys.argv[2:]):
-    qf = json.loads(f.read_text())["tokens_per_sec_per_gpu"] if f.is_file() else None
-    ratio = f"{qf / am:.3f}x" if qf and am else "n/a"
-    print(f"=== {f.stem}: {qf} tokens/s against Automodel's {am}: {ratio}")
-PY
+against_automodel "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" \
+  "$out/fp8_tensorwise_ac_off_compile.json"
 ;;
 moe_side_by_side)  # NeMo Automodel 0.7.0's native Qwen3.5-MoE (torch._grouped_mm experts) and qwenft on the 35B-A3B
 # shape cut to 4 layers, Automodel's numerics, AC off, one after the other on this GPU: qwenft eager (the MoE groups'
@@ -125,15 +130,7 @@ MODEL=moe GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel_moe" bash .a
 echo "=== automodel_moe rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_moe.log"
 bench moe_bf16_ac_off_compile $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=8 $bf16 \
   model.activation_checkpointing=false model.compile=true
-python3 - "$out/automodel_moe/result.json" "$out/moe_bf16_ac_off.json" "$out/moe_bf16_ac_off_compile.json" <<'PY'
-import json, sys
-from pathlib import Path
-am = json.loads(Path(sys.argv[1]).read_text())["tok_s_median"] if Path(sys.argv[1]).is_file() else None
-for f in map(Path, sys.argv[2:]):
-    qf = json.loads(f.read_text())["tokens_per_sec_per_gpu"] if f.is_file() else None
-    ratio = f"{qf / am:.3f}x" if qf and am else "n/a"
-    print(f"=== {f.stem}: {qf} tokens/s against Automodel's {am}: {ratio}")
-PY
+against_automodel "$out/automodel_moe/result.json" "$out/moe_bf16_ac_off.json" "$out/moe_bf16_ac_off_compile.json"
 ;;
 lora)  # after side_by_side, warm: LoRA rank 16 on every linear against full finetuning, eager, AC off, both
 # profiled (the frozen base's backward has no weight-gradient matmuls: about 2/3 of full finetuning's matmul time)
