@@ -172,26 +172,28 @@ fake_tp_sp_graphs)  # tensor parallel's ceiling with sequence parallelism: one G
 # world fills every collective's output from the rank's own data (fake_pg.LocalCopyGroup), so the losses are finite
 # but not a real run's, and can grow past bf16's range through the layers: train.on_nonfinite=skip keeps such a step
 # timed (its optimizer step skipped, 1-2% of a step; the log's "step N skipped" lines say which); per GPU = tokens/s
-# against tp1's
-bench tp1_compile 200 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
-for tp in 2 4; do
-  bench fake_tp${tp}_sp_graphs 190 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
+# against tp1's. FAKE_TPS (default "2 4") picks the worlds; the limits allow a cold machine's compiles
+bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+for tp in ${FAKE_TPS:-2 4}; do
+  bench fake_tp${tp}_sp_graphs 250 1 0 "--warmup 3 --fake-world $tp" train.max_steps=7 $bf16 \
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp mesh.sequence_parallel=true \
     train.on_nonfinite=skip
 done ;;
 gpu_tests_model)  # the GPU tier in three parts (this, gpu_tests_kernels, cp_tests), each one call from a cold start:
 # every test has a limit of its own (tests/gpu/conftest.py), so a slow compile fails that test and the rest run; the
-# KILL limit is the last resort (SIGTERM would make a training test checkpoint and stop, and loses the log's tail)
-PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cuda_model.py \
-  > "$out/test_cuda_model.log" 2>&1
+# KILL limit is the last resort (SIGTERM would make a training test checkpoint and stop, and loses the log's tail).
+# A cold machine spends most of the call compiling fla's, TileLang's and inductor's kernels, each process alone on
+# one CPU core: the tests run in 4 worker processes (pytest-xdist), so their compiles overlap
+PYTHONUNBUFFERED=1 timeout -s KILL 540 python -m pytest -v -rA -p no:cacheprovider -n 4 --dist load \
+  tests/gpu/test_cuda_model.py > "$out/test_cuda_model.log" 2>&1
 echo "=== test_cuda_model rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_cuda_model.log" | tail -30 ;;
 gpu_tests_kernels)  # qwenft's Triton kernels and cuDNN's attention by document piece (no compile), then fla and
-# varlen attention on packed rows (fla's fp32 compile: ~3 min)
+# varlen attention on packed rows, a worker process per test (fla's fp32 and bf16 kernels compile side by side)
 PYTHONUNBUFFERED=1 timeout -s KILL 210 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_kernels.py \
   tests/gpu/test_cudnn_pieces.py > "$out/test_kernels.log" 2>&1
 echo "=== test_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_kernels.log" | tail -20
-PYTHONUNBUFFERED=1 timeout -s KILL 360 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_packed_kernels.py \
-  > "$out/test_packed_kernels.log" 2>&1
+PYTHONUNBUFFERED=1 timeout -s KILL 460 python -m pytest -v -rA -p no:cacheprovider -n 5 --dist load \
+  tests/gpu/test_packed_kernels.py > "$out/test_packed_kernels.log" 2>&1
 echo "=== test_packed_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|ERROR|Timeout" "$out/test_packed_kernels.log" | tail -20 ;;
 multi_gpu_tests)  # on 2 GPUs: every layout over NCCL against one GPU, 20 steps each, and tp ranks' replicated
 # parameters bit-identical (tests/gpu/test_multi_gpu.py: each run a torchrun of its own, 11 in all); each loss gap

@@ -159,17 +159,20 @@ def test_moe_block_backward_is_bit_reproducible():
         assert torch.equal(a, b)
 
 
-def test_fused_adamw_applies_a_pending_clip_scale():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_applies_a_pending_clip_scale(dtype):
     """The clip coefficient read by the kernel from the device (no sync): both moments after one step are those of
     the scaled gradient (AdamW's normalised first update hides a scale, the moments do not), equal to the foreach
-    path's fp32 multiply, and the gradient in memory is not written."""
+    path's fp32 multiply, and the gradient in memory is not written. Parameters and gradients share a dtype, as in a
+    run (fp32, or bf16 with `optim.master_dtype=bfloat16`); the updated parameters agree to fp32's rounding, or
+    within one bf16 ulp (each path rounds once)."""
     from qwenft.train.optim import LowPrecisionAdamW
 
     states = []
     for fused in (True, False):
         gen = torch.Generator(device="cuda").manual_seed(3)
-        p = torch.nn.Parameter(torch.randn(513, 1031, device="cuda", generator=gen))
-        g = torch.randn(p.shape, device="cuda", generator=gen).to(torch.bfloat16)
+        p = torch.nn.Parameter(torch.randn(513, 1031, device="cuda", generator=gen).to(dtype))
+        g = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
         opt = LowPrecisionAdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                 state_dtype=torch.float32, stochastic_rounding=False, fused=fused)
         p.grad = g.clone()
@@ -180,5 +183,11 @@ def test_fused_adamw_applies_a_pending_clip_scale():
         scaled = g.float() * 0.37
         assert _rel(m, 0.1 * scaled) < 1e-6 and _rel(v, 0.05 * scaled * scaled) < 1e-6
         states.append((p.detach().clone(), m.clone(), v.clone()))
-    for a, b in zip(*states):
+    (p_fused, *moments_fused), (p_ref, *moments_ref) = states
+    for a, b in zip(moments_fused, moments_ref):
         assert _rel(a, b) < 1e-6
+    if dtype == torch.float32:  # the two paths order their fp32 operations differently
+        assert _rel(p_fused, p_ref) < 1e-6
+    else:
+        ulp = torch.finfo(dtype).eps * p_ref.float().abs()
+        assert ((p_fused.float() - p_ref.float()).abs() <= ulp).all()
