@@ -31,6 +31,16 @@ def threads_per_rank() -> int:
     return int(os.environ.get("QWENFT_TEST_THREADS", "1"))
 
 
+# A forked child inherits OpenMP's (libgomp's) thread team of its parent, but not its threads: a child's parallel
+# region of more than one thread (a torch op, or MKL's vectorised cos) waits at the team's barrier forever once the
+# parent has run one. So a rank runs more than one thread only where the parent never has: with
+# QWENFT_TEST_THREADS > 1 this process keeps to one thread from the time the test modules import this one.
+if threads_per_rank() > 1:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _worker(rank, world_size, port, fn, args, queue, stacks):
     # Objects inherited from the parent are never collected here: a dead process group of an earlier in-process
     # test, still waiting in the parent's garbage, would join its gloo threads in its destructor, and those
@@ -40,6 +50,8 @@ def _worker(rank, world_size, port, fn, args, queue, stacks):
     import torch.distributed as dist
 
     torch.set_num_threads(threads_per_rank())
+    # the runner sets its own thread count unless OMP_NUM_THREADS names one (train.rundir.set_cpu_threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank())
     # the parent sends SIGUSR2 to a rank that outlives the timeout: every thread's stack goes to `stacks`
     stacks_file = open(stacks, "w")
     faulthandler.register(signal.SIGUSR2, file=stacks_file, all_threads=True)

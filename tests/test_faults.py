@@ -341,6 +341,30 @@ def test_cpu_threads_chosen_are_logged(hf_dir):
     assert "cpu threads: " in log and "set OMP_NUM_THREADS to choose" in log, log
 
 
+def _threads_in_a_forked_rank(rank, world_size):
+    import torch
+
+    from qwenft.train.rundir import set_cpu_threads
+
+    set_cpu_threads()
+    torch.randn(1 << 22).cos()  # a parallel region, inside MKL where it has one
+    return torch.get_num_threads()
+
+
+@pytest.mark.distributed
+def test_a_forked_rank_keeps_the_harness_thread_count(monkeypatch):
+    """The runner's own thread choice (no OMP_NUM_THREADS) must not give a forked test rank more threads than the
+    harness set: after the parent has run a parallel region, a child's region of two threads waits forever at
+    OpenMP's barrier for the parent's threads (tests/distributed.py). The parent runs one first."""
+    import torch
+
+    from distributed import threads_per_rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.randn(1 << 22).cos()
+    assert run_distributed(_threads_in_a_forked_rank, 1, timeout=60) == [threads_per_rank()]
+
+
 # ---------------------------------------------------------------- smaller edges
 
 @pytest.mark.parametrize("override, needle", [
