@@ -89,6 +89,19 @@ def test_every_collective_fills_its_output_from_the_local_tensors():
         assert dist.all_gather_object([None] * WORLD, {"rank": RANK}) is None
 
 
+def test_dynamo_never_compiles_the_fake_groups_python():
+    """Every method of the group (the collectives a compiled graph calls back into) is under
+    `torch.compiler.disable`: torch 2.11's Dynamo compiled them inside compiled layers, host work on every
+    collective (torch 2.13 on the CPU does not reach them, so the mark itself is what can be checked here)."""
+    from qwenft.distributed.fake_pg import LocalCopyGroup
+
+    methods = {n: m for n, m in vars(LocalCopyGroup).items() if callable(m) and not n.startswith("__")}
+    assert {"allreduce", "all_gather_single", "_allgather_base", "_gather_into", "reduce_scatter_single",
+            "all_to_all_single"} <= set(methods)
+    assert all(getattr(m, "_torchdynamo_disable", False) for m in methods.values()), \
+        [n for n, m in methods.items() if not getattr(m, "_torchdynamo_disable", False)]
+
+
 def test_sequence_parallel_trains_finite_in_a_fake_tp2_world(tmp_path):
     """Rank 0 of a fake tp2 world with mesh.sequence_parallel=true (norms on half the tokens: an all-gather before
     each projection, a reduce-scatter after) trains 3 steps of the tiny model to finite losses and gradient norms,

@@ -175,6 +175,16 @@ class LocalCopyGroup(dist.ProcessGroup):
         return self._work()
 
 
+# Out of Dynamo's reach: a collective inside a compiled graph calls back into this Python, and a Dynamo that
+# compiles the frame (torch 2.11 does) puts its guards, a graph break at `_gather_into`'s storage check and a graph
+# of its own (which CUDA graph trees skip: it mutates its inputs) on every collective's host path, work a real
+# backend's C++ collectives do not have.
+for _name, _method in list(vars(LocalCopyGroup).items()):
+    if callable(_method) and not _name.startswith("__"):
+        setattr(LocalCopyGroup, _name, torch.compiler.disable(_method))
+del _name, _method
+
+
 def _create_local_copy_group(store, rank: int, world_size: int, timeout) -> LocalCopyGroup:
     return LocalCopyGroup(rank, world_size)
 
