@@ -279,8 +279,9 @@ for recipe in ${FP8_RECIPES:-off tensorwise rowwise rowwise_with_gw_hp}; do
    cp "$out/runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null) &
 done
 wait ;;
-cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine
-PYTHONUNBUFFERED=1 timeout -s KILL 560 python -m pytest -v -rA -p no:cacheprovider tests/gpu/test_cp_kernels.py \
+cp_tests)  # fla's cp kernels against the unsplit ones: each spawned rank compiles fla's kernels on a fresh machine,
+# so the tests run in worker processes of their own (pytest-xdist), cp2's and cp4's compiles side by side
+PYTHONUNBUFFERED=1 timeout -s KILL 540 python -m pytest -v -rA -p no:cacheprovider -n 4 --dist load tests/gpu/test_cp_kernels.py \
   > "$out/test_cp_kernels.log" 2>&1
 echo "=== test_cp_kernels rc=$? $(date +%T)"; grep -E "PASSED|FAILED|SKIPPED|Error|assert" "$out/test_cp_kernels.log" | tail -20 ;;
 mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained head (train), bf16 numerics, AC on; the

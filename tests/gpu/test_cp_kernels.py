@@ -17,6 +17,7 @@ but the span edges.
 import importlib.util
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -109,45 +110,54 @@ def _gdn_span(rank, world, port, kernel, state, x, probe) -> bytes:
         dist.destroy_process_group()
 
 
-def _run_cp(world: int, kernel: str, state, x, probe, timeout_s: float = 600):
-    import queue as queue_module
-    import time
-
+def _start_cp(world: int, kernel: str, port: int, state, x, probe):
+    """The `world` ranks of one cp run, started: each compiles its kernels while this process goes on."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
     procs = [ctx.Process(target=_gdn_rank, args=(r, world, port, kernel, state, x, probe, queue))
              for r in range(world)]
     for p in procs:
         p.start()
+    return procs, queue
+
+
+def _collect_cp(world: int, kernel: str, procs, queue, timeout_s: float = 600):
+    """The run's output (the spans concatenated) and gradients (the input's concatenated, the parameters' summed
+    by the ranks), or the test's failure naming the rank that failed or went silent."""
+    import queue as queue_module
+
     got, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(got) < world:
-            try:
-                rank, payload, error = queue.get(timeout=2)
-            except queue_module.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    pytest.fail(f"{kernel} cp{world}: rank(s) {dead} (rank, exit code) died without reporting")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{kernel} cp{world}: no result from ranks {sorted(set(range(world)) - set(got))} "
-                                f"after {timeout_s:.0f} s")
-                continue
-            if error is not None:
-                pytest.fail(f"{kernel} cp{world} rank {rank} failed:\n{error}")
-            got[rank] = pickle.loads(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    while len(got) < world:
+        try:
+            rank, payload, error = queue.get(timeout=2)
+        except queue_module.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                pytest.fail(f"{kernel} cp{world}: rank(s) {dead} (rank, exit code) died without reporting")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{kernel} cp{world}: no result from ranks {sorted(set(range(world)) - set(got))} "
+                            f"after {timeout_s:.0f} s")
+            continue
+        if error is not None:
+            pytest.fail(f"{kernel} cp{world} rank {rank} failed:\n{error}")
+        got[rank] = pickle.loads(payload)
     out = torch.cat([got[r][0] for r in range(world)], dim=1)
     grads = {name: g for name, g in got[0][1].items() if name != "input"}
     grads["input"] = torch.cat([got[r][1]["input"] for r in range(world)], dim=1)
     return out, grads
 
 
-@pytest.mark.timeout(240, method="signal")  # each spawned rank compiles fla's kernels
+def _stop(procs) -> None:
+    """Ranks that reported exit once their result is read; after 30 s in all, the rest (a failed test's) are
+    killed."""
+    deadline = time.monotonic() + 30
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+
+
+@pytest.mark.timeout(460, method="signal")  # each spawned rank compiles fla's kernels (cold: minutes)
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])
 def test_fla_context_parallel_gated_delta_net_equals_the_unsplit_row(world):
     """fla's cp kernels, and the torch cp path on the same GPU, against the unsplit row on fla's kernel and on the
@@ -162,12 +172,22 @@ def test_fla_context_parallel_gated_delta_net_equals_the_unsplit_row(world):
     gen = torch.Generator().manual_seed(2)
     x, probe = (torch.randn(1, BOUNDS[-1], cfg.hidden_size, generator=gen) for _ in range(2))
     cu = torch.tensor(BOUNDS, dtype=torch.int32, device="cuda")
-    unsplit = {kernel: _forward_backward(_gdn(cfg, kernel, torch.float32, state), x.cuda(), probe.cuda(), cu)
-               for kernel in ("torch", "fla")}
+    ports = set()
+    while len(ports) < 2:
+        ports.add(free_port())
+    # both cp runs' ranks start first: on a fresh machine their kernel compiles overlap this process's own for the
+    # unsplit row, instead of following them
+    runs = {kernel: _start_cp(world, kernel, port, state, x, probe) for kernel, port in zip(("fla", "torch"), ports)}
+    try:
+        unsplit = {kernel: _forward_backward(_gdn(cfg, kernel, torch.float32, state), x.cuda(), probe.cuda(), cu)
+                   for kernel in ("torch", "fla")}
+        fla_out, fla_grads = _collect_cp(world, "fla", *runs["fla"])
+        torch_out, torch_grads = _collect_cp(world, "torch", *runs["torch"])
+    finally:
+        for procs, _ in runs.values():
+            _stop(procs)
     ref_out, ref_grads = (t.cpu() if torch.is_tensor(t) else {k: v.cpu() for k, v in t.items()}
                           for t in unsplit["torch"])
-    fla_out, fla_grads = _run_cp(world, "fla", state, x, probe)
-    torch_out, torch_grads = _run_cp(world, "torch", state, x, probe)
     _check(f"fla cp{world} against the torch row", fla_out, fla_grads, ref_out, ref_grads,
            GDN_TOLERANCES[torch.float32])
     u_out, u_grads = (t.cpu() if torch.is_tensor(t) else {k: v.cpu() for k, v in t.items()} for t in unsplit["fla"])
