@@ -34,6 +34,7 @@ def test_tiny_forward_on_cuda_equals_cpu():
     assert rel_err(out.cpu(), ref) < 1e-4
 
 
+@pytest.mark.timeout(300, method="signal")  # fla's bf16 kernels at the tiny shapes autotune, cold
 def test_a_microbatch_never_makes_the_host_wait():
     """The tiny model in bf16 on the CUDA kernels training picks (fla's GDN, varlen flash attention, the fused
     cross-entropy): a packed microbatch's transfer (`device_batch`), forward and backward under torch.cuda's
