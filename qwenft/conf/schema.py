@@ -46,6 +46,11 @@ class KernelsOptions:
     # an MoE model's routed experts: grouped_mm (torch._grouped_mm, one kernel for all experts), loop (one
     # matmul pair per expert); auto = grouped_mm for bf16 on CUDA, else loop
     moe: str = "auto"
+    # the weight gradients: in_matmul = each added into .grad by the matmul that forms it (cuBLAS's beta = 1; the
+    # embedding's and the fused head's likewise), autograd = formed as new tensors, then added by autograd;
+    # auto = in_matmul on CUDA with one rank holding plain weights (no FSDP2, tp, pp or CUDA graphs), else autograd
+    # (qwenft.models.weight_grad)
+    weight_grad: str = "auto"
     # where compiled kernels persist between runs: torch.compile's (inductor/), Triton's, fla's among them
     # (triton/), TileLang's (tilelang/); null = each library's default (inductor's is under /tmp, which a SLURM
     # job's node may not keep). A second run of the same shapes then skips the compile (docs/slurm.md)
@@ -293,6 +298,7 @@ CHOICES = {
     "model.kernels.attention": ("auto", "sdpa", "flash_varlen", "cudnn"),
     "model.kernels.ce": ("auto", "torch", "fused"),
     "model.kernels.moe": ("auto", "grouped_mm", "loop"),
+    "model.kernels.weight_grad": ("auto", "in_matmul", "autograd"),
     "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective", "auto"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "all"),

@@ -143,3 +143,46 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if n:
         _scale_kernel[(triton.cdiv(n, 8192),)](x, scale.float(), n, BLOCK=8192)
     return x
+
+
+@triton.jit
+def _scale_add_kernel(acc_ptr, x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    scale = tl.load(scale_ptr)
+    acc = tl.load(acc_ptr + offs, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(acc_ptr + offs, (acc + x * scale).to(acc_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_add_(acc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """acc += x * scale (a 0-dim fp32 tensor on their device), formed in fp32 and rounded once to acc's dtype:
+    one read of each and one write, where scaling x and then adding it reads x twice and writes twice."""
+    assert acc.is_contiguous() and x.is_contiguous() and acc.shape == x.shape
+    n = acc.numel()
+    if n:
+        _scale_add_kernel[(triton.cdiv(n, 8192),)](acc, x, scale.float(), n, BLOCK=8192)
+    return acc
+
+
+@triton.jit
+def _add_rows_kernel(dst_ptr, rows_ptr, src_ptr, count_ptr, H, BLOCK: tl.constexpr):
+    seg = tl.program_id(0)
+    if seg >= tl.load(count_ptr):
+        return
+    row = tl.load(rows_ptr + seg)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    dst = dst_ptr + row * H + cols
+    acc = tl.load(dst, mask=mask).to(tl.float32) + tl.load(src_ptr + seg.to(tl.int64) * H + cols, mask=mask)
+    tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rows_(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """dst[rows[i]] += src[i] for i < count (a 1-element int64 tensor on the device: no host sync), each sum formed
+    in fp32 (src is fp32) and rounded once to dst's dtype; rows[:count] must be distinct."""
+    assert dst.is_contiguous() and src.is_contiguous() and src.dtype == torch.float32
+    n, H = src.shape
+    if n:
+        _add_rows_kernel[(n, triton.cdiv(H, 1024))](dst, rows, src, count, H, BLOCK=1024)
+    return dst

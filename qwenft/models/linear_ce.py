@@ -45,6 +45,10 @@ class LMHead(nn.Linear):
             raise ValueError(f"model.kernels.ce={ce_kernel!r} is not valid here; choose torch or fused")
         self.ce_chunk_tokens = ce_chunk_tokens
         self.ce_kernel = ce_kernel
+        # (d loss / d CE sum, d loss / d MTP CE sum) of the coming step, as host numbers, where the fused CE adds
+        # its weight gradient into the `weight_grad` buffer (`weight_grad.prepare_grads`): it then adds it inside
+        # its forward matmuls, already scaled; None = scaled into the buffer in the backward
+        self.grad_scales: tuple[float, float] | None = None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, mtp=None):
         """Logits, or with `labels` the CE sum. `mtp` = (hidden, labels, detach): the multi-token-prediction
@@ -56,7 +60,8 @@ class LMHead(nn.Linear):
             return out
         mtp_hidden, mtp_labels, detach = mtp
         hits = torch.zeros((), dtype=torch.long, device=mtp_hidden.device)
-        return out, self.ce_sum(mtp_hidden, mtp_labels, self.weight.detach() if detach else self.weight, hits), hits
+        return out, self.ce_sum(mtp_hidden, mtp_labels, self.weight.detach() if detach else self.weight, hits,
+                                trained=not detach, mtp=True), hits
 
     def _logits_or_ce(self, hidden, labels):
         if labels is None:
@@ -68,12 +73,18 @@ class LMHead(nn.Linear):
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return self.ce_sum(hidden, labels, self.weight)
 
-    def ce_sum(self, hidden, labels, weight, hits: torch.Tensor | None = None) -> torch.Tensor:
+    def ce_sum(self, hidden, labels, weight, hits: torch.Tensor | None = None, trained: bool = True,
+               mtp: bool = False) -> torch.Tensor:
         """CE of `hidden @ weight.T` summed over `labels`, by this head's kernel and chunking; `hits` (a 0-d int64
-        tensor) += the labelled tokens whose label is the argmax (a tie counts as a hit)."""
+        tensor) += the labelled tokens whose label is the argmax (a tie counts as a hit). `trained`: `weight` is
+        this head's own (not detached), whose gradient the fused kernel adds into the `weight_grad` buffer when
+        `weight_grad.enable` gave it one; `mtp`: the MTP head's loss (its scale in `grad_scales`)."""
         h_nh, labels_n = hidden.flatten(0, -2), labels.flatten()
         if self.ce_kernel == "fused":
-            return fused_linear_ce_sum(h_nh, weight, labels_n, self.ce_chunk_tokens, hits)
+            buffer = getattr(self, "weight_grad", None) if trained and torch.is_grad_enabled() else None
+            scale = None if buffer is None or self.grad_scales is None else self.grad_scales[mtp]
+            return fused_linear_ce_sum(h_nh, weight, labels_n, self.ce_chunk_tokens, hits, grad_buffer=buffer,
+                                       grad_scale=scale)
         if self.ce_chunk_tokens:
             return chunked_linear_ce_sum(h_nh, weight, labels_n, self.ce_chunk_tokens, hits)
         if isinstance(weight, DTensor):
@@ -272,8 +283,22 @@ def _scale_(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor 
     return grad
 
 
+def _scale_add_(acc: torch.Tensor, grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """acc += grad * grad_loss, the product and sum formed in fp32 and rounded once."""
+    if acc.dtype in (torch.float32, torch.float64):
+        acc.addcmul_(grad, grad_loss)
+        return
+    kernels = _triton_kernels(acc)
+    if kernels is not None:
+        kernels.scale_add_(acc, grad, grad_loss)
+        return
+    for a, g in zip(acc.view(-1).split(1 << 24), grad.view(-1).split(1 << 24)):  # bounded fp32 temporaries
+        a.copy_(a.float() + g.float() * grad_loss.float())
+
+
 def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels_n: torch.Tensor,
-                        chunk_tokens: int = 0, hits: torch.Tensor | None = None) -> torch.Tensor:
+                        chunk_tokens: int = 0, hits: torch.Tensor | None = None,
+                        grad_buffer: torch.Tensor | None = None, grad_scale: float | None = None) -> torch.Tensor:
     """Sum over labelled tokens of CE(hidden @ weight.T, label), with the gradients formed in the forward.
 
     The CE is linear in its output, so its gradients are known as soon as the logits are: each chunk of
@@ -291,6 +316,13 @@ def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels
     chunk's matmuls run; summed in the backward instead (an all-reduce after the head's backward, as
     `tensor_parallel._ToBlock` does for a block), it would sit between the head's and the final norm's backward
     with nothing to overlap it.
+
+    `grad_buffer` (`model.kernels.weight_grad=in_matmul`, a plain weight): the weight's gradient goes into it
+    (the weight's `.grad`, qwenft.models.weight_grad) and the weight gets none from autograd. With `grad_scale`,
+    the gradient the backward will be given (d loss / d CE sum, a host number), each chunk's weight-gradient
+    matmul adds into the buffer itself (cuBLAS's alpha = the scale, beta = 1: no weight-sized tensor, no pass
+    over it), and the backward checks that it was given that scale; without, the backward scales the gradient
+    into the buffer in one pass (`ce_kernel.scale_add_`).
     """
     vocab_start, group = 0, None
     if isinstance(weight_vh, DTensor):
@@ -298,7 +330,8 @@ def fused_linear_ce_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, labels
         weight_vh = local(weight_vh)  # its rows' gradient goes to the weight's `.grad`, Shard(0) like the weight
     chunk = chunk_tokens or hidden_nh.shape[0]
     if torch.is_grad_enabled() and (hidden_nh.requires_grad or weight_vh.requires_grad):
-        return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk, vocab_start, group, hits)
+        return _FusedLinearCE.apply(hidden_nh, weight_vh, labels_n, chunk, vocab_start, group, hits, grad_buffer,
+                                    grad_scale)
     loss = torch.zeros((), device=hidden_nh.device, dtype=torch.float32)
     for s in range(0, hidden_nh.shape[0], chunk):
         loss += _chunk_ce_grad_(hidden_nh[s:s + chunk] @ weight_vh.t(), labels_n[s:s + chunk], vocab_start, group,
@@ -318,8 +351,12 @@ def _vocab_shard(weight: DTensor) -> tuple[int, dist.ProcessGroup]:
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk: int, vocab_start: int, group, hits):
+    def forward(ctx, hidden_nh, weight_vh, labels_n, chunk: int, vocab_start: int, group, hits, grad_buffer,
+                grad_scale):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
+        ctx.grad_buffer = grad_buffer if want_weight else None  # not saved: the step's other microbatches add to it
+        ctx.grad_scale = grad_scale if ctx.grad_buffer is not None else None
+        into_buffer = ctx.grad_scale is not None
         grad_hidden = torch.empty_like(hidden_nh) if want_hidden else None
         grad_weight = None
         pending = []  # vocab-parallel: the hidden gradient's all-reduces, in flight while the next matmuls run
@@ -333,7 +370,9 @@ class _FusedLinearCE(torch.autograd.Function):
                 torch.mm(logits_cv, weight_vh, out=grad_hidden[s:s + chunk])
                 if group is not None:  # this rank's vocabulary rows' share of it
                     pending.append(dist.all_reduce(grad_hidden[s:s + chunk], group=group, async_op=True))
-            if want_weight:
+            if into_buffer:  # scaled and added in the matmul: one rounding per chunk
+                grad_buffer.addmm_(logits_cv.t(), h_ch, alpha=grad_scale)
+            elif want_weight:
                 # accumulated in the weight's dtype: one rounding per chunk (addmm sums each product in fp32)
                 if grad_weight is None:
                     grad_weight = logits_cv.t() @ h_ch
@@ -347,4 +386,12 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return _scale_(grad_hidden, grad_loss), _scale_(grad_weight, grad_loss), None, None, None, None, None
+        if ctx.grad_scale is not None:  # added in the forward, with the scale the loss promised
+            torch._assert_async((grad_loss.double() / ctx.grad_scale - 1).abs() < 1e-5,
+                                "the fused cross-entropy added its weight gradient with another scale than the loss "
+                                "gave it (model.kernels.weight_grad=in_matmul)")
+        elif ctx.grad_buffer is not None:
+            _scale_add_(ctx.grad_buffer, grad_weight, grad_loss)
+            grad_weight = None
+        return (_scale_(grad_hidden, grad_loss), _scale_(grad_weight, grad_loss), None, None, None, None, None, None,
+                None)

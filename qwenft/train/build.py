@@ -186,6 +186,10 @@ def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple
 
             apply_lora(module, lora, adapter_dtype=spec.dtypes.master)
         _parallelize(module, cfg, spec, mesh)
+        if spec.parallel.weight_grad == "in_matmul":
+            from qwenft.models import weight_grad
+
+            weight_grad.enable(module)
         out.append((i, module))
     return out
 
@@ -487,8 +491,9 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     if cfg.model.kernels.attention == "auto" and attention == "flash_varlen" and cudnn_ok(device, dtypes.compute):
         attention += f" (cuDNN by document piece where a row's documents average {LONG_PIECES}+ tokens)"
     log.info("kernels: GatedDeltaNet %s (model.kernels.gdn=%s); attention %s (model.kernels.attention=%s); "
-             "cross-entropy %s (model.kernels.ce=%s); optimizer %s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn,
-             attention, cfg.model.kernels.attention, spec.parallel.ce_kernel, cfg.model.kernels.ce,
+             "cross-entropy %s (model.kernels.ce=%s); weight gradients %s (model.kernels.weight_grad=%s); "
+             "optimizer %s, %s (optim.fused=%s)", gdn, cfg.model.kernels.gdn, attention, cfg.model.kernels.attention,
+             spec.parallel.ce_kernel, cfg.model.kernels.ce, spec.parallel.weight_grad, cfg.model.kernels.weight_grad,
              type(optimizer).__name__, "fused" if fused else "foreach", cfg.optim.fused)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler.warmup_steps, max_steps, cfg.lr_scheduler.decay,
                                 cfg.lr_scheduler.min_lr_ratio)

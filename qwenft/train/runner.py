@@ -21,6 +21,7 @@ from qwenft.train.build import Job, build_job, lora_config
 from qwenft.train.optim import LowPrecisionAdamW
 from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, with_mtp_labels
 from qwenft.models.loss import count_label_tokens
+from qwenft.models.weight_grad import prepare_grads
 from qwenft.train.metrics import peak_memory_gib
 
 log = logging.getLogger("qwenft")
@@ -134,13 +135,21 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     if trains_head:  # the MTP head's targets from the whole rows, before a cp rank cuts its span
         micro_batches = [with_mtp_labels(mb) for mb in micro_batches]
     micro_batches = [span_labels(mb, job.mesh) for mb in micro_batches]
-    label_tokens = sum(count_label_tokens(mb["labels"]) for mb in micro_batches).to(job.device)
+    label_count = sum(count_label_tokens(mb["labels"]) for mb in micro_batches)  # this rank's, on the host
+    label_tokens = label_count.to(job.device)
     dist.all_reduce(label_tokens, group=job.loss_group)
+    mtp_count = None
     if trains_head:
-        job.loss_fn.mtp_tokens = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches).to(job.device)
+        mtp_count = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches)
+        job.loss_fn.mtp_tokens = mtp_count.to(job.device)
         dist.all_reduce(job.loss_fn.mtp_tokens, group=job.loss_group)
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)
+    elif job.spec.parallel.weight_grad == "in_matmul":
+        # one rank (nothing to sum the counts over): the loss's factors on the CE sums are known on the host
+        mtp_weight = job.spec.parallel.mtp_weight
+        prepare_grads(job.model_parts, ce_scale=1.0 / max(int(label_count), 1),
+                      mtp_scale=None if mtp_count is None else mtp_weight / max(int(mtp_count), 1))
     step_loss = job.step(micro_batches, label_tokens)
     moe, mtp_metrics = moe_step_metrics(job), mtp_step_metrics(job)
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")

@@ -61,6 +61,7 @@ class ParallelSpec:
     activation_checkpointing: str  # model.activation_checkpointing's mode
     compile: bool  # model.compile: per-layer torch.compile
     cuda_graphs: bool  # model.cuda_graphs: the compiled graphs replayed as CUDA graphs
+    weight_grad: str  # model.kernels.weight_grad resolved: in_matmul | autograd
     fsdp: bool  # FSDP2 wraps the model: dp > 1, or weights stored in another dtype than they compute in
     mtp_weight: float | None  # model.mtp_loss_weight where the MTP head trains (model.mtp=train|head), else None
 
@@ -238,6 +239,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
                                        cfg.pipeline.layers_per_stage, cfg.pipeline.stage_layers)
     single_pass = layout.pp == 1 and batching.num_microbatches == 1
     fsdp = uses_fsdp(layout, dtypes, cfg.peft)
+    cuda_graphs = check_cuda_graphs(cfg, layout, device, fsdp, dtypes)
     return ParallelSpec(
         schedule=name, virtual_stages=virtual, stage_layers=tuple(tuple(stage) for stage in layers),
         reduce_grad_per_microbatch=knob, single_pass=single_pass,
@@ -245,8 +247,8 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_kernel=(ce_kernel := resolve_ce_kernel(cfg, layout, device)),
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        compile=cfg.model.compile, cuda_graphs=check_cuda_graphs(cfg, layout, device, fsdp, dtypes),
-        fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
+        compile=cfg.model.compile, cuda_graphs=cuda_graphs,
+        weight_grad=resolve_weight_grad(cfg, layout, device, fsdp, cuda_graphs), fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
 
 
 def check_fp8(cfg: Config, layout: Layout, batching: Batching) -> None:
@@ -280,6 +282,29 @@ def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
                          f"model.kernels.ce=fused (its loss runs on the vocab-parallel lm_head's local rows); set it, "
                          f"or mesh.vocab_parallel=false")
     return cfg.model.mtp_loss_weight
+
+
+def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, cuda_graphs: bool) -> str:
+    """model.kernels.weight_grad: in_matmul needs each trained weight whole and plain on its rank with its
+    `.grad` going straight to the optimizer (qwenft.models.weight_grad); auto takes it there on CUDA, else
+    autograd. Raises where in_matmul was asked for and the layout cannot run it."""
+    mode = cfg.model.kernels.weight_grad
+    if mode == "autograd":
+        return mode
+    why = None
+    if fsdp:
+        why = "FSDP2 reduces the gradients that autograd gives it (one rank, weights in the compute dtype: no FSDP2)"
+    elif layout.tp > 1:
+        why = f"mesh.tp={layout.tp}: a tensor-parallel rank's gradients go through its shards' autograd nodes"
+    elif layout.pp > 1:
+        why = f"mesh.pp={layout.pp}: pipeline schedules take the weight gradients from autograd"
+    elif cuda_graphs:
+        why = "model.cuda_graphs=true: a CUDA graph would add into a buffer outside its pool"
+    if why is None:
+        return "in_matmul" if mode == "in_matmul" or device == "cuda" else "autograd"
+    if mode == "auto":
+        return "autograd"
+    raise ValueError(f"model.kernels.weight_grad=in_matmul: {why}; use model.kernels.weight_grad=auto or autograd")
 
 
 def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes) -> bool:

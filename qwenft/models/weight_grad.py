@@ -1,0 +1,166 @@
+"""Weight gradients added into `.grad` by the kernels that form them (`model.kernels.weight_grad=in_matmul`).
+
+Autograd forms each microbatch's weight gradient as a new tensor and then adds it into `.grad` (its
+AccumulateGrad node): for a step of n microbatches, n - 1 passes that read two weight-sized tensors and write
+one, memory-bound work as large as the weights themselves each time. Here the kernels add into `.grad` themselves:
+
+- a linear's weight-gradient matmul is `grad.addmm_(dy^T, x)`: cuBLAS's beta = 1 reads the old gradient as part
+  of the matmul (compute-bound, so about free), forms the sum in fp32 and rounds once;
+- the embedding's backward adds each microbatch's token gradients into their rows of `.grad` (a token's repeats
+  summed in fp32, each row rounded once: `add_token_rows_`) instead of writing a dense [vocab, hidden] gradient
+  and adding it;
+- the fused cross-entropy's weight gradient, formed in its forward, is added into `.grad` by its matmuls there,
+  scaled by the loss's factor on the CE sum (known on the host before the step: `prepare_grads`' scales), or
+  else scaled into `.grad` by one kernel in its backward (`ce_kernel.scale_add_`), instead of a scale pass and
+  then autograd's add.
+
+So `.grad` must exist before the step's first backward: `prepare_grads` makes it each module's `weight_grad`
+buffer, zeroed, and every microbatch adds. Each buffer lives with its module for the run (a fixed address, no
+allocation per step); `.grad` is set to it again at every step after `zero_grad(set_to_none=True)`.
+
+It needs each parameter whole and plain on its rank, with nothing between `.grad` and the optimizer: one rank
+without FSDP2, tensor or pipeline parallelism (FSDP2 reduce-scatters a gradient it takes from autograd; the tp
+path's local shards and the pipeline schedules' split weight gradients go through autograd too), and not with
+CUDA graphs (a graph's mutation of a buffer outside it). `spec.resolve_weight_grad` says where it runs.
+
+Only `nn.Linear` and `nn.Embedding` themselves are switched (and the lm_head): float8 linears (subclasses) and
+parameters read outside their module's forward (the MoE router's weight, LoRA's adapters, both through
+`F.linear`) keep autograd's path, which then adds into the buffer in place; a frozen weight has no gradient.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+@torch.library.custom_op("qwenft::addmm_weight_grad_", mutates_args=("grad",))
+def addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """grad += dy^T @ x over all leading dimensions: [out, in] += [N, out]^T @ [N, in], in one matmul. A
+    custom op, so that inside a compiled layer's backward the compiler keeps the in-place matmul (it would
+    otherwise form the product and then add it)."""
+    grad.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
+@addmm_weight_grad_.register_fake
+def _(grad, dy, x) -> None:
+    return None
+
+
+class _Linear(torch.autograd.Function):
+    """y = x @ weight^T; the backward returns x's gradient and adds weight's into `grad` (returning none for it)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, grad):
+        # `grad` saved like x: each linear runs once a microbatch, so nothing changes the buffer between this
+        # forward and its backward (a compiled layer's backward takes it as a graph input)
+        ctx.save_for_backward(x, weight, grad)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, grad = ctx.saved_tensors
+        addmm_weight_grad_(grad, dy, x)
+        return (dy @ weight if ctx.needs_input_grad[0] else None), None, None
+
+
+class _Embedding(torch.autograd.Function):
+    """weight[ids]; the backward puts each token's gradient into `grad` (returning none for the weight)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, grad):
+        ctx.save_for_backward(ids)
+        ctx.grad = grad  # not saved: a tied lm_head adds into it first, which autograd's version check would refuse
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (ids,), grad = ctx.saved_tensors, ctx.grad
+        add_token_rows_(grad, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+        return None, None, None
+
+
+def add_token_rows_(grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
+    """grad[ids[i]] += dy[i] for every token i, a token's repeats summed in fp32 and each row rounded once. On
+    CUDA without a host sync: the ids sorted, each run of one id a segment, the segments' sums in fp32, then one
+    kernel adds each into its row (`ce_kernel.add_rows_`); torch's `index_put_(accumulate=True)` would round
+    after every repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
+    if not grad.is_cuda:
+        grad.index_put_((ids,), dy.to(grad.dtype), accumulate=True)
+        return
+    from qwenft.models.ce_kernel import add_rows_
+
+    sorted_ids, order = ids.sort()
+    seg = torch.zeros_like(sorted_ids)
+    torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], 0, out=seg[1:])
+    sums = torch.zeros(ids.numel(), dy.shape[-1], device=dy.device, dtype=torch.float32)
+    sums.index_add_(0, seg, dy[order].float())
+    rows = torch.zeros_like(sorted_ids).scatter_(0, seg, sorted_ids)
+    add_rows_(grad, rows, sums, seg[-1:] + 1)
+
+
+class GradInMatmulLinear(nn.Linear):
+    """nn.Linear whose weight gradient its backward matmul adds into `weight_grad` (the weight's `.grad` during
+    a step, `prepare_grads`). The bias, if any, keeps autograd's path."""
+
+    def forward(self, x):
+        if not torch.is_grad_enabled() or self.weight_grad is None:
+            return super().forward(x)
+        y = _Linear.apply(x, self.weight, self.weight_grad)
+        return y if self.bias is None else y + self.bias
+
+
+class GradInPlaceEmbedding(nn.Embedding):
+    """nn.Embedding whose backward puts the token gradients into `weight_grad` (the weight's `.grad`)."""
+
+    def forward(self, ids):
+        if not torch.is_grad_enabled() or self.weight_grad is None or self.padding_idx is not None or self.max_norm:
+            return super().forward(ids)
+        return _Embedding.apply(ids, self.weight, self.weight_grad)
+
+
+def enable(model: nn.Module) -> list[str]:
+    """Switch `model`'s trained plain linears and embeddings (exact classes: nn.Linear, nn.Embedding) and its
+    lm_head (`linear_ce.LMHead`, which takes the buffer in its fused cross-entropy) to adding their weight
+    gradients in place; returns the switched modules' names. Works on the meta device (no buffer is made yet)."""
+    from qwenft.models.linear_ce import LMHead
+
+    switched = []
+    for name, module in model.named_modules():
+        kind = {nn.Linear: GradInMatmulLinear, nn.Embedding: GradInPlaceEmbedding}.get(type(module))
+        if kind is None and not isinstance(module, LMHead):
+            continue
+        if not module.weight.requires_grad:
+            continue
+        if kind is not None:
+            module.__class__ = kind
+        module.register_buffer("weight_grad", None, persistent=False)
+        switched.append(name)
+    return switched
+
+
+def switched_modules(model_parts) -> list[nn.Module]:
+    return [m for part in model_parts for m in part.modules() if "weight_grad" in m._buffers]
+
+
+def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float | None = None) -> None:
+    """Before a step's first backward: each switched module's weight gets `.grad` = its buffer, zeroed (made at
+    the first step; a weight shared by two modules, tied embeddings, one buffer for both). `ce_scale` and
+    `mtp_scale`: the step's loss factors on the head's CE sum and on the MTP head's (1 / the step's label tokens;
+    the MTP weight / its targets), which let the fused head add its weight gradient inside its forward matmuls
+    (`linear_ce.LMHead.grad_scales`); None = the head scales it into the buffer in its backward."""
+    from qwenft.models.linear_ce import LMHead
+
+    by_param = {}
+    for module in switched_modules(model_parts):
+        if isinstance(module, LMHead):
+            module.grad_scales = None if ce_scale is None and mtp_scale is None else (ce_scale, mtp_scale)
+        weight = module.weight
+        grad = by_param.get(id(weight))
+        if grad is None:
+            grad = module.weight_grad
+            if grad is None or grad.shape != weight.shape or grad.device != weight.device or grad.dtype != weight.dtype:
+                grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+            else:
+                grad.zero_()
+            by_param[id(weight)] = grad
+            weight.grad = grad
+        module.weight_grad = grad
