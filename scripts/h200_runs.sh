@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -100,11 +100,13 @@ GBS=8 STEPS=8 WARMUP=2 WALL=$wall OUT_DIR="$out/automodel" bash .amodel/run.sh >
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel.log"
 bench bf16_ac_off_compile_cuda_graphs $((585 - $(date +%s) + start)) 1 0 "--warmup 2 --plan" train.max_steps=6 $bf16 \
   model.activation_checkpointing=false model.compile=true model.cuda_graphs=true ;;
-defaults_side_by_side)  # on a warm machine (fla's kernels compiled): the model group's defaults (bf16 numerics, compile,
-# model.activation_checkpointing=auto: the plan picks), then NeMo Automodel 0.7.0, then model.fp8=tensorwise (AC off,
-# compiled; torchao on PYTHONPATH as for fp8); the last lines are each run's tokens/s against Automodel's
-# ($base turns compile off for the eager runs; the model group compiles, so the defaults run turns it back on)
-bench defaults_vs_automodel 150 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
+defaults_side_by_side)  # the model group's defaults (bf16 numerics, compile, model.activation_checkpointing=auto: the
+# plan picks; model.kernels.weight_grad=auto: in_matmul), then NeMo Automodel 0.7.0, then model.fp8=tensorwise (AC off,
+# compiled; torchao on PYTHONPATH as for fp8); the last lines are each run's tokens/s against Automodel's. The first
+# run's limit allows a cold machine's compiles, which Automodel's run then finds cached; with DEADLINE set, the fp8
+# run gets what is left ($base turns compile off for the eager runs; the model group compiles, so the defaults run
+# turns it back on)
+bench defaults_vs_automodel 250 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
 echo "=== automodel $(date +%T)"
 # an OUT_DIR of its own, emptied first: a ratio never comes from another part's Automodel run
 rm -rf "$out/automodel_defaults"
@@ -259,6 +261,22 @@ for recipe in ${FP8_RECIPES:-tensorwise rowwise rowwise_with_gw_hp}; do
   bench "fp8_${recipe}_ac_off_compile" 130 1 0 "--warmup 2" train.max_steps=6 $bf16 \
     model.activation_checkpointing=false model.compile=true model.fp8=$recipe
 done ;;
+weight_grad)  # the weight gradients added inside the matmuls that form them (model.kernels.weight_grad=in_matmul, the
+# one-GPU default) against autograd's adds after them, bf16 numerics, AC off, compiled; then both with
+# model.fp8=tensorwise (torchao on PYTHONPATH as for fp8). The first run pays a cold machine's compiles; the part
+# stops if it fails. Last, qwenft's kernel tests that in_matmul's rounding is as close to fp32 as autograd's
+bench bf16_in_matmul 270 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+  model.compile=true model.kernels.weight_grad=in_matmul
+[ -f "$out/bf16_in_matmul.json" ] || { tail -30 "$out/bf16_in_matmul.log"; exit 1; }
+bench bf16_autograd 100 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+  model.compile=true model.kernels.weight_grad=autograd
+for mode in in_matmul autograd; do
+  bench fp8_tensorwise_$mode 110 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
+    model.compile=true model.fp8=tensorwise model.kernels.weight_grad=$mode
+done
+PYTHONUNBUFFERED=1 timeout -s KILL 240 python -m pytest -q -rA -p no:cacheprovider \
+  tests/gpu/test_kernels.py -k "scale_add or weight_grad" > "$out/test_weight_grad.log" 2>&1
+echo "=== weight_grad tests rc=$? $(date +%T)"; grep -E "PASSED|FAILED|passed|failed" "$out/test_weight_grad.log" | tail -5 ;;
 fp8_numerics)  # 300 steps of the 0.8B shape from one init on one data order: bf16 against each float8 recipe, AC
 # off, compiled; the loss curves go to $out/<run>.metrics.jsonl (FP8_RECIPES picks the recipes, off = bf16). The
 # data is a Markov chain of 8 successors a word (long_rows.py): its loss has a floor of about ln 8 a word, where the
@@ -288,6 +306,6 @@ mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained hea
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8 or fp8_numerics" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad" >&2
    exit 2 ;;
 esac
