@@ -35,10 +35,11 @@ class _Net(nn.Module):
     """An embedding tied to a fused-CE head, a linear with a bias and one without, the head's MTP-style second
     loss through the same weight: every path of weight_grad in one model."""
 
-    def __init__(self):
+    def __init__(self, mtp_weight: float = 0.3):
         super().__init__()
         from qwenft.models.linear_ce import LMHead
 
+        self.mtp_weight = mtp_weight
         self.embed = nn.Embedding(50, 16)
         self.up = nn.Linear(16, 32)
         self.down = nn.Linear(32, 16, bias=False)
@@ -48,7 +49,7 @@ class _Net(nn.Module):
     def forward(self, ids, labels):
         h = self.down(torch.tanh(self.up(self.embed(ids))))
         ce, mtp_ce, _ = self.head(h, labels, mtp=(0.5 * h, labels.flip(-1), False))
-        return ce + 0.3 * mtp_ce
+        return ce + self.mtp_weight * mtp_ce
 
 
 @pytest.mark.parametrize("head_scales", [False, True], ids=["head-scaled-in-backward", "head-scaled-in-forward"])
@@ -103,6 +104,24 @@ def test_a_head_scale_the_loss_did_not_give_fails_the_backward():
     ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="another scale than the loss gave it"):
         (model(ids, ids.roll(-1, dims=1)) / 47).backward()
+
+
+def test_a_zero_mtp_weight_is_a_scale_like_any_other():
+    """model.mtp_loss_weight=0 (allowed): the MTP loss's factor 0 is checked as given, and the gradients are the
+    CE's alone, as autograd's."""
+    from qwenft.models import weight_grad
+
+    torch.manual_seed(0)
+    reference = _Net(mtp_weight=0.0).double()
+    model = copy.deepcopy(reference)
+    model.head.weight = model.embed.weight
+    weight_grad.enable(model)
+    weight_grad.prepare_grads([model], ce_scale=1 / 48, mtp_scale=0.0)
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    for net in (reference, model):
+        (net(ids, ids.roll(-1, dims=1)) / 48).backward()
+    for (name, ref), (_, p) in zip(reference.named_parameters(), model.named_parameters()):
+        assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-7, name
 
 
 def test_compiled_backward_adds_in_its_matmuls():
@@ -192,6 +211,34 @@ def test_compiled_checkpointed_training_equals_autograds(tmp_path):
         "model.activation_checkpointing=true"))
     assert_same_grads(in_matmul, autograd, lr=lr)
     assert_same_training(in_matmul, autograd, lr=lr)
+
+
+def test_the_vision_tower_keeps_autograds_path():
+    """A VLM's tower runs twice in a microbatch of images and videos and not at all in a text-only step: none of
+    its modules switch (the text model's do)."""
+    from helpers import tiny_vlm
+    from qwenft.models import weight_grad
+    from qwenft.models.loader import build_model
+
+    model = build_model(tiny_vlm(), kernels="torch", device="meta")
+    names = weight_grad.enable(model)
+    assert "embed_tokens" in names and "lm_head" in names and any(".mlp.up_proj" in n for n in names)
+    assert not [n for n in names if n.startswith("visual")], names
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_vlm_training_equals_autograds(tmp_path):
+    """tiny_vlm (its microbatches of images, videos and text) through the runner, 2 steps: in_matmul against
+    autograd, every loss and parameter within fp32_rtol."""
+    def overrides(name, mode):
+        return ["recipe=tiny_vlm", "model.kernels.gdn=torch", "train.progress_bar=false", "train.max_steps=2",
+                "optim.lr=2e-4", "lr_scheduler.warmup_steps=0", "checkpoint.export_hf=false",
+                f"run_dir={tmp_path / name}", f"model.kernels.weight_grad={mode}"]
+
+    (autograd,) = run_distributed(train_with_grads, 1, overrides("autograd", "autograd"))
+    (in_matmul,) = run_distributed(train_with_grads, 1, overrides("in_matmul", "in_matmul"))
+    assert_same_training(in_matmul, autograd, steps=2, lr=2e-4)
 
 
 @pytest.mark.parametrize("overrides, layout, device, expected", [

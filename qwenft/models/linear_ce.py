@@ -48,7 +48,7 @@ class LMHead(nn.Linear):
         # (d loss / d CE sum, d loss / d MTP CE sum) of the coming step, as host numbers, where the fused CE adds
         # its weight gradient into the `weight_grad` buffer (`weight_grad.prepare_grads`): it then adds it inside
         # its forward matmuls, already scaled; None = scaled into the buffer in the backward
-        self.grad_scales: tuple[float, float] | None = None
+        self.grad_scales: tuple[float | None, float | None] | None = None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, mtp=None):
         """Logits, or with `labels` the CE sum. `mtp` = (hidden, labels, detach): the multi-token-prediction
@@ -82,7 +82,7 @@ class LMHead(nn.Linear):
         h_nh, labels_n = hidden.flatten(0, -2), labels.flatten()
         if self.ce_kernel == "fused":
             buffer = getattr(self, "weight_grad", None) if trained and torch.is_grad_enabled() else None
-            scale = None if buffer is None or self.grad_scales is None else self.grad_scales[mtp]
+            scale = None if buffer is None or self.grad_scales is None else self.grad_scales[1 if mtp else 0]
             return fused_linear_ce_sum(h_nh, weight, labels_n, self.ce_chunk_tokens, hits, grad_buffer=buffer,
                                        grad_scale=scale)
         if self.ce_chunk_tokens:
@@ -387,7 +387,7 @@ class _FusedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         if ctx.grad_scale is not None:  # added in the forward, with the scale the loss promised
-            torch._assert_async((grad_loss.double() / ctx.grad_scale - 1).abs() < 1e-5,
+            torch._assert_async((grad_loss.double() - ctx.grad_scale).abs() <= 1e-5 * abs(ctx.grad_scale),
                                 "the fused cross-entropy added its weight gradient with another scale than the loss "
                                 "gave it (model.kernels.weight_grad=in_matmul)")
         elif ctx.grad_buffer is not None:

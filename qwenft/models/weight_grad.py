@@ -23,14 +23,20 @@ without FSDP2, tensor or pipeline parallelism (FSDP2 reduce-scatters a gradient 
 path's local shards and the pipeline schedules' split weight gradients go through autograd too), and not with
 CUDA graphs (a graph's mutation of a buffer outside it). `spec.resolve_weight_grad` says where it runs.
 
-Only `nn.Linear` and `nn.Embedding` themselves are switched (and the lm_head): float8 linears (subclasses) and
-parameters read outside their module's forward (the MoE router's weight, LoRA's adapters, both through
-`F.linear`) keep autograd's path, which then adds into the buffer in place; a frozen weight has no gradient.
+Only the text model's `nn.Linear` and `nn.Embedding` themselves are switched (and the lm_head): each of those
+runs once a microbatch and every step. Float8 linears (subclasses) and parameters read outside their module's
+forward (the MoE router's weight, LoRA's adapters, both through `F.linear`) keep autograd's path, which then adds
+into the buffer in place; a frozen weight has no gradient. The vision tower keeps autograd's path whole: it runs
+twice in a microbatch of images and videos, and not at all in a text-only step, where its weights must keep no
+gradient (AdamW then leaves them alone).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwenft.models.linear_ce import LMHead
+
 
 @torch.library.custom_op("qwenft::addmm_weight_grad_", mutates_args=("grad",))
 def addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -50,8 +56,8 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, grad):
-        # `grad` saved like x: each linear runs once a microbatch, so nothing changes the buffer between this
-        # forward and its backward (a compiled layer's backward takes it as a graph input)
+        # `grad` saved like x: each switched linear runs once a microbatch (`enable`), so nothing changes the buffer
+        # between this forward and its backward (a compiled layer's backward takes it as a graph input)
         ctx.save_for_backward(x, weight, grad)
         return F.linear(x, weight)
 
@@ -80,9 +86,10 @@ class _Embedding(torch.autograd.Function):
 
 def add_token_rows_(grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
     """grad[ids[i]] += dy[i] for every token i, a token's repeats summed in fp32 and each row rounded once. On
-    CUDA without a host sync: the ids sorted, each run of one id a segment, the segments' sums in fp32, then one
-    kernel adds each into its row (`ce_kernel.add_rows_`); torch's `index_put_(accumulate=True)` would round
-    after every repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
+    CUDA without a host sync: the ids sorted, each run of one id a segment, the segments' sums in fp32 (by
+    `index_put_(accumulate=True)`, which sums a segment's rows in order: the same bits every run), then one kernel
+    adds each into its row (`ce_kernel.add_rows_`); the same `index_put_` into bf16 `grad` would round after every
+    repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
     if not grad.is_cuda:
         grad.index_put_((ids,), dy.to(grad.dtype), accumulate=True)
         return
@@ -92,7 +99,7 @@ def add_token_rows_(grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> 
     seg = torch.zeros_like(sorted_ids)
     torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], 0, out=seg[1:])
     sums = torch.zeros(ids.numel(), dy.shape[-1], device=dy.device, dtype=torch.float32)
-    sums.index_add_(0, seg, dy[order].float())
+    sums.index_put_((seg,), dy[order].float(), accumulate=True)
     rows = torch.zeros_like(sorted_ids).scatter_(0, seg, sorted_ids)
     add_rows_(grad, rows, sums, seg[-1:] + 1)
 
@@ -120,11 +127,14 @@ class GradInPlaceEmbedding(nn.Embedding):
 def enable(model: nn.Module) -> list[str]:
     """Switch `model`'s trained plain linears and embeddings (exact classes: nn.Linear, nn.Embedding) and its
     lm_head (`linear_ce.LMHead`, which takes the buffer in its fused cross-entropy) to adding their weight
-    gradients in place; returns the switched modules' names. Works on the meta device (no buffer is made yet)."""
-    from qwenft.models.linear_ce import LMHead
-
+    gradients in place, all but the vision tower's (`model.visual`); returns the switched modules' names. Works on
+    the meta device (no buffer is made yet)."""
+    tower = getattr(model, "visual", None)
+    skipped = set() if tower is None else {id(m) for m in tower.modules()}
     switched = []
     for name, module in model.named_modules():
+        if id(module) in skipped:
+            continue
         kind = {nn.Linear: GradInMatmulLinear, nn.Embedding: GradInPlaceEmbedding}.get(type(module))
         if kind is None and not isinstance(module, LMHead):
             continue
@@ -138,7 +148,7 @@ def enable(model: nn.Module) -> list[str]:
 
 
 def switched_modules(model_parts) -> list[nn.Module]:
-    return [m for part in model_parts for m in part.modules() if "weight_grad" in m._buffers]
+    return [m for part in model_parts for m in part.modules() if hasattr(m, "weight_grad")]
 
 
 def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float | None = None) -> None:
@@ -147,8 +157,6 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
     `mtp_scale`: the step's loss factors on the head's CE sum and on the MTP head's (1 / the step's label tokens;
     the MTP weight / its targets), which let the fused head add its weight gradient inside its forward matmuls
     (`linear_ce.LMHead.grad_scales`); None = the head scales it into the buffer in its backward."""
-    from qwenft.models.linear_ce import LMHead
-
     by_param = {}
     for module in switched_modules(model_parts):
         if isinstance(module, LMHead):

@@ -136,12 +136,12 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         micro_batches = [with_mtp_labels(mb) for mb in micro_batches]
     micro_batches = [span_labels(mb, job.mesh) for mb in micro_batches]
     label_count = sum(count_label_tokens(mb["labels"]) for mb in micro_batches)  # this rank's, on the host
-    label_tokens = label_count.to(job.device)
+    label_tokens = label_count.to(job.device, copy=True)  # summed over the ranks in place next
     dist.all_reduce(label_tokens, group=job.loss_group)
     mtp_count = None
     if trains_head:
         mtp_count = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches)
-        job.loss_fn.mtp_tokens = mtp_count.to(job.device)
+        job.loss_fn.mtp_tokens = mtp_count.to(job.device, copy=True)
         dist.all_reduce(job.loss_fn.mtp_tokens, group=job.loss_group)
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)

@@ -240,6 +240,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
     single_pass = layout.pp == 1 and batching.num_microbatches == 1
     fsdp = uses_fsdp(layout, dtypes, cfg.peft)
     cuda_graphs = check_cuda_graphs(cfg, layout, device, fsdp, dtypes)
+    weight_grad = resolve_weight_grad(cfg, layout, device, fsdp, dtypes, cuda_graphs)
     return ParallelSpec(
         schedule=name, virtual_stages=virtual, stage_layers=tuple(tuple(stage) for stage in layers),
         reduce_grad_per_microbatch=knob, single_pass=single_pass,
@@ -248,7 +249,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         ce_in_model=cfg.model.ce_chunk_tokens > 0 or ce_kernel == "fused",
         activation_checkpointing=cfg.model.activation_checkpointing,
         compile=cfg.model.compile, cuda_graphs=cuda_graphs,
-        weight_grad=resolve_weight_grad(cfg, layout, device, fsdp, cuda_graphs), fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
+        weight_grad=weight_grad, fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
 
 
 def check_fp8(cfg: Config, layout: Layout, batching: Batching) -> None:
@@ -284,7 +285,8 @@ def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
     return cfg.model.mtp_loss_weight
 
 
-def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, cuda_graphs: bool) -> str:
+def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes,
+                        cuda_graphs: bool) -> str:
     """model.kernels.weight_grad: in_matmul needs each trained weight whole and plain on its rank with its
     `.grad` going straight to the optimizer (qwenft.models.weight_grad); auto takes it there on CUDA, else
     autograd. Raises where in_matmul was asked for and the layout cannot run it."""
@@ -293,7 +295,7 @@ def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, cu
         return mode
     why = None
     if fsdp:
-        why = "FSDP2 reduces the gradients that autograd gives it (one rank, weights in the compute dtype: no FSDP2)"
+        why = f"FSDP2 reduces the gradients that autograd gives it, and {fsdp_cause(cfg, layout, dtypes)}"
     elif layout.tp > 1:
         why = f"mesh.tp={layout.tp}: a tensor-parallel rank's gradients go through its shards' autograd nodes"
     elif layout.pp > 1:
@@ -305,6 +307,19 @@ def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, cu
     if mode == "auto":
         return "autograd"
     raise ValueError(f"model.kernels.weight_grad=in_matmul: {why}; use model.kernels.weight_grad=auto or autograd")
+
+
+def fsdp_cause(cfg: Config, layout: Layout, dtypes: Dtypes) -> str:
+    """Why FSDP2 wraps the model (`uses_fsdp`), naming the keys and what to set for a run without it."""
+    compute = str(dtypes.compute).removeprefix("torch.")
+    if layout.dp * layout.cp > 1:
+        return (f"mesh.dp={layout.dp} x mesh.cp={layout.cp} shard them; set mesh.dp=1 and mesh.cp=1"
+                if layout.cp > 1 else f"mesh.dp={layout.dp} shards them; set mesh.dp=1")
+    if cfg.peft.method == "lora":
+        return (f"peft.train_embeddings / peft.train_head with optim.master_dtype={cfg.optim.master_dtype} "
+                f"need its cast to {compute}; set optim.master_dtype={compute} or train neither")
+    return (f"optim.master_dtype={cfg.optim.master_dtype} needs its cast to the compute dtype; set "
+            f"optim.master_dtype={compute}")
 
 
 def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes) -> bool:
@@ -320,17 +335,7 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
     elif device != "cuda":
         why = f"it needs CUDA, and this run is on {device}"
     elif fsdp:
-        compute = str(dtypes.compute).removeprefix("torch.")
-        if layout.dp * layout.cp > 1:
-            cause = (f"mesh.dp={layout.dp} x mesh.cp={layout.cp} shard them; set mesh.dp=1 and mesh.cp=1"
-                     if layout.cp > 1 else f"mesh.dp={layout.dp} shards them; set mesh.dp=1")
-        elif cfg.peft.method == "lora":
-            cause = (f"peft.train_embeddings / peft.train_head with optim.master_dtype={cfg.optim.master_dtype} "
-                     f"need its cast to {compute}; set optim.master_dtype={compute} or train neither")
-        else:
-            cause = (f"optim.master_dtype={cfg.optim.master_dtype} needs its cast to the compute dtype; set "
-                     f"optim.master_dtype={compute}")
-        why = f"the weights must stay at fixed addresses, which FSDP2 does not keep: {cause}"
+        why = f"the weights must stay at fixed addresses, which FSDP2 does not keep: {fsdp_cause(cfg, layout, dtypes)}"
     elif cfg.model.activation_checkpointing not in ("false", "auto"):  # auto chooses off under CUDA graphs
         why = (f"model.activation_checkpointing={cfg.model.activation_checkpointing} recomputes the graphs "
                f"inside the backward; set it to false")
