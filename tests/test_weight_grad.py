@@ -183,13 +183,15 @@ def _overrides(tmp_path, name, *extra):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["model.kernels.ce=fused", "model.mtp=train"]], ids=["torch-ce", "fused-ce-mtp"])
+@pytest.mark.parametrize("extra", [[], ["model.kernels.ce=fused", "model.mtp=train"], ["model.name=tiny_moe"]],
+                         ids=["torch-ce", "fused-ce-mtp", "moe"])
 def test_training_equals_autograds(tmp_path, extra):
     """The tiny recipe, 3 steps of 4 microbatches, one process: model.kernels.weight_grad=in_matmul against
     autograd, eager; every loss, the last step's gradients and the trained parameters within fp32_rtol (the
     matmuls' sums taken in another order: beta = 1 adds the old gradient inside the matmul's fp32 sum). With the
     fused head and a trained MTP head, the runner's loss factors let the head add its gradient (both losses'
-    share) in its forward matmuls."""
+    share) in its forward matmuls. The MoE model: its shared expert's linears switch; the router's weight (read
+    outside its module) keeps autograd's add, into its buffer, and the stacked experts autograd's path."""
     (autograd,) = run_distributed(train_with_grads, 1, _overrides(tmp_path, "autograd",
                                                                   "model.kernels.weight_grad=autograd", *extra))
     (in_matmul,) = run_distributed(train_with_grads, 1, _overrides(tmp_path, "in_matmul",
