@@ -3,7 +3,8 @@
 The foreach path upcasts parameter, gradient and moments to fp32 copies, runs about ten passes over them and
 rounds each bf16 result back with a separate random-bits tensor: some 170 bytes of memory traffic per
 parameter. This kernel reads each element once and writes it once (14 bytes per parameter for bf16 weights,
-gradients and moments), computing the same formulas in fp32 registers, and draws the stochastic-rounding bits
+gradients and moments), computing the same formulas in fp32 registers (for a bf16 weight with fast sqrt and
+division, whose error is far below the weight's rounding), and draws the stochastic-rounding bits
 from Philox keyed by (seed, index of the element pair): deterministic for a seed, so replicas round alike and a
 resumed run rounds as the original did. Its random bits differ from the foreach path's (torch's generator), so the
 two agree exactly only with rounding to nearest.
@@ -54,8 +55,14 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, decay, beta1, beta2,
     p = p * decay
     m = m + (1 - beta1) * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight below 0.5
     v = v * beta2 + (1 - beta2) * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p + step_size * tl.div_rn(m, denom)
+    if P_BF16:
+        # the update lands in a bf16 weight (2^-8 relative steps): fast sqrt and division (about 2^-22 relative
+        # error) cannot move it measurably, and IEEE-rounded ones take most of the kernel's time
+        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+        p = p + step_size * (m / denom)
+    else:  # an fp32 weight: torch's IEEE-rounded formulas
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p + step_size * tl.div_rn(m, denom)
     bits16 = tl.zeros_like(offs).to(tl.uint32)
     bits_m = bits16
     bits_v = bits16
@@ -84,8 +91,10 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     if n == 0:
         return
     scale = grad if grad_scale is None else grad_scale.float()  # any pointer when unscaled: never read then
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+    p_bf16 = param.dtype == torch.bfloat16
+    # an fp32 weight's IEEE sqrt and division need more warps per element to hide their latency
+    block, warps = (BLOCK, 4) if p_bf16 else (BLOCK // 2, 8)
+    _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, scale, n, 1 - lr * weight_decay, beta1, beta2, eps, step_size,
-        bias_correction2_sqrt, seed % 2**31, P_BF16=param.dtype == torch.bfloat16,
-        M_BF16=exp_avg.dtype == torch.bfloat16, STOCHASTIC=stochastic_rounding, SCALED=grad_scale is not None,
-        BLOCK=BLOCK)
+        bias_correction2_sqrt, seed % 2**31, P_BF16=p_bf16, M_BF16=exp_avg.dtype == torch.bfloat16,
+        STOCHASTIC=stochastic_rounding, SCALED=grad_scale is not None, BLOCK=block, num_warps=warps)
