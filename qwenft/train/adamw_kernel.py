@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
-# Philox4x32 with 7 rounds: the fewest that pass the BigCrush statistical tests (Salmon et al., SC 2011; 10 is
-# the safety margin for simulations, where stochastic rounding needs only unbiased, independent bits). Its integer
-# multiplies, not memory, bound this kernel: one call serves two elements (three 16-bit draws each), 7 rounds.
+# Philox4x32 with 7 rounds: the fewest that pass the BigCrush statistical tests (Salmon et al., SC 2011; Triton's
+# default of 10 adds a safety margin), where stochastic rounding needs only unbiased, independent bits. Its integer
+# multiplies are a large part of the kernel's time: one call serves two elements (three 16-bit draws each).
 PHILOX_ROUNDS = tl.constexpr(7)
 
 
@@ -56,8 +56,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, decay, beta1, beta2,
     m = m + (1 - beta1) * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight below 0.5
     v = v * beta2 + (1 - beta2) * g * g
     if P_BF16:
-        # the update lands in a bf16 weight (2^-8 relative steps): fast sqrt and division (about 2^-22 relative
-        # error) cannot move it measurably, and IEEE-rounded ones take most of the kernel's time
+        # the update lands in a bf16 weight (rounding error up to 2^-8 relative): fast sqrt and division (about
+        # 2^-22 relative error) cannot move it measurably, and IEEE-rounded ones take most of the kernel's time
         denom = tl.sqrt(v) / bias_correction2_sqrt + eps
         p = p + step_size * (m / denom)
     else:  # an fp32 weight: torch's IEEE-rounded formulas
@@ -92,7 +92,8 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     scale = grad if grad_scale is None else grad_scale.float()  # any pointer when unscaled: never read then
     p_bf16 = param.dtype == torch.bfloat16
-    # an fp32 weight's IEEE sqrt and division need more warps per element to hide their latency
+    # an fp32 weight's IEEE sqrt and division: fewer elements a thread (4, not 16) and more warps hide their
+    # latency better (timed with bf16 weights on the IEEE path)
     block, warps = (BLOCK, 4) if p_bf16 else (BLOCK // 2, 8)
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, scale, n, 1 - lr * weight_decay, beta1, beta2, eps, step_size,

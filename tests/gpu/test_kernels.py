@@ -188,6 +188,34 @@ def test_fused_adamw_stochastic_rounding_is_unbiased():
         assert abs((1 - p.float().mean().item()) - expected) < 5e-6
 
 
+def test_fused_adamw_bf16_moments_round_unbiased_and_independently(device="cuda"):
+    """bf16 weight and both moments rounded stochastically in one step, each from its own 16 random bits: the
+    means of the three over 2^20 elements keep values that rounding to nearest would lose, on even and odd
+    elements alike (an element pair shares one Philox call), and whether one rounds up says nothing of the others.
+    The gradient 1 + 2^-9 sits a quarter of a bf16 ulp above 1, so m = 0.1 g and v = 0.05 g^2 are far from bf16
+    values; the weight's update is 1e-4 on 1.0."""
+    from qwenft.train.adamw_kernel import adamw_update_
+
+    n, lr, beta2 = 1 << 20, 1e-4, 0.95
+    g = torch.full((n,), 1 + 2**-9, device=device)
+    p = torch.ones(n, device=device, dtype=torch.bfloat16)
+    m = torch.zeros(n, device=device, dtype=torch.bfloat16)
+    v = torch.zeros(n, device=device, dtype=torch.bfloat16)
+    adamw_update_(p, g, m, v, lr=lr, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0, step_size=-lr / 0.1,
+                  bias_correction2_sqrt=(1 - beta2) ** 0.5, seed=11, stochastic_rounding=True)
+    gf = 1 + 2**-9
+    ups = []
+    for t, exact in ((p, 1 - lr), (m, 0.1 * gf), (v, (1 - beta2) * gf * gf)):
+        tf = t.float()
+        lo, hi = tf.unique().tolist()  # the two bf16 neighbours of the exact value, nothing else
+        assert lo < exact < hi
+        for half in (tf[0::2], tf[1::2]):  # standard error of the mean: (hi - lo) / 2 / sqrt(2^19)
+            assert abs(half.mean().item() - exact) < 6 * (hi - lo) / 2 / 2**9.5
+        ups.append((tf == hi).float())
+    corr = torch.corrcoef(torch.stack(ups))
+    assert (corr - torch.eye(3, device=device)).abs().max() < 0.01  # independent: |r| about 1e-3 at 2^20
+
+
 def test_moe_block_backward_is_bit_reproducible():
     """The MoE block in bf16 with torch._grouped_mm, forward and backward twice on the same inputs: outputs and
     every gradient bit-equal. Tensor parallel runs this block replicated on every tp rank with no gradient
