@@ -221,15 +221,18 @@ def _data(args: list[str]) -> int:
     return 0
 
 
+_joined_group = False  # set once this process has been in a torch.distributed process group
+
+
 def entry() -> None:
-    """The `qwenft` command (and `python -m qwenft`): `main`, then exit with its code. A training process that
-    stops on a user fault (exit code 2) or a Ctrl-C (130) after joining a process group leaves at once, without the
-    interpreter's
-    teardown: its line is printed, train.log flushed and the group destroyed, and letting the interpreter free
-    the rest of the run (the exception's frames hold the mesh) has aborted in gloo's C++ teardown
-    ("terminate called without an active exception") now and then under load."""
+    """The `qwenft` command (and `python -m qwenft`): `main`, then exit with its code. A process that joined a
+    process group (a distributed training worker), or stops on a user fault (exit code 2) or a Ctrl-C (130) after
+    importing torch.distributed, leaves at once, without the interpreter's teardown: its lines are printed,
+    train.log and the metrics closed and the group destroyed by then, and the interpreter's freeing of the rest has
+    aborted in gloo's C++ teardown ("terminate called without an active exception", SIGABRT) now and then under
+    load, after a finished run too, which torchrun and SLURM would report as a failed one."""
     code = main()
-    if code in (2, 130) and "torch.distributed" in sys.modules:
+    if _joined_group or (code in (2, 130) and "torch.distributed" in sys.modules):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -238,6 +241,7 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _joined_group
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_help())
@@ -283,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run(cfg, command_args=args)
         finally:
             if dist.is_initialized():
+                _joined_group = True
                 dist.destroy_process_group()
         return signals.EXIT_PREEMPTED if result.preempted else 0
     except KeyboardInterrupt as e:  # a second Ctrl-C in training (signals.Interrupted: its line), or one before it
