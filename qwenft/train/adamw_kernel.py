@@ -4,10 +4,10 @@ The foreach path upcasts parameter, gradient and moments to fp32 copies, runs ab
 rounds each bf16 result back with a separate random-bits tensor: some 170 bytes of memory traffic per
 parameter. This kernel reads each element once and writes it once (14 bytes per parameter for bf16 weights,
 gradients and moments), computing the same formulas in fp32 registers (for a bf16 weight with fast sqrt and
-division, whose error is far below the weight's rounding), and draws the stochastic-rounding bits
-from Philox keyed by (seed, index of the element pair): deterministic for a seed, so replicas round alike and a
-resumed run rounds as the original did. Its random bits differ from the foreach path's (torch's generator), so the
-two agree exactly only with rounding to nearest.
+division, whose error is far below the weight's rounding), and draws the stochastic-rounding bits from Philox
+keyed by (seed, index of the element pair): deterministic for a seed, so replicas round alike and a resumed run
+rounds as the original did. Its random bits differ from the foreach path's (torch's generator), so the two agree
+exactly only with rounding to nearest.
 """
 
 import torch
@@ -92,8 +92,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     scale = grad if grad_scale is None else grad_scale.float()  # any pointer when unscaled: never read then
     p_bf16 = param.dtype == torch.bfloat16
-    # an fp32 weight's IEEE sqrt and division: fewer elements a thread (4, not 16) and more warps hide their
-    # latency better (timed with bf16 weights on the IEEE path)
+    # an fp32 weight's IEEE sqrt and division: fewer elements a thread (4, not 16) and more warps hide their latency
     block, warps = (BLOCK, 4) if p_bf16 else (BLOCK // 2, 8)
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, scale, n, 1 - lr * weight_decay, beta1, beta2, eps, step_size,

@@ -196,14 +196,13 @@ def test_fused_adamw_bf16_moments_round_unbiased_and_independently(device="cuda"
     values; the weight's update is 1e-4 on 1.0."""
     from qwenft.train.adamw_kernel import adamw_update_
 
-    n, lr, beta2 = 1 << 20, 1e-4, 0.95
-    g = torch.full((n,), 1 + 2**-9, device=device)
+    n, lr, beta2, gf = 1 << 20, 1e-4, 0.95, 1 + 2**-9
+    g = torch.full((n,), gf, device=device)
     p = torch.ones(n, device=device, dtype=torch.bfloat16)
     m = torch.zeros(n, device=device, dtype=torch.bfloat16)
     v = torch.zeros(n, device=device, dtype=torch.bfloat16)
     adamw_update_(p, g, m, v, lr=lr, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0, step_size=-lr / 0.1,
                   bias_correction2_sqrt=(1 - beta2) ** 0.5, seed=11, stochastic_rounding=True)
-    gf = 1 + 2**-9
     ups = []
     for t, exact in ((p, 1 - lr), (m, 0.1 * gf), (v, (1 - beta2) * gf * gf)):
         tf = t.float()
