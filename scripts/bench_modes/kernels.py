@@ -1,6 +1,6 @@
 """Time and check qwenft's own CUDA kernels against the torch paths they replace, at the 27B benchmark's sizes.
 
-    python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096]
+    python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv]
 
 - AdamW: `LowPrecisionAdamW` over bf16 weights, gradients and moments, foreach (torch ops) against fused (one
   Triton kernel per tensor): ms per step per billion parameters, and the two paths' results with rounding to
@@ -8,6 +8,9 @@
 - Cross-entropy of the lm_head (hidden 5120, vocabulary 248,320): torch (bf16 logits, fp32 CE, as
   `model.kernels.ce=torch`) against the fused linear CE (`model.kernels.ce=fused`) whole and chunked:
   forward + backward ms, memory above the inputs, and gradient errors against an fp32 computation.
+- GatedDeltaNet's causal conv + SiLU over q|k|v (10,240 channels, bf16): fla's `causal_conv1d` against qwenft's
+  kernels (`conv_kernel.py`) at each launch tried, on `--tokens` tokens as one row and as a packed row of
+  documents: forward and forward + backward ms, and each one's errors against the fp64 torch conv.
 """
 
 import argparse
@@ -18,6 +21,9 @@ import torch.nn.functional as F
 
 from bench_modes.layers import time_ms
 from qwenft.models.linear_ce import IGNORE_INDEX, fused_linear_ce_sum
+from qwenft.models.qwen3_5.conv_kernel import causal_conv_silu
+from qwenft.models.qwen3_5.gdn import causal_conv, positions_in_document
+from qwenft.models.qwen3_5.varlen import varlen_info
 from qwenft.train.optim import LowPrecisionAdamW
 
 
@@ -114,14 +120,58 @@ def bench_ce(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
     return out
 
 
+def bench_conv(tokens: int, channels: int = 10240) -> dict:
+    from fla.modules.convolution import causal_conv1d
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, tokens, channels, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(channels, 4, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    probe = torch.randn(1, tokens, channels, device="cuda", generator=g).bfloat16()
+    # a packed row: documents of 150 tokens (three blocks each, the last one partial) and a shorter last one
+    offsets = list(range(0, tokens, 150)) + [tokens]
+    cu = torch.tensor(offsets, dtype=torch.long, device="cuda")
+    out = {"tokens": tokens, "channels": channels, "packed_offsets": offsets}
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    for layout, cu_seqlens in (("row", None), ("packed", cu)):
+        pos = None if cu_seqlens is None else positions_in_document(cu_seqlens, tokens)
+        xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref_y = causal_conv(xr, wr[:, None], pos)
+        ref_dx, ref_dw = torch.autograd.grad((ref_y * probe.double()).sum(), (xr, wr))
+        # the chunk indices made once, as the model does (`varlen_info`): no host sync inside a timed call
+        info = None if cu_seqlens is None else varlen_info(cu_seqlens)
+        varlen = {} if info is None else {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu,
+                                          "chunk_indices": info.chunk_indices}
+        variants = {"fla": lambda: causal_conv1d(x=x, weight=w, activation="silu", **varlen)[0]}
+        for block_d in (32, 64, 128):
+            for warps in (4, 8):
+                variants[f"qwenft_bd{block_d}_w{warps}"] = lambda b=block_d, n=warps: causal_conv_silu(
+                    x, w, varlen.get("cu_seqlens"), varlen.get("chunk_indices"), block_d=b, num_warps=n)
+        out[layout] = {}
+        for name, fn in variants.items():
+            def fwd_bwd(fn=fn):
+                y = fn()
+                return (y, *torch.autograd.grad(y, (x, w), probe))
+
+            with torch.no_grad():
+                fwd_ms = time_ms(fn)
+            y, dx, dw = fwd_bwd()
+            out[layout][name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": time_ms(fwd_bwd), "y_rel_err": rel(y, ref_y),
+                                 "dx_rel_err": rel(dx, ref_dx), "dw_rel_err": rel(dw, ref_dw)}
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench.py kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--params", type=float, default=1.0e9, help="AdamW: parameters per step")
-    parser.add_argument("--tokens", type=int, default=4096, help="CE: tokens per microbatch")
+    parser.add_argument("--tokens", type=int, default=4096, help="CE and the conv: tokens per microbatch")
+    parser.add_argument("--parts", nargs="+", choices=("adamw", "ce", "conv"), default=["adamw", "ce", "conv"])
     args = parser.parse_args(argv)
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "adamw": bench_adamw(args.params), "ce": bench_ce(args.tokens)}
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    benches = {"adamw": lambda: bench_adamw(args.params), "ce": lambda: bench_ce(args.tokens),
+               "conv": lambda: bench_conv(args.tokens)}
+    for part in args.parts:
+        report[part] = benches[part]()
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

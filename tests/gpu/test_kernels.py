@@ -273,3 +273,64 @@ def test_fused_adamw_applies_a_pending_clip_scale(dtype):
     else:
         ulp = torch.finfo(dtype).eps * p_ref.float().abs()
         assert ((p_fused.float() - p_ref.float()).abs() <= ulp).all()
+
+
+def _conv_grads(conv, x, w, probe, *args):
+    """conv(x, w, *args)'s output and the gradients of (output * probe).sum() for x and w, all fp64."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = conv(x, w, *args)
+    (y.double() * probe.double()).sum().backward()
+    return y.double(), x.grad.double(), w.grad.double()
+
+
+# (rows, tokens, channels, document offsets): rows of their own; and one packed row whose documents cross the
+# 64-token blocks, hold a single token, and end on a block's edge, with channels that fill no channel block
+CONV_CASES = [(2, 300, 160, None), (1, 320, 200, [0, 70, 71, 128, 200, 320])]
+
+
+@pytest.mark.parametrize("rows,tokens,channels,offsets", CONV_CASES)
+def test_causal_conv_kernel_equals_torch_conv(rows, tokens, channels, offsets):
+    """qwenft's conv + SiLU kernels against the torch conv in fp64, from fp32 inputs: the output and both
+    gradients within fp32's rounding (the kernels sum in fp32; relative errors about 1e-7), no tap reaching
+    into another document or row, and the backward's bits the same on a second run (the weight's partial
+    gradients summed in a fixed order)."""
+    from qwenft.models.qwen3_5.conv_kernel import causal_conv_silu
+    from qwenft.models.qwen3_5.gdn import causal_conv, positions_in_document
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x, probe = (torch.randn(rows, tokens, channels, device="cuda", generator=gen) for _ in range(2))
+    w = torch.randn(channels, 4, device="cuda", generator=gen) * 0.5
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    pos = None if cu is None else positions_in_document(cu, tokens)
+    ref = _conv_grads(lambda x, w: causal_conv(x, w[:, None], pos), x.double(), w.double(), probe)
+    ours = _conv_grads(causal_conv_silu, x, w, probe, cu)
+    for a, b in zip(ours, ref):
+        assert _rel(a, b) < 1e-5
+    again = _conv_grads(causal_conv_silu, x, w, probe, cu)
+    for a, b in zip(ours, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows,tokens,channels,offsets", CONV_CASES)
+def test_causal_conv_kernel_in_bf16_is_as_close_to_fp64_as_fla(rows, tokens, channels, offsets):
+    """On bf16 inputs and weights, the kernels' output and gradients sit no farther from the fp64 conv of the
+    same bf16 values than fla's `causal_conv1d` (which it replaces beside fla's delta rule) does: both round
+    their results to bf16 once, and fla's backward also rounds its recomputed pre-activation to bf16."""
+    pytest.importorskip("fla")
+    from fla.modules.convolution import causal_conv1d
+
+    from qwenft.models.qwen3_5.conv_kernel import causal_conv_silu
+    from qwenft.models.qwen3_5.gdn import causal_conv, positions_in_document
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x, probe = (torch.randn(rows, tokens, channels, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w = (torch.randn(channels, 4, device="cuda", generator=gen) * 0.5).bfloat16()
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    pos = None if cu is None else positions_in_document(cu, tokens)
+    ref = _conv_grads(lambda x, w: causal_conv(x, w[:, None], pos), x.double(), w.double(), probe)
+    ours = _conv_grads(causal_conv_silu, x, w, probe, cu)
+    varlen = {} if cu is None else {"cu_seqlens": cu.long()}
+    fla = _conv_grads(lambda x, w: causal_conv1d(x=x, weight=w, activation="silu", **varlen)[0], x, w, probe)
+    for a, b, r in zip(ours, fla, ref):
+        assert _rel(a, r) < 1e-2  # bf16's rounding of each result: about 2^-9 relative
+        assert _rel(a, r) <= 1.05 * _rel(b, r)

@@ -3,7 +3,8 @@
 Kernels (`kernels` argument, config `model.kernels.gdn`):
   torch  fp32 chunked delta rule written here; the reference. Packed input (cu_seqlens) restarts the conv
          and the recurrent state at every document boundary.
-  fla    flash-linear-attention's Triton kernels (CUDA only), same semantics via their `cu_seqlens`.
+  fla    flash-linear-attention's Triton kernels for the delta rule (CUDA only), same semantics via their
+         `cu_seqlens`; the causal conv beside it is qwenft's Triton kernel (conv_kernel.py).
   auto   fla when CUDA is available and `fla` imports, else torch; decided per call, never at import time
          (importing Triton kernels on a machine without a GPU breaks every forward: "0 active drivers").
 """
@@ -175,13 +176,18 @@ def _fla_delta_rule(q, k, v, g, beta, varlen: dict):
     return out
 
 
-def _fla_conv(x_btc, weight_c1k, varlen: dict):
-    # fla's conv takes no chunk size: its Triton path cuts FLA_CHUNK-token blocks, which the chunk indices describe
-    # (tests/gpu/test_packed_kernels.py compares it with the torch conv on packed rows)
-    from fla.modules.convolution import causal_conv1d
+def _triton_conv(x_btc, weight_c1k, varlen: dict):
+    """The conv + SiLU beside fla's delta rule: qwenft's Triton kernels (conv_kernel.py), whose backward takes one
+    pass where fla's takes two; under context parallelism fla's, which exchange the taps' reach between ranks."""
+    if "cp_context" in varlen:
+        # fla's conv takes no chunk size: its Triton path cuts FLA_CHUNK-token blocks
+        from fla.modules.convolution import causal_conv1d
 
-    out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu", **varlen)
-    return out
+        out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu", **varlen)
+        return out
+    from .conv_kernel import causal_conv_silu
+
+    return causal_conv_silu(x_btc, weight_c1k[:, 0], varlen.get("cu_seqlens"), varlen.get("chunk_indices"))
 
 
 class Decay(nn.Module):
@@ -271,10 +277,10 @@ class GatedDeltaNet(nn.Module):
         return out.view(B, T, *out.shape[2:])
 
     def fla_kernels(self, qkv, beta, g, weight, sizes, **varlen) -> torch.Tensor:
-        """fla's conv over q|k|v (`sizes` channels each) and its chunked delta rule, grouped value heads in the
-        kernel (value head j reads key head j // (Hv / Hk)); `varlen`: fla's cu_seqlens (and chunk_indices,
-        cu_seqlens_cpu) keywords."""
-        q, k, v = self._heads(_fla_conv(qkv, weight, varlen).split(sizes, dim=-1))
+        """The conv over q|k|v (`sizes` channels each; `_triton_conv`) and fla's chunked delta rule, grouped value
+        heads in the kernel (value head j reads key head j // (Hv / Hk)); `varlen`: fla's cu_seqlens (and
+        chunk_indices, cu_seqlens_cpu, or cp_context) keywords."""
+        q, k, v = self._heads(_triton_conv(qkv, weight, varlen).split(sizes, dim=-1))
         return _fla_delta_rule(q, k, v, g, beta, varlen)
 
     def _conv_weight(self) -> tuple[torch.Tensor, tuple[int, ...]]:

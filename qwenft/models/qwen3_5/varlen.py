@@ -1,6 +1,6 @@
 """What every layer needs to know about a packed batch's documents, computed once per batch.
 
-Each GDN layer calls fla's conv and chunk kernels with the batch's `cu_seqlens`. Given only those, fla derives
+Each GDN layer calls its conv and fla's chunk kernels with the batch's `cu_seqlens`. Given only those, fla derives
 the chunk indices (which document and which chunk of it each 64-token block is) and reads the offsets back
 from the GPU for it: a host sync per kernel call. `varlen_info` hands every layer one shared `Varlen` per
 `cu_seqlens` tensor, with the offsets' host copy and the chunk indices built from it on the host and copied to
