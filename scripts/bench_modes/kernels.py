@@ -142,10 +142,9 @@ def bench_conv(tokens: int, channels: int = 10240) -> dict:
         varlen = {} if info is None else {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu,
                                           "chunk_indices": info.chunk_indices}
         variants = {"fla": lambda: causal_conv1d(x=x, weight=w, activation="silu", **varlen)[0]}
-        for block_d in (32, 64, 128):
-            for warps in (4, 8):
-                variants[f"qwenft_bd{block_d}_w{warps}"] = lambda b=block_d, n=warps: causal_conv_silu(
-                    x, w, varlen.get("cu_seqlens"), varlen.get("chunk_indices"), block_d=b, num_warps=n)
+        for block_d, warps in ((128, 1), (128, 2), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4)):
+            variants[f"qwenft_bd{block_d}_w{warps}"] = lambda b=block_d, n=warps: causal_conv_silu(
+                x, w, varlen.get("cu_seqlens"), varlen.get("chunk_indices"), block_d=b, num_warps=n)
         out[layout] = {}
         for name, fn in variants.items():
             def fwd_bwd(fn=fn):

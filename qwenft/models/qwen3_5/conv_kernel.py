@@ -18,8 +18,9 @@ import triton.language as tl
 
 from .varlen import FLA_CHUNK, varlen_info
 
-BLOCK_D = 64  # channels a program takes (C: 10240 at the 27B's q|k|v, 2560 a rank at tp4)
-NUM_WARPS = 4
+TAPS = 4  # Qwen3.5's linear_conv_kernel_dim, every size
+BLOCK_D = 256  # channels a program takes (C: 10240 at the 27B's q|k|v, 2560 a rank at tp4)
+NUM_WARPS = 2
 
 
 @triton.jit
@@ -38,65 +39,96 @@ def _block(cu_ptr, idx_ptr, i_t, i_b, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _preact(x_ptr, w_ptr, rows, length, o_d, m_d, C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-            BD: tl.constexpr):
-    """The conv before its activation at the document positions `rows` [BT], fp32 [BT, BD]; x_ptr at the
-    document's first token."""
-    acc = tl.zeros((BT, BD), dtype=tl.float32)
-    for j in tl.static_range(W):
-        src = rows - (W - 1) + j
-        m = ((src >= 0) & (src < length))[:, None] & m_d[None, :]
-        x = tl.load(x_ptr + src[:, None] * C + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-        acc += x * tl.load(w_ptr + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)[None, :]
-    return acc
+def _row(doc_ptr, r, length, o_d, m_d, C: tl.constexpr):
+    """Row r of a document as fp32 [BD], zero outside the document."""
+    return tl.load(doc_ptr + r * C + o_d, mask=m_d & (r >= 0) & (r < length), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, idx_ptr, T, C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-                     BD: tl.constexpr, VARLEN: tl.constexpr):
+def _taps(w_ptr, o_d, m_d):
+    """The 4 taps of the channels o_d, fp32 [BD] each (weight [C, 4] contiguous)."""
+    w0 = tl.load(w_ptr + o_d * 4, mask=m_d, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + o_d * 4 + 1, mask=m_d, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + o_d * 4 + 2, mask=m_d, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + o_d * 4 + 3, mask=m_d, other=0.0).to(tl.float32)
+    return w0, w1, w2, w3
+
+
+# Each program walks its block's rows one at a time over BD channels, keeping the taps' window of rows in
+# registers: a row is loaded once, and the addresses and masks are per row, not per element of a 2-D tile.
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, idx_ptr, T, C: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                     VARLEN: tl.constexpr):
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, length, i_t = _block(cu_ptr, idx_ptr, i_t, i_b, T, VARLEN)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < C
-    rows = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    acc = _preact(x_ptr + bos * C, w_ptr, rows, length, o_d, m_d, C, W, BT, BD)
-    y = acc * tl.sigmoid(acc)
-    m = (rows < length)[:, None] & m_d[None, :]
-    tl.store(y_ptr + bos * C + rows[:, None] * C + o_d[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    w0, w1, w2, w3 = _taps(w_ptr, o_d, m_d)
+    x_doc, y_doc = x_ptr + bos * C, y_ptr + bos * C
+    r0 = i_t.to(tl.int64) * BT
+    x1 = _row(x_doc, r0 - 3, length, o_d, m_d, C)  # rows r - 3, r - 2, r - 1
+    x2 = _row(x_doc, r0 - 2, length, o_d, m_d, C)
+    x3 = _row(x_doc, r0 - 1, length, o_d, m_d, C)
+    n = length - r0  # the block's rows: BT, or fewer in a document's last block
+    # constant trip counts, the rows past a short block skipped inside (Triton's interpreter, which the CPU tests
+    # run, takes no loop bound read from memory)
+    for i in range(0, BT):
+        if i < n:
+            r = r0 + i
+            x4 = _row(x_doc, r, length, o_d, m_d, C)
+            pre = w0 * x1 + w1 * x2 + w2 * x3 + w3 * x4
+            tl.store(y_doc + r * C + o_d, (pre * tl.sigmoid(pre)).to(y_ptr.dtype.element_ty), mask=m_d)
+            x1, x2, x3 = x2, x3, x4
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, idx_ptr, T, C: tl.constexpr, W: tl.constexpr,
-                     BW: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr):
+def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, idx_ptr, T, C: tl.constexpr, BT: tl.constexpr,
+                     BD: tl.constexpr, VARLEN: tl.constexpr):
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     partial = i_t if VARLEN else i_b * tl.num_programs(1) + i_t  # this block's row of the weight's partials
     bos, length, i_t = _block(cu_ptr, idx_ptr, i_t, i_b, T, VARLEN)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < C
-    o_w = tl.arange(0, BW)
-    rows = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    x_doc, dy_doc = x_ptr + bos * C, dy_ptr + bos * C
-    dx = tl.zeros((BT, BD), dtype=tl.float32)
-    dw = tl.zeros((BD, BW), dtype=tl.float32)
-    # input token r feeds outputs r .. r + W - 1 of its document: output r + s through tap W - 1 - s
-    for s in tl.static_range(W):
-        out_rows = rows + s
-        acc = _preact(x_doc, w_ptr, out_rows, length, o_d, m_d, C, W, BT, BD)
-        m_out = (out_rows < length)[:, None] & m_d[None, :]
-        dy = tl.load(dy_doc + out_rows[:, None] * C + o_d[None, :], mask=m_out, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(acc)
-        g = dy * sig * (1 + acc * (1 - sig))  # through SiLU: silu'(a) = sig(a) (1 + a (1 - sig(a)))
-        dx += g * tl.load(w_ptr + o_d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)[None, :]
-        if s == 0:  # the weight's gradient over this block's outputs: tap j reads input row r - (W - 1) + j
-            for j in tl.static_range(W):
-                src = rows - (W - 1) + j
-                m = ((src >= 0) & (src < length))[:, None] & m_d[None, :]
-                x = tl.load(x_doc + src[:, None] * C + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-                dw += tl.where(o_w[None, :] == j, tl.sum(g * x, 0)[:, None], 0.0)
-    m = (rows < length)[:, None] & m_d[None, :]
-    tl.store(dx_ptr + bos * C + rows[:, None] * C + o_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
-    tl.store(dw_ptr + partial.to(tl.int64) * C * W + o_d[:, None] * W + o_w[None, :], dw,
-             mask=m_d[:, None] & (o_w[None, :] < W))
+    w0, w1, w2, w3 = _taps(w_ptr, o_d, m_d)
+    x_doc, dy_doc, dx_doc = x_ptr + bos * C, dy_ptr + bos * C, dx_ptr + bos * C
+    r0 = i_t.to(tl.int64) * BT
+    n = tl.minimum(BT, length - r0)  # the block's rows
+    # row t feeds outputs t .. t + 3 (output t + s through tap 3 - s): walk backwards from the block's last row
+    # + 3, the first three steps only filling the window of the gradient through SiLU, g, with rows past the block
+    top = r0 + n + 2
+    xa = _row(x_doc, top, length, o_d, m_d, C)  # rows t, t - 1, t - 2
+    xb = _row(x_doc, top - 1, length, o_d, m_d, C)
+    xc = _row(x_doc, top - 2, length, o_d, m_d, C)
+    g1 = tl.zeros((BD,), dtype=tl.float32)  # g at rows t + 1, t + 2, t + 3
+    g2 = g1
+    g3 = g1
+    dw0 = g1
+    dw1 = g1
+    dw2 = g1
+    dw3 = g1
+    for i in range(0, BT + 3):
+        if i < n + 3:
+            t = top - i
+            xd = _row(x_doc, t - 3, length, o_d, m_d, C)
+            pre = w0 * xd + w1 * xc + w2 * xb + w3 * xa
+            sig = tl.sigmoid(pre)
+            g = _row(dy_doc, t, length, o_d, m_d, C) * sig * (1 + pre * (1 - sig))  # silu' = sig (1 + a (1 - sig))
+            tl.store(dx_doc + t * C + o_d, (w3 * g + w2 * g1 + w1 * g2 + w0 * g3).to(dx_ptr.dtype.element_ty),
+                     mask=m_d & (i >= 3))
+            g_own = tl.where(i >= 3, g, 0.0)  # the weight's gradient over this block's rows only
+            dw0 += g_own * xd
+            dw1 += g_own * xc
+            dw2 += g_own * xb
+            dw3 += g_own * xa
+            g1, g2, g3 = g, g1, g2
+            xa, xb, xc = xb, xc, xd
+    out = dw_ptr + partial.to(tl.int64) * C * 4 + o_d * 4
+    tl.store(out, dw0, mask=m_d)
+    tl.store(out + 1, dw1, mask=m_d)
+    tl.store(out + 2, dw2, mask=m_d)
+    tl.store(out + 3, dw3, mask=m_d)
 
 
 def _grid_and_layout(x: torch.Tensor, cu_seqlens, chunk_indices, block_d: int):
@@ -114,8 +146,8 @@ class _CausalConvSiLU(torch.autograd.Function):
     def forward(ctx, x, weight, cu_seqlens, chunk_indices, block_d, num_warps):
         grid, cu, idx, is_varlen = _grid_and_layout(x, cu_seqlens, chunk_indices, block_d)
         y = torch.empty_like(x)
-        _conv_fwd_kernel[grid](x, weight, y, cu, idx, x.shape[1], C=x.shape[2], W=weight.shape[1], BT=FLA_CHUNK,
-                               BD=block_d, VARLEN=is_varlen, num_warps=num_warps)
+        _conv_fwd_kernel[grid](x, weight, y, cu, idx, x.shape[1], C=x.shape[2], BT=FLA_CHUNK, BD=block_d,
+                               VARLEN=is_varlen, num_warps=num_warps)
         ctx.save_for_backward(x, weight)
         ctx.layout = (grid, cu, idx, is_varlen, block_d, num_warps)
         return y
@@ -126,21 +158,22 @@ class _CausalConvSiLU(torch.autograd.Function):
         grid, cu, idx, is_varlen, block_d, num_warps = ctx.layout
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        C, W = weight.shape
-        partials = torch.empty(grid[1] * grid[2], C, W, device=x.device, dtype=torch.float32)
-        _conv_bwd_kernel[grid](x, weight, dy, dx, partials, cu, idx, x.shape[1], C=C, W=W,
-                               BW=triton.next_power_of_2(W), BT=FLA_CHUNK, BD=block_d, VARLEN=is_varlen,
-                               num_warps=num_warps)
+        C = weight.shape[0]
+        partials = torch.empty(grid[1] * grid[2], C, TAPS, device=x.device, dtype=torch.float32)
+        _conv_bwd_kernel[grid](x, weight, dy, dx, partials, cu, idx, x.shape[1], C=C, BT=FLA_CHUNK, BD=block_d,
+                               VARLEN=is_varlen, num_warps=num_warps)
         return dx, partials.sum(0).to(weight.dtype), None, None, None, None
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                      chunk_indices: torch.Tensor | None = None, *, block_d: int = BLOCK_D,
                      num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """silu(depthwise causal conv) of x [B, T, C] with weight [C, W] (any float dtypes; fp32 inside), in x's
+    """silu(depthwise causal conv) of x [B, T, C] with weight [C, TAPS] (any float dtypes; fp32 inside), in x's
     dtype. `cu_seqlens`: document offsets of a packed stream (then B = 1; documents never see each other);
     `chunk_indices`: their FLA_CHUNK-token blocks (`varlen.Varlen.chunk_indices`, or a fixed layout's), derived
     from `cu_seqlens` when not given. `block_d` and `num_warps`: the launch (benchmarks try others)."""
+    if weight.shape[1] != TAPS:
+        raise ValueError(f"causal_conv_silu: the kernels take {TAPS} taps, got a weight of shape {tuple(weight.shape)}")
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"causal_conv_silu: packed documents (cu_seqlens) need one row, got x of shape "
                          f"{tuple(x.shape)}")
