@@ -101,13 +101,15 @@ def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, idx_ptr, T, C
     xa = _row(x_doc, top, length, o_d, m_d, C)  # rows t, t - 1, t - 2
     xb = _row(x_doc, top - 1, length, o_d, m_d, C)
     xc = _row(x_doc, top - 2, length, o_d, m_d, C)
-    g1 = tl.zeros((BD,), dtype=tl.float32)  # g at rows t + 1, t + 2, t + 3
-    g2 = g1
-    g3 = g1
-    dw0 = g1
-    dw1 = g1
-    dw2 = g1
-    dw3 = g1
+    # g at rows t + 1, t + 2, t + 3, each its own zeros: Triton carries a name through the loop only if the body
+    # changes its value, and `g2 = g1` of one shared zeros tensor would look unchanged
+    g1 = tl.zeros((BD,), dtype=tl.float32)
+    g2 = tl.zeros((BD,), dtype=tl.float32)
+    g3 = tl.zeros((BD,), dtype=tl.float32)
+    dw0 = tl.zeros((BD,), dtype=tl.float32)
+    dw1 = tl.zeros((BD,), dtype=tl.float32)
+    dw2 = tl.zeros((BD,), dtype=tl.float32)
+    dw3 = tl.zeros((BD,), dtype=tl.float32)
     for i in range(0, BT + 3):
         if i < n + 3:
             t = top - i
