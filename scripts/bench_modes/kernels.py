@@ -10,7 +10,8 @@
   forward + backward ms, memory above the inputs, and gradient errors against an fp32 computation.
 - GatedDeltaNet's causal conv + SiLU over q|k|v (10,240 channels, bf16): fla's `causal_conv1d` against qwenft's
   kernels (`conv_kernel.py`) at each launch tried, on `--tokens` tokens as one row and as a packed row of
-  documents: forward and forward + backward ms, and each one's errors against the fp64 torch conv.
+  documents: forward and forward + backward ms between CUDA events, the forward + backward's kernels alone (the
+  profiler's GPU time), and each one's errors against the fp64 torch conv.
 """
 
 import argparse
@@ -120,6 +121,22 @@ def bench_ce(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
     return out
 
 
+def kernels_ms(fn, iters: int = 10) -> float:
+    """GPU time of the kernels one call of `fn` launches, ms (torch.profiler's device time): without the host's
+    launch time, which the timing between CUDA events includes where the host is slower than the kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / 1e3 / iters
+
+
 def bench_conv(tokens: int, channels: int = 10240) -> dict:
     from fla.modules.convolution import causal_conv1d
 
@@ -154,7 +171,8 @@ def bench_conv(tokens: int, channels: int = 10240) -> dict:
             with torch.no_grad():
                 fwd_ms = time_ms(fn)
             y, dx, dw = fwd_bwd()
-            out[layout][name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": time_ms(fwd_bwd), "y_rel_err": rel(y, ref_y),
+            out[layout][name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": time_ms(fwd_bwd),
+                                 "fwd_bwd_kernels_ms": kernels_ms(fwd_bwd), "y_rel_err": rel(y, ref_y),
                                  "dx_rel_err": rel(dx, ref_dx), "dw_rel_err": rel(dw, ref_dw)}
     return out
 

@@ -63,7 +63,9 @@ KERNEL_KINDS = (  # first match wins; names of CUDA kernels as the profiler repo
     ("communication", ("nccl",)),
     ("optimizer", ("adam",)),
     ("attention", ("flash", "fmha", "attention")),
-    ("gdn (fla)", ("chunk", "gated_delta", "causal_conv", "l2norm", "tilelang", "recompute_w_u", "solve_tril")),
+    # GatedDeltaNet's mixer: fla's Triton kernels, its TileLang kernel (named kernel_kernel), qwenft's conv kernels
+    ("gdn", ("chunk", "gated_delta", "causal_conv", "_conv_fwd_kernel", "_conv_bwd_kernel", "l2norm", "tilelang",
+             "kernel_kernel", "wy_repr", "recompute_w_u", "solve_tril")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma")),
 )
 

@@ -1,12 +1,14 @@
 """GatedDeltaNet's depthwise causal conv and SiLU as two Triton kernels (CUDA): forward, and a backward that forms
 the input's and the weight's gradients in one pass.
 
-y[t, c] = silu(sum_j w[c, j] x[t - (W - 1) + j, c]) over x [B, T, C], a tap never reaching before the start of
-its row, or of its document in a packed row (`cu_seqlens`). The backward recomputes the pre-activation from x in
-registers, where fla's conv writes it to memory in a kernel of its own first and then evaluates the activation's
-derivative once per tap for every token: here each program derives it once per tap shift from tiles that sit in
-its cache, and adds its tokens' share of the weight gradient (fp32, one partial per token block, summed after:
-the same bits every run).
+y[t, c] = silu(sum_j w[c, j] x[t - 3 + j, c]) over x [B, T, C] with TAPS = 4 taps, a tap never reaching before the
+start of its row, or of its document in a packed row (`cu_seqlens`). fla's conv backward first writes the
+pre-activation to memory in a pass of its own, then evaluates SiLU's derivative once per tap for every token over
+2-D tiles. Here a program walks its block's rows one at a time over a slab of channels, with the taps' window of
+rows in registers: each row of x and of the incoming gradient is loaded once (the three rows past a block's end
+twice), the pre-activation and SiLU's derivative are formed once per row, and the addresses and masks are one per
+row, not one per element. The weight's gradient is summed in fp32 per block and the blocks' partials summed after,
+in a fixed order (the same bits every run).
 
 Token blocks are FLA_CHUNK tokens of one document, laid out as fla's kernels lay them out: (document, block in it)
 from `varlen.chunk_indices`, so the kernels need no host sync and take fixed layouts under CUDA graphs.
@@ -18,7 +20,7 @@ import triton.language as tl
 
 from .varlen import FLA_CHUNK, varlen_info
 
-TAPS = 4  # Qwen3.5's linear_conv_kernel_dim, every size
+TAPS = 4  # Qwen3.5's linear_conv_kernel_dim; another width takes fla's conv (gdn._triton_conv)
 BLOCK_D = 256  # channels a program takes (C: 10240 at the 27B's q|k|v, 2560 a rank at tp4)
 NUM_WARPS = 2
 

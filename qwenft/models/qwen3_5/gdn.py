@@ -178,15 +178,16 @@ def _fla_delta_rule(q, k, v, g, beta, varlen: dict):
 
 def _triton_conv(x_btc, weight_c1k, varlen: dict):
     """The conv + SiLU beside fla's delta rule: qwenft's Triton kernels (conv_kernel.py), whose backward takes one
-    pass where fla's takes two; under context parallelism fla's, which exchange the taps' reach between ranks."""
-    if "cp_context" in varlen:
+    pass where fla's takes two; fla's under context parallelism (its kernels exchange the taps' reach between
+    ranks) and for a conv width other than conv_kernel.TAPS."""
+    from .conv_kernel import TAPS, causal_conv_silu
+
+    if "cp_context" in varlen or weight_c1k.shape[-1] != TAPS:
         # fla's conv takes no chunk size: its Triton path cuts FLA_CHUNK-token blocks
         from fla.modules.convolution import causal_conv1d
 
         out, _ = causal_conv1d(x=x_btc, weight=weight_c1k[:, 0], bias=None, activation="silu", **varlen)
         return out
-    from .conv_kernel import causal_conv_silu
-
     return causal_conv_silu(x_btc, weight_c1k[:, 0], varlen.get("cu_seqlens"), varlen.get("chunk_indices"))
 
 
