@@ -15,7 +15,7 @@
 | mode | what it measures | needs |
 |---|---|---|
 | train | `qwenft train` in-process: step time, tokens/s, TFLOP/s, MFU, peak memory of every rank | GPUs (or the CPU) |
-| kernels | qwenft's Triton kernels (fused AdamW, fused linear CE, the causal conv) against the paths they replace | CUDA |
+| kernels | qwenft's Triton kernels (fused AdamW, fused linear CE, the causal conv) against the paths they replace | CUDA (the conv part: fla) |
 | layers | one 27B-shaped layer of each kind: fla against torch agreement, forward + backward time | CUDA |
 | fused | a layer's elementwise pieces, eager and compiled, against liger's and fla's fused modules | CUDA |
 | moe | a Qwen3.5-MoE training step, qwenft against transformers on the same weights | CUDA |

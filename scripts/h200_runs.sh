@@ -103,10 +103,9 @@ bench bf16_ac_off_compile_cuda_graphs $((585 - $(date +%s) + start)) 1 0 "--warm
 defaults_side_by_side)  # the model group's defaults (bf16 numerics, compile, model.activation_checkpointing=auto: the
 # plan picks; model.kernels.weight_grad=auto: in_matmul), then NeMo Automodel 0.7.0, then model.fp8=tensorwise (AC off,
 # compiled; torchao on PYTHONPATH as for fp8); the last lines are each run's tokens/s against Automodel's. The limits
-# allow a cold machine's compiles: about 180 s for the first run; Automodel's run then compiles fla's kernels for its
-# own unpacked rows (about 100 s before its first step, after about 60 s of setup: 200 s in all); with DEADLINE set
-# (the call's start + 590 s), the fp8 run gets what is left ($base turns compile off for the eager runs; the model
-# group compiles, so the defaults run turns it back on)
+# allow a cold machine's compiles (the first run's, then Automodel's own: fla's kernels for its unpacked rows); with
+# DEADLINE set (the call's start + 590 s), the fp8 run gets what is left ($base turns compile off for the eager runs;
+# the model group compiles, so the defaults run turns it back on)
 bench defaults_vs_automodel 250 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
 echo "=== automodel $(date +%T)"
 # an OUT_DIR of its own, emptied first: a ratio never comes from another part's Automodel run

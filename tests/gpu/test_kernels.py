@@ -311,6 +311,26 @@ def test_causal_conv_kernel_equals_torch_conv(rows, tokens, channels, offsets):
         assert torch.equal(a, b)
 
 
+def test_causal_conv_kernel_on_a_fixed_layout():
+    """The layout that CUDA graphs replay (`varlen.fixed_layout`: pad documents after the stream, then empty
+    documents, the chunk indices given): the kernels' output and gradients those of the torch conv on the same
+    documents, within fp32's rounding of fp64."""
+    from qwenft.models.qwen3_5.conv_kernel import causal_conv_silu
+    from qwenft.models.qwen3_5.gdn import causal_conv, positions_in_document
+    from qwenft.models.qwen3_5.varlen import fixed_layout
+
+    layout = fixed_layout(torch.tensor([0, 70, 71, 128, 200]), bucket=8)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x, probe = (torch.randn(1, layout.tokens, 96, device="cuda", generator=gen) for _ in range(2))
+    w = torch.randn(96, 4, device="cuda", generator=gen) * 0.5
+    cu, blocks = layout.cu_seqlens.cuda(), layout.chunk_indices.cuda()
+    pos = positions_in_document(cu, layout.tokens)
+    ref = _conv_grads(lambda x, w: causal_conv(x, w[:, None], pos), x.double(), w.double(), probe)
+    ours = _conv_grads(causal_conv_silu, x, w, probe, cu, blocks)
+    for a, b in zip(ours, ref):
+        assert _rel(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("rows,tokens,channels,offsets", CONV_CASES)
 def test_causal_conv_kernel_in_bf16_is_as_close_to_fp64_as_fla(rows, tokens, channels, offsets):
     """On bf16 inputs and weights, the kernels' output and gradients sit no farther from the fp64 conv of the

@@ -134,7 +134,7 @@ GDN_TOLERANCES = {
 @pytest.mark.timeout(500, method="signal")  # a cold machine compiles fla's kernels for the dtype: over 240 s in fp32
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_gated_delta_net_equals_torch_on_packed_rows(dtype):
-    """qwenft's GatedDeltaNet layer with kernels=fla (fla's causal conv and chunk_gated_delta_rule, cu_seqlens)
+    """qwenft's GatedDeltaNet layer with kernels=fla (qwenft's causal conv, fla's chunk_gated_delta_rule, cu_seqlens)
     against kernels=torch in fp32 on the same weights: output and the gradients of the input and every parameter
     (q/k/v/z/a/b projections, conv taps, A_log, dt_bias, norm, out_proj). The reference differs from the same
     row run unpacked by far more than any tolerance, so a state or conv tap carried over a document boundary

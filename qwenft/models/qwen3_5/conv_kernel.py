@@ -5,10 +5,10 @@ y[t, c] = silu(sum_j w[c, j] x[t - 3 + j, c]) over x [B, T, C] with TAPS = 4 tap
 start of its row, or of its document in a packed row (`cu_seqlens`). fla's conv backward first writes the
 pre-activation to memory in a pass of its own, then evaluates SiLU's derivative once per tap for every token over
 2-D tiles. Here a program walks its block's rows one at a time over a slab of channels, with the taps' window of
-rows in registers: each row of x and of the incoming gradient is loaded once (the three rows past a block's end
-twice), the pre-activation and SiLU's derivative are formed once per row, and the addresses and masks are one per
-row, not one per element. The weight's gradient is summed in fp32 per block and the blocks' partials summed after,
-in a fixed order (the same bits every run).
+rows in registers: each row of x and of the incoming gradient is loaded once (the three rows on either side of a
+block's edge twice), the pre-activation and SiLU's derivative are formed once per row, and the addresses and masks
+are one per row, not one per element. The weight's gradient is summed in fp32 per block and the blocks' partials
+summed after, in a fixed order (the same bits every run).
 
 Token blocks are FLA_CHUNK tokens of one document, laid out as fla's kernels lay them out: (document, block in it)
 from `varlen.chunk_indices`, so the kernels need no host sync and take fixed layouts under CUDA graphs.
@@ -74,8 +74,8 @@ def _conv_fwd_kernel(x_ptr, w_ptr, y_ptr, cu_ptr, idx_ptr, T, C: tl.constexpr, B
     x2 = _row(x_doc, r0 - 2, length, o_d, m_d, C)
     x3 = _row(x_doc, r0 - 1, length, o_d, m_d, C)
     n = length - r0  # the block's rows: BT, or fewer in a document's last block
-    # constant trip counts, the rows past a short block skipped inside (Triton's interpreter, which the CPU tests
-    # run, takes no loop bound read from memory)
+    # constant trip counts, the rows past a short block skipped inside (Triton's CPU interpreter, which can check
+    # these kernels without a GPU, takes no loop bound derived from the program's ids or memory)
     for i in range(0, BT):
         if i < n:
             r = r0 + i

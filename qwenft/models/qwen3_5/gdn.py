@@ -246,8 +246,8 @@ class GatedDeltaNet(nn.Module):
         return self.output(self.mix(qkv, beta, a, cu_seqlens), z)
 
     # The decoder layer calls the three pieces itself: model.compile compiles project and output into the layer's
-    # graphs (qwenft.models.qwen3_5.model.compile_layer); mix (the convs and the delta rule: fla's Triton kernels,
-    # or the reference) stays eager, and is the only piece that reads cu_seqlens.
+    # graphs (qwenft.models.qwen3_5.model.compile_layer); mix (the conv and the delta rule: Triton kernels, qwenft's
+    # and fla's, or the reference) stays eager, and is the only piece that reads cu_seqlens.
     def project(self, x: torch.Tensor):
         """q|k|v before their conv [B, T, channels] (one tensor), z [B, T, Hv, Dv], beta [B, T, Hv], decay
         input a [B, T, Hv]."""

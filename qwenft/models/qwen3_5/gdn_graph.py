@@ -1,4 +1,4 @@
-"""GatedDeltaNet's fla kernels (its causal conv and chunked delta rule) replayed as CUDA graphs, under
+"""GatedDeltaNet's kernels (qwenft's causal conv, fla's chunked delta rule) replayed as CUDA graphs, under
 `model.cuda_graphs=true` with `mesh.tp > 1` (`parallelize`): a layer's conv and delta rule become one graph
 launch forward and one backward, instead of some twenty Triton launches each, every one through fla's Python
 wrappers and autotuner. That host work sets the pace of a tensor-parallel shard's small kernels; a whole layer's
