@@ -136,36 +136,38 @@ def _conv_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr, idx_ptr, T, C
 
 
 def _grid_and_layout(x: torch.Tensor, cu_seqlens, chunk_indices, block_d: int):
-    """(grid, cu_seqlens, chunk indices, varlen?) of a launch over x [B, T, C]."""
+    """(grid, cu_seqlens, chunk indices) of a launch over x [B, T, C]; both None for rows of their own."""
     B, T, C = x.shape
     if cu_seqlens is None:
-        return (triton.cdiv(C, block_d), triton.cdiv(T, FLA_CHUNK), B), x, x, False
+        return (triton.cdiv(C, block_d), triton.cdiv(T, FLA_CHUNK), B), None, None
     if chunk_indices is None:
         chunk_indices = varlen_info(cu_seqlens).chunk_indices
-    return (triton.cdiv(C, block_d), chunk_indices.shape[0], 1), cu_seqlens, chunk_indices, True
+    return (triton.cdiv(C, block_d), chunk_indices.shape[0], 1), cu_seqlens, chunk_indices
 
 
 class _CausalConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, chunk_indices, block_d, num_warps):
-        grid, cu, idx, is_varlen = _grid_and_layout(x, cu_seqlens, chunk_indices, block_d)
+        grid, cu, idx = _grid_and_layout(x, cu_seqlens, chunk_indices, block_d)
         y = torch.empty_like(x)
-        _conv_fwd_kernel[grid](x, weight, y, cu, idx, x.shape[1], C=x.shape[2], BT=FLA_CHUNK, BD=block_d,
-                               VARLEN=is_varlen, num_warps=num_warps)
+        varlen = cu is not None  # rows of their own: the weight stands in for the unread offsets' pointers
+        _conv_fwd_kernel[grid](x, weight, y, cu if varlen else weight, idx if varlen else weight, x.shape[1],
+                               C=x.shape[2], BT=FLA_CHUNK, BD=block_d, VARLEN=varlen, num_warps=num_warps)
         ctx.save_for_backward(x, weight)
-        ctx.layout = (grid, cu, idx, is_varlen, block_d, num_warps)
+        ctx.layout = (grid, cu, idx, block_d, num_warps)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        grid, cu, idx, is_varlen, block_d, num_warps = ctx.layout
+        grid, cu, idx, block_d, num_warps = ctx.layout
+        varlen = cu is not None
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         C = weight.shape[0]
         partials = torch.empty(grid[1] * grid[2], C, TAPS, device=x.device, dtype=torch.float32)
-        _conv_bwd_kernel[grid](x, weight, dy, dx, partials, cu, idx, x.shape[1], C=C, BT=FLA_CHUNK, BD=block_d,
-                               VARLEN=is_varlen, num_warps=num_warps)
+        _conv_bwd_kernel[grid](x, weight, dy, dx, partials, cu if varlen else weight, idx if varlen else weight,
+                               x.shape[1], C=C, BT=FLA_CHUNK, BD=block_d, VARLEN=varlen, num_warps=num_warps)
         return dx, partials.sum(0).to(weight.dtype), None, None, None, None
 
 
