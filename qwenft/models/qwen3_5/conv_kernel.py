@@ -36,7 +36,7 @@ def _block(cu_ptr, idx_ptr, i_t, i_b, T, VARLEN: tl.constexpr):
         length = tl.load(cu_ptr + doc + 1).to(tl.int64) - bos
     else:
         bos = i_b.to(tl.int64) * T
-        length = bos * 0 + T
+        length = bos * 0 + T  # int64, as the varlen branch's
     return bos, length, i_t
 
 
@@ -54,10 +54,6 @@ def _taps(w_ptr, o_d, m_d):
     w2 = tl.load(w_ptr + o_d * 4 + 2, mask=m_d, other=0.0).to(tl.float32)
     w3 = tl.load(w_ptr + o_d * 4 + 3, mask=m_d, other=0.0).to(tl.float32)
     return w0, w1, w2, w3
-
-
-# Each program walks its block's rows one at a time over BD channels, keeping the taps' window of rows in
-# registers: a row is loaded once, and the addresses and masks are per row, not per element of a 2-D tile.
 
 
 @triton.jit
