@@ -166,23 +166,38 @@ def scale_add_(acc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 @triton.jit
-def _add_rows_kernel(dst_ptr, rows_ptr, src_ptr, count_ptr, H, BLOCK: tl.constexpr):
-    seg = tl.program_id(0)
-    if seg >= tl.load(count_ptr):
-        return
-    row = tl.load(rows_ptr + seg)
+def _add_sorted_rows_kernel(dst_ptr, ids_ptr, order_ptr, src_ptr, N, H, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The program of sorted position i and a slab of columns: where i starts a run of one id, it sums the run's
+    rows of src (src[order[j]] for the run's j, ROWS at a time, in fp32) and adds the sum into dst[id]."""
+    i = tl.program_id(0)
+    row = tl.load(ids_ptr + i)
+    if i > 0:
+        if tl.load(ids_ptr + i - 1) == row:
+            return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < H
-    dst = dst_ptr + row * H + cols
-    acc = tl.load(dst, mask=mask).to(tl.float32) + tl.load(src_ptr + seg.to(tl.int64) * H + cols, mask=mask)
-    tl.store(dst, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+    col_mask = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    start = i
+    more = 1
+    while more:
+        pos = start + tl.arange(0, ROWS)
+        same = tl.load(ids_ptr + pos, mask=pos < N, other=-1) == row
+        src_rows = tl.load(order_ptr + pos, mask=same, other=0).to(tl.int64)
+        tile = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=same[:, None] & col_mask[None, :],
+                       other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=0)
+        start += ROWS
+        more = tl.sum(same.to(tl.int32), axis=0) == ROWS  # every row matched: the run may go on
+    dst = dst_ptr + row.to(tl.int64) * H + cols
+    tl.store(dst, (tl.load(dst, mask=col_mask).to(tl.float32) + acc).to(dst_ptr.dtype.element_ty), mask=col_mask)
 
 
-def add_rows_(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """dst[rows[i]] += src[i] for i < count (a 1-element int64 tensor on the device: no host sync), each sum formed
-    in fp32 (src is fp32) and rounded once to dst's dtype; rows[:count] must be distinct."""
-    assert dst.is_contiguous() and src.is_contiguous() and src.dtype == torch.float32
+def add_sorted_rows_(dst: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst[ids[i]] += src[order[i]] for every i, given ids sorted (order: the sort's permutation). Each run of one
+    id is summed in fp32 in the sorted order, then added into its row and rounded once to dst's dtype: one kernel,
+    no host sync, the same bits every run for a given order."""
+    assert dst.is_contiguous() and src.is_contiguous() and dst.shape[1] == src.shape[1]
     n, H = src.shape
     if n:
-        _add_rows_kernel[(n, triton.cdiv(H, 1024))](dst, rows, src, count, H, BLOCK=1024)
+        _add_sorted_rows_kernel[(n, triton.cdiv(H, 512))](dst, ids, order, src, n, H, ROWS=8, BLOCK=512)
     return dst

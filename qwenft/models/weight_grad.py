@@ -86,22 +86,16 @@ class _Embedding(torch.autograd.Function):
 
 def add_token_rows_(grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
     """grad[ids[i]] += dy[i] for every token i, a token's repeats summed in fp32 and each row rounded once. On
-    CUDA without a host sync: the ids sorted, each run of one id a segment, the segments' sums in fp32 (by
-    `index_put_(accumulate=True)`, which sums a segment's rows in order: the same bits every run), then one kernel
-    adds each into its row (`ce_kernel.add_rows_`); the same `index_put_` into bf16 `grad` would round after every
-    repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
+    CUDA without a host sync: the ids sorted (stably, so a repeat's rows are summed in token order: the same bits
+    every run), then one kernel sums each run of one id and adds it into its row (`ce_kernel.add_sorted_rows_`);
+    `index_put_` into bf16 `grad` would round after every repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
     if not grad.is_cuda:
         grad.index_put_((ids,), dy.to(grad.dtype), accumulate=True)
         return
-    from qwenft.models.ce_kernel import add_rows_
+    from qwenft.models.ce_kernel import add_sorted_rows_
 
-    sorted_ids, order = ids.sort()
-    seg = torch.zeros_like(sorted_ids)
-    torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], 0, out=seg[1:])
-    sums = torch.zeros(ids.numel(), dy.shape[-1], device=dy.device, dtype=torch.float32)
-    sums.index_put_((seg,), dy[order].float(), accumulate=True)
-    rows = torch.zeros_like(sorted_ids).scatter_(0, seg, sorted_ids)
-    add_rows_(grad, rows, sums, seg[-1:] + 1)
+    sorted_ids, order = ids.sort(stable=True)
+    add_sorted_rows_(grad, sorted_ids, order, dy.contiguous())
 
 
 class GradInMatmulLinear(nn.Linear):

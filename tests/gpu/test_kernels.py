@@ -87,10 +87,31 @@ def test_scale_add_rounds_once_from_fp32():
     assert (got == ref).float().mean().item() > 0.999
 
 
+def test_add_sorted_rows_rounds_each_row_once():
+    """The embedding's backward kernel (ce_kernel.add_sorted_rows_): every id's rows summed in fp32 and added into
+    its bf16 row with one rounding, for runs from one row to 1,500 (one id in over a third of the tokens, runs
+    longer than a tile of rows and not a multiple of it), the hidden size not a multiple of the column slab; equal
+    to the fp64 sum rounded once for nearly every element, never a bf16 step off, the same bits on a rerun."""
+    from qwenft.models.ce_kernel import add_sorted_rows_
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 3000, (4096,), device="cuda", generator=gen)
+    ids[torch.randperm(4096, device="cuda", generator=gen)[:1500]] = 7
+    ids[:13] = 2999
+    dy = torch.randn(4096, 1000, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn(3000, 1000, device="cuda", generator=gen).bfloat16()
+    ref = grad.double().index_add(0, ids, dy.double())
+    sorted_ids, order = ids.sort(stable=True)
+    got = add_sorted_rows_(grad.clone(), sorted_ids, order, dy)
+    torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=0)
+    assert (got == ref.bfloat16()).double().mean().item() > 0.999
+    assert torch.equal(add_sorted_rows_(grad.clone(), sorted_ids, order, dy), got)
+
+
 @pytest.mark.parametrize("head_scaled", [False, True], ids=["head-scaled-in-backward", "head-scaled-in-forward"])
 def test_weight_grad_in_matmul_is_as_close_to_fp32_as_autograd(head_scaled):
     """model.kernels.weight_grad=in_matmul's kernels on CUDA in bf16 (cuBLAS's beta = 1, the embedding's segment
-    sums and add_rows_, the fused head's scale_add_ or, given the loss's factor, its forward matmuls with alpha =
+    sums (add_sorted_rows_), the fused head's scale_add_ or, given the loss's factor, its forward matmuls with alpha =
     the factor), four microbatches with repeated tokens: every weight's gradient at most as far from the fp32
     gradient as autograd's path in bf16 (which rounds each microbatch's gradient and then each sum), give or take
     a quarter."""
