@@ -166,38 +166,37 @@ def scale_add_(acc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 @triton.jit
-def _add_sorted_rows_kernel(dst_ptr, ids_ptr, order_ptr, src_ptr, N, H, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """The program of sorted position i and a slab of columns: where i starts a run of one id, it sums the run's
-    rows of src (src[order[j]] for the run's j, ROWS at a time, in fp32) and adds the sum into dst[id]."""
+def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, H, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """The program of sorted position i and a slab of columns: where i starts a run of one id (ending before
+    ends[i]), it sums the run's rows of src (src[order[j]], ROWS at a time, in fp32) and adds the sum into
+    dst[id]."""
     i = tl.program_id(0)
     row = tl.load(ids_ptr + i)
-    if i > 0:
-        if tl.load(ids_ptr + i - 1) == row:
-            return
+    if tl.load(ids_ptr + i - 1, mask=i > 0, other=-1) == row:  # inside a run: its first position sums it
+        return
+    end = tl.load(ends_ptr + i).to(tl.int32)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < H
     acc = tl.zeros([BLOCK], tl.float32)
-    start = i
-    more = 1
-    while more:
+    for start in range(i, end, ROWS):
         pos = start + tl.arange(0, ROWS)
-        same = tl.load(ids_ptr + pos, mask=pos < N, other=-1) == row
-        src_rows = tl.load(order_ptr + pos, mask=same, other=0).to(tl.int64)
-        tile = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=same[:, None] & col_mask[None, :],
+        inside = pos < end
+        src_rows = tl.load(order_ptr + pos, mask=inside, other=0).to(tl.int64)
+        tile = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=inside[:, None] & col_mask[None, :],
                        other=0.0)
         acc += tl.sum(tile.to(tl.float32), axis=0)
-        start += ROWS
-        more = tl.sum(same.to(tl.int32), axis=0) == ROWS  # every row matched: the run may go on
     dst = dst_ptr + row.to(tl.int64) * H + cols
     tl.store(dst, (tl.load(dst, mask=col_mask).to(tl.float32) + acc).to(dst_ptr.dtype.element_ty), mask=col_mask)
 
 
 def add_sorted_rows_(dst: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst[ids[i]] += src[order[i]] for every i, given ids sorted (order: the sort's permutation). Each run of one
-    id is summed in fp32 in the sorted order, then added into its row and rounded once to dst's dtype: one kernel,
-    no host sync, the same bits every run for a given order."""
+    id is summed in fp32 in the sorted order, then added into its row and rounded once to dst's dtype: no host
+    sync, the same bits every run for a given order."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.shape[1] == src.shape[1]
     n, H = src.shape
     if n:
-        _add_sorted_rows_kernel[(n, triton.cdiv(H, 512))](dst, ids, order, src, n, H, ROWS=8, BLOCK=512)
+        ends = torch.searchsorted(ids, ids, right=True)  # where each position's run ends
+        _add_sorted_rows_kernel[(n, triton.cdiv(H, 512))](dst, ids, ends, order, src, H, ROWS=8, BLOCK=512)
     return dst

@@ -21,6 +21,7 @@ from qwenft.train.build import Job, build_job, lora_config
 from qwenft.train.optim import LowPrecisionAdamW
 from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, with_mtp_labels
 from qwenft.models.loss import count_label_tokens
+from qwenft.models.qwen3_5.varlen import copy_to_device
 from qwenft.models.weight_grad import prepare_grads
 from qwenft.train.metrics import peak_memory_gib
 
@@ -136,12 +137,12 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         micro_batches = [with_mtp_labels(mb) for mb in micro_batches]
     micro_batches = [span_labels(mb, job.mesh) for mb in micro_batches]
     label_count = sum(count_label_tokens(mb["labels"]) for mb in micro_batches)  # this rank's, on the host
-    label_tokens = label_count.to(job.device, copy=True)  # summed over the ranks in place next
+    label_tokens = _summable_copy(label_count, job.device)  # summed over the ranks in place next
     dist.all_reduce(label_tokens, group=job.loss_group)
     mtp_count = None
     if trains_head:
         mtp_count = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches)
-        job.loss_fn.mtp_tokens = mtp_count.to(job.device, copy=True)
+        job.loss_fn.mtp_tokens = _summable_copy(mtp_count, job.device)
         dist.all_reduce(job.loss_fn.mtp_tokens, group=job.loss_group)
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)
@@ -163,21 +164,32 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     lr = job.scheduler.get_last_lr()[0]
+    # the host's one wait of the step: the norm and the token count are ready with the loss, so the optimizer's
+    # kernels, once queued, run while the host prepares the next step (nothing after them waits for the GPU)
     loss_value = step_loss.item()
+    norm_value, token_count = grad_norm.item(), int(label_tokens.item())
     # loss and grad norm are reduced over every rank, so all ranks take the same branch
-    if math.isfinite(loss_value) and math.isfinite(grad_norm.item()):
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
         job.optimizer.step()
         job.scheduler.step()
     elif cfg.train.on_nonfinite == "error":
-        raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, grad_norm="
-                         f"{grad_norm.item()}); lower optim.lr, keep optim.max_grad_norm > 0, or set "
-                         f"train.on_nonfinite=skip to skip such steps")
+        raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, grad_norm={norm_value}); "
+                         "lower optim.lr, keep optim.max_grad_norm > 0, or set train.on_nonfinite=skip to skip such "
+                         "steps")
     else:
         result.skipped_steps += 1
         log.warning("step %d skipped: non-finite loss=%s or grad_norm=%s (train.on_nonfinite=skip, %d skipped "
-                    "so far)", step, loss_value, grad_norm.item(), result.skipped_steps)
+                    "so far)", step, loss_value, norm_value, result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_value, grad_norm.item(), int(label_tokens.item()), lr, moe, mtp_metrics)
+    return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics)
+
+
+def _summable_copy(count: torch.Tensor, device) -> torch.Tensor:
+    """A copy of the host tensor `count` on `device`, for an all-reduce in place; to a GPU through pinned memory,
+    so the host does not wait there for the previous step's optimizer to finish."""
+    if torch.device(device).type == "cuda":
+        return copy_to_device(count, device)
+    return count.to(device, copy=True)
 
 
 def keep_grads(model_parts) -> None:

@@ -1,6 +1,6 @@
 """Training throughput and memory of a recipe on GPU(s), through the real runner (bench.py's default mode).
 
-    python scripts/bench.py [train] [--warmup 2] [--json out.json] [--profile out.txt [--trace DIR]] [--host-profile out.txt] [--plan] recipe=NAME [overrides ...]
+    python scripts/bench.py [train] [--warmup 2] [--json out.json] [--profile out.txt [--trace DIR]] [--host-profile out.txt] [--sync-debug out.txt] [--plan] recipe=NAME [overrides ...]
     torchrun --nproc-per-node 2 scripts/bench.py recipe=NAME mesh.dp=2 ...
 
 Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
@@ -11,6 +11,9 @@ the GPU time per step by kernel kind (matmul, attention, GDN, optimizer, communi
 `--trace DIR` also writes every rank's timeline of those steps (DIR/rank<R>.json.gz).
 `--host-profile` runs Python's cProfile over the same steps instead: where the host's time goes, by function
 (what a host-bound step, GPU idle between kernels, is made of).
+`--sync-debug FILE` writes every distinct place where the host waits for the GPU during the steps after the
+warm-up (torch's CUDA sync debug mode, with the Python stack of each): a wait the step does not need leaves the
+GPU idle until the host has queued work again.
 `--plan` adds `qwenft plan`'s predicted peak of every rank (qwenft.train.plan), to compare with the measured one.
 """
 
@@ -152,6 +155,42 @@ def host_profiled_run(cfg, warmup: int, out: str):
     return result
 
 
+def sync_debug_run(cfg, warmup: int, out: str):
+    """`run(cfg)` with torch's CUDA sync debug mode on for the steps after the first `warmup`; writes each
+    distinct synchronizing call (its message and the innermost Python frames under the runner) to `out`, with
+    how many times it ran."""
+    import traceback
+    import warnings
+
+    seen: dict[str, int] = {}
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename][-8:]
+        key = str(message).splitlines()[0] + "\n" + "".join(traceback.format_list(frames))
+        seen[key] = seen.get(key, 0) + 1
+
+    def on_step(step):
+        if step == warmup:
+            torch.cuda.synchronize()
+            warnings.showwarning = record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        if step == cfg.train.max_steps:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = show
+
+    result = run(cfg, on_step=on_step)
+    torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = show
+    steps = cfg.train.max_steps - warmup
+    text = [f"{count} times in {steps} steps: {key}" for key, count in sorted(seen.items(), key=lambda kv: -kv[1])]
+    Path(out).write_text("\n".join(text) or f"no synchronizing call in {steps} steps\n")
+    return result
+
+
 def play_cp_span(span: int) -> None:
     """Every microbatch's context-parallel shard made span `span`'s: this process embeds the whole row as every cp
     rank does, then keeps span `span`'s tokens and attends over the keys up to that span's end (the fake
@@ -177,6 +216,8 @@ def main(argv: list[str]) -> None:
                              "which rank a collective waits for)")
     parser.add_argument("--host-profile", default=None, metavar="FILE",
                         help="cProfile the steps after the warm-up (host time by Python function) into FILE")
+    parser.add_argument("--sync-debug", default=None, metavar="FILE",
+                        help="write each place where the host waits for the GPU in the steps after the warm-up to FILE")
     parser.add_argument("--plan", action="store_true", help="also report qwenft plan's predicted peak per rank")
     parser.add_argument("--fake-world", type=int, default=None, metavar="N",
                         help="run rank 0 of N ranks on a process group that sends nothing (qwenft.distributed.fake_pg): "
@@ -191,6 +232,8 @@ def main(argv: list[str]) -> None:
         parser.error("--fake-cp-rank needs --fake-world")
     if args.host_profile and args.profile:
         parser.error("--host-profile and --profile each profile the same steps: pass one of them")
+    if args.sync_debug and (args.profile or args.host_profile):
+        parser.error("--sync-debug runs the steps without a profiler: pass it alone")
     if args.trace and not args.profile:
         parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win
@@ -211,6 +254,9 @@ def main(argv: list[str]) -> None:
         breakdown = kernel_breakdown(averages, profiled)
     elif args.host_profile:
         result = host_profiled_run(cfg, args.warmup, args.host_profile)
+        breakdown = None
+    elif args.sync_debug:
+        result = sync_debug_run(cfg, args.warmup, args.sync_debug)
         breakdown = None
     else:
         result = run(cfg)
