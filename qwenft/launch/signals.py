@@ -1,9 +1,10 @@
 """Stopping a run on a signal. SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) to any rank stops every rank at the same
 step boundary, after a checkpoint; a second Ctrl-C stops at once, without one.
 
-A handler only records the signal; the runner asks `StopOnSignal.agreed()` after each step, an all-reduce
-(MAX) of one integer over the world group, so every rank sees the same answer at the same step even when only
-one rank was signalled. The run then saves a checkpoint, writes `<run_dir>/preempted` and `qwenft train`
+A handler only records the signal; every step the runner asks `StopOnSignal.ask()` (an all-reduce (MAX) of one
+integer over the world group, launched just before the step reads its loss) and reads the answer with the loss
+(`answer()`), so every rank sees the same answer at the same step even when only one rank was signalled, and the
+question costs no wait of its own: a signal that comes later in the step stops the run after the next. The run then saves a checkpoint, writes `<run_dir>/preempted` and `qwenft train`
 exits with EXIT_PREEMPTED. A second Ctrl-C raises `Interrupted` where the process is; the runner removes the
 checkpoint being written, if any, and `qwenft train` exits with EXIT_INTERRUPTED.
 
@@ -92,10 +93,17 @@ class StopOnSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
-    def agreed(self, device: torch.device) -> str | None:
-        """Collective over the world group: the name of a signal some rank received, or None."""
-        flag = torch.tensor([self.signum], device=device, dtype=torch.int32)
+    def ask(self, device: torch.device) -> torch.Tensor:
+        """Collective over the world group: starts agreeing on the signal some rank received; `answer` reads it.
+        To a GPU the flag goes through pinned memory: the host does not wait there for the GPU."""
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        flag = flag.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flag
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    @staticmethod
+    def answer(flag: torch.Tensor) -> str | None:
+        """The name of the signal that `ask`'s all-reduce agreed on, or None (waits for it)."""
         signum = int(flag.item())
         return signal.Signals(signum).name if signum else None
 

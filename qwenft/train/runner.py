@@ -46,6 +46,7 @@ class StepStats:
     lr: float  # the rate this step trained with
     moe: dict = field(default_factory=dict)  # an MoE model's aux loss and expert load (step.moe_step_metrics)
     mtp: dict = field(default_factory=dict)  # a trained MTP head's loss and accuracy (step.mtp_step_metrics)
+    stop_signal: str | None = None  # the signal every rank agreed to stop on (signals.StopOnSignal), or None
 
 
 def run(cfg: Config, return_state: bool = False, on_step=None, command_args: list[str] | None = None) -> RunResult:
@@ -93,7 +94,7 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
         for step in range(job.start_step, job.max_steps + 1):
             start = time.perf_counter()
             micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
-            stats = train_step(job, micro_batches, step, result)
+            stats = train_step(job, micro_batches, step, result, stop)
             elapsed = time.perf_counter() - start
             result.losses.append(stats.loss)
             if step % cfg.train.log_every == 0 or step == job.max_steps:
@@ -105,7 +106,7 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
                 progress.set_postfix(loss=f"{stats.loss:.4f}", lr=f"{stats.lr:.2e}")
             if on_step is not None:
                 on_step(step)
-            if checkpoint_or_stop(job, step, stop, result):
+            if checkpoint_or_stop(job, step, stats.stop_signal, stop, result):
                 break
         job.checkpointer.wait()
     finally:
@@ -128,9 +129,11 @@ def warn_low_disk(job: Job) -> None:
                     "or use a run_dir on a disk with room", size_text(free), job.checkpointer.root, size_text(needed))
 
 
-def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult) -> StepStats:
+def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult,
+               stop: signals.StopOnSignal) -> StepStats:
     """Forward + backward of one step's microbatches, gradient clipping, then the optimizer and lr steps unless
-    the loss or grad norm is not finite (train.on_nonfinite)."""
+    the loss or grad norm is not finite (train.on_nonfinite); the stop signal agreed on (`stop`), read with the
+    loss."""
     cfg = job.cfg
     trains_head = job.spec.parallel.mtp_weight is not None
     if trains_head:  # the MTP head's targets from the whole rows, before a cp rank cuts its span
@@ -164,10 +167,11 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     lr = job.scheduler.get_last_lr()[0]
-    # the host's one wait of the step: the norm and the token count are ready with the loss, so the optimizer's
-    # kernels, once queued, run while the host prepares the next step (nothing after them waits for the GPU)
+    # the host's one wait of the step: the norm, the token count and the stop signal are ready with the loss, so
+    # the optimizer's kernels, once queued, run while the host prepares the next step (nothing waits for them)
+    stop_flag = stop.ask(job.device)
     loss_value = step_loss.item()
-    norm_value, token_count = grad_norm.item(), int(label_tokens.item())
+    norm_value, token_count, stop_signal = grad_norm.item(), int(label_tokens.item()), stop.answer(stop_flag)
     # loss and grad norm are reduced over every rank, so all ranks take the same branch
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         job.optimizer.step()
@@ -181,7 +185,7 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         log.warning("step %d skipped: non-finite loss=%s or grad_norm=%s (train.on_nonfinite=skip, %d skipped "
                     "so far)", step, loss_value, norm_value, result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics)
+    return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics, stop_signal)
 
 
 def _summable_copy(count: torch.Tensor, device) -> torch.Tensor:
@@ -240,15 +244,16 @@ def validate(job: Job, step: int, result: RunResult) -> None:
     log.info("step %d: val_loss %.4f", step, val_loss)
 
 
-def checkpoint_or_stop(job: Job, step: int, stop: signals.StopOnSignal, result: RunResult) -> bool:
-    """Save on checkpoint.every_steps and at the last step; after a stop signal, save (if not just saved), write
-    the preemption marker and return True."""
+def checkpoint_or_stop(job: Job, step: int, stop_signal: str | None, stop: signals.StopOnSignal,
+                       result: RunResult) -> bool:
+    """Save on checkpoint.every_steps and at the last step; after a stop signal (`stop_signal`, the one the step
+    agreed on), save (if not just saved), write the preemption marker and return True."""
     cfg = job.cfg
     saved = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == job.max_steps)
     if saved:
         path = job.checkpointer.save(step, result.val_losses.get(step))
         log.info("%s checkpoint %s", "saving (async)" if cfg.checkpoint.async_save else "saved", path)
-    result.preempted = stop.agreed(job.device)
+    result.preempted = stop_signal
     if not result.preempted:
         return False
     if not saved:
