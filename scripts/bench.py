@@ -2,7 +2,7 @@
 
     python scripts/bench.py [train] [--warmup 2] [--json out.json] [--plan] [--fake-world N] recipe=NAME [overrides ...]
     torchrun --nproc-per-node 2 scripts/bench.py recipe=NAME mesh.dp=2 ...
-    python scripts/bench.py kernels [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv] [--json out.json]
+    python scripts/bench.py kernels [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv embed] [--json out.json]
     python scripts/bench.py layers [--seq 4096] [--json out.json]
     python scripts/bench.py fused [--model qwen3_5_27b] [--tokens 4096] [--json out.json]
     python scripts/bench.py moe [--model 35b_a3b] [--layers 4] [--seq 4096] [--steps 6] [--warmup 2] [--json out.json]
@@ -15,7 +15,7 @@
 | mode | what it measures | needs |
 |---|---|---|
 | train | `qwenft train` in-process: step time, tokens/s, TFLOP/s, MFU, peak memory of every rank | GPUs (or the CPU) |
-| kernels | qwenft's Triton kernels (fused AdamW, fused linear CE, the causal conv) against the paths they replace | CUDA (the conv part: fla) |
+| kernels | qwenft's Triton kernels (fused AdamW, fused linear CE, the causal conv, the embedding's backward) against the paths they replace | CUDA (the conv part: fla) |
 | layers | one 27B-shaped layer of each kind: fla against torch agreement, forward + backward time | CUDA |
 | fused | a layer's elementwise pieces, eager and compiled, against liger's and fla's fused modules | CUDA |
 | moe | a Qwen3.5-MoE training step, qwenft against transformers on the same weights | CUDA |

@@ -225,21 +225,21 @@ def test_run_with_workers_stopped_by_sigterm_resumes_to_the_losses_without(files
 
     def overrides(run_dir, workers):
         return ["recipe=tiny_vlm", f"data.path={root / 'rows.jsonl'}", "data.seq_len=128", "model.kernels.gdn=torch",
-                "train.progress_bar=false", "train.max_steps=5", "train.global_batch_size=4",
+                "train.progress_bar=false", "train.max_steps=6", "train.global_batch_size=4",
                 "train.micro_batch_size=1", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
                 f"data.num_workers={workers}", f"run_dir={run_dir}"]
 
     (reference,) = run_distributed(train, 1, overrides(tmp_path / "reference", 0))
     ((preempted, steps, threads),) = run_distributed(_train_listing_threads, 1, overrides(tmp_path / "run", 2), 2)
-    assert preempted == "SIGTERM" and 2 <= steps < 5 and threads == []
+    assert preempted == "SIGTERM" and 2 <= steps < 6 and threads == []
     assert (tmp_path / "run" / "checkpoints" / f"step-{steps:06d}").is_dir()
     log = (tmp_path / "run" / "train.log").read_text()
     assert "skipped rows: {'image_undecodable': 1, 'video_undecodable': 1}" in log
     assert "pixels made ahead by 2 worker threads (data.num_workers)" in log
     ((preempted, resumed_steps, threads),) = run_distributed(_train_listing_threads, 1, overrides(tmp_path / "run", 1))
-    assert preempted is None and resumed_steps == 5 - steps and threads == []
+    assert preempted is None and resumed_steps == 6 - steps and threads == []
     assert logged_losses(tmp_path / "run") == logged_losses(tmp_path / "reference")
-    assert len(reference.losses) == 5 and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
+    assert len(reference.losses) == 6 and sorted(logged_losses(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
 
 
 def test_bench_script_premade_stream_is_the_workers_stream(tmp_path):

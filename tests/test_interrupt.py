@@ -69,7 +69,7 @@ def test_second_ctrl_c_during_the_stop_save_leaves_latest_and_no_temp_dir(tmp_pa
     assert code == signals.EXIT_INTERRUPTED == 130, err[-3000:]
     assert getattr(slow_fsync, "pressed", False), "the second Ctrl-C came in a save"
     assert "Traceback" not in err
-    assert err.count("qwenft: Ctrl-C: stopping at the end of this step, after a checkpoint") == 1
+    assert err.count("qwenft: Ctrl-C: stopping at the end of this step or the next, after a checkpoint") == 1
     lines = [line for line in err.splitlines() if line.startswith("qwenft: stopped at once")]
     assert len(lines) == 1, err[-3000:]
     assert (f"the newest complete checkpoint is {ckpt / 'step-000002'}; resume with: qwenft train recipe=tiny"

@@ -3,10 +3,11 @@ step boundary, after a checkpoint; a second Ctrl-C stops at once, without one.
 
 A handler only records the signal; every step the runner asks `StopOnSignal.ask()` (an all-reduce (MAX) of one
 integer over the world group, launched just before the step reads its loss) and reads the answer with the loss
-(`answer()`), so every rank sees the same answer at the same step even when only one rank was signalled, and the
-question costs no wait of its own: a signal that comes later in the step stops the run after the next. The run then saves a checkpoint, writes `<run_dir>/preempted` and `qwenft train`
-exits with EXIT_PREEMPTED. A second Ctrl-C raises `Interrupted` where the process is; the runner removes the
-checkpoint being written, if any, and `qwenft train` exits with EXIT_INTERRUPTED.
+(`agreed_signal()`), so every rank sees the same answer at the same step even when only one rank was signalled,
+and the question costs no wait of its own: a signal that comes later in the step stops the run after the next.
+The run then saves a checkpoint, writes `<run_dir>/preempted` and `qwenft train` exits with EXIT_PREEMPTED. A
+second Ctrl-C raises `Interrupted` where the process is; the runner removes the checkpoint being written, if
+any, and `qwenft train` exits with EXIT_INTERRUPTED.
 
 Under torchrun the workers' exit code does not reach the caller (torchrun exits 1 when a worker exits with
 anything but 0), so the marker file is what tells a batch script "preempted, requeue me" from "failed".
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from qwenft.distributed.transfer import copy_to_device
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again later": the run saved a checkpoint and stopped.
 EXIT_PREEMPTED = 75
@@ -71,8 +74,8 @@ class StopOnSignal:
             return
         if self.first_ctrl_c is None:
             self.first_ctrl_c, self.signum = now, signum
-            _say("Ctrl-C: stopping at the end of this step, after a checkpoint; press Ctrl-C again to stop at once "
-                 "without one")
+            _say("Ctrl-C: stopping at the end of this step or the next, after a checkpoint; press Ctrl-C again to stop "
+                 "at once without one")
         elif now - self.first_ctrl_c >= SAME_CTRL_C_S:
             self.interrupted = True
             if self._critical:  # a checkpoint's rename and pointers: raised once they are done
@@ -94,18 +97,11 @@ class StopOnSignal:
             signal.signal(s, handler)
 
     def ask(self, device: torch.device) -> torch.Tensor:
-        """Collective over the world group: starts agreeing on the signal some rank received; `answer` reads it.
-        To a GPU the flag goes through pinned memory: the host does not wait there for the GPU."""
-        flag = torch.tensor([self.signum], dtype=torch.int32)
-        flag = flag.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else flag
+        """Collective over the world group: starts agreeing on the signal some rank received (`agreed_signal`
+        reads the answer). The flag goes to a GPU through pinned memory: the host does not wait there for it."""
+        flag = copy_to_device(torch.tensor([self.signum], dtype=torch.int32), device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
-
-    @staticmethod
-    def answer(flag: torch.Tensor) -> str | None:
-        """The name of the signal that `ask`'s all-reduce agreed on, or None (waits for it)."""
-        signum = int(flag.item())
-        return signal.Signals(signum).name if signum else None
 
     def resume_command(self, run_dir: Path) -> str:
         """The command that continues this run: its arguments with this run dir, and without checkpoint.resume
@@ -115,6 +111,12 @@ class StopOnSignal:
         args = [a for a in self.command_args if not a.startswith(("run_dir=", "checkpoint.resume="))]
         prefix = "torchrun <its options> -m qwenft train" if self.torchrun else "qwenft train"
         return " ".join([prefix, *map(shlex.quote, args), shlex.quote(f"run_dir={run_dir}")])
+
+
+def agreed_signal(flag: torch.Tensor) -> str | None:
+    """The name of the signal that `StopOnSignal.ask`'s all-reduce agreed on, or None (waits for it)."""
+    signum = int(flag.item())
+    return signal.Signals(signum).name if signum else None
 
 
 @contextmanager

@@ -190,13 +190,16 @@ def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, H, R
     tl.store(dst, (tl.load(dst, mask=col_mask).to(tl.float32) + acc).to(dst_ptr.dtype.element_ty), mask=col_mask)
 
 
-def add_sorted_rows_(dst: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def add_sorted_rows_(dst: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, src: torch.Tensor, rows: int = 8,
+                     block: int = 512, num_warps: int = 4) -> torch.Tensor:
     """dst[ids[i]] += src[order[i]] for every i, given ids sorted (order: the sort's permutation). Each run of one
-    id is summed in fp32 in the sorted order, then added into its row and rounded once to dst's dtype: no host
-    sync, the same bits every run for a given order."""
+    id is summed in fp32 in a fixed order (`rows` rows at a time over `block` columns a program), then added into
+    its row and rounded once to dst's dtype: no host sync, the same bits every run for a given order and launch.
+    A run's programs loop over it alone: a long run of one id (a padding tail) is the slow case."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.shape[1] == src.shape[1]
     n, H = src.shape
     if n:
         ends = torch.searchsorted(ids, ids, right=True)  # where each position's run ends
-        _add_sorted_rows_kernel[(n, triton.cdiv(H, 512))](dst, ids, ends, order, src, H, ROWS=8, BLOCK=512)
+        _add_sorted_rows_kernel[(n, triton.cdiv(H, block))](dst, ids, ends, order, src, H, ROWS=rows, BLOCK=block,
+                                                             num_warps=num_warps)
     return dst

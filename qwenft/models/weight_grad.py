@@ -86,8 +86,8 @@ class _Embedding(torch.autograd.Function):
 
 def add_token_rows_(grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
     """grad[ids[i]] += dy[i] for every token i, a token's repeats summed in fp32 and each row rounded once. On
-    CUDA without a host sync: the ids sorted (stably, so a repeat's rows are summed in token order: the same bits
-    every run), then one kernel sums each run of one id and adds it into its row (`ce_kernel.add_sorted_rows_`);
+    CUDA without a host sync: the ids sorted (stably, so a repeat's rows are summed in a fixed order: the same
+    bits every run), then one kernel sums each run of one id and adds it into its row (`ce_kernel.add_sorted_rows_`);
     `index_put_` into bf16 `grad` would round after every repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
     if not grad.is_cuda:
         grad.index_put_((ids,), dy.to(grad.dtype), accumulate=True)

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from qwenft.constants import IGNORE_INDEX
+from qwenft.distributed.transfer import copy_to_device
 from qwenft.models.qwen3_5 import varlen
 from qwenft.models.loss import count_label_tokens, token_ce_sum
 
@@ -13,7 +14,7 @@ def device_batch(mb: dict, device) -> dict:
     """A microbatch's tensors on `device`, copied without making the host wait for the GPU (so it queues this
     microbatch's kernels while the last one's still run), its `cu_seqlens` known to the model's kernels with
     the host offsets they came from (`varlen.to_device`)."""
-    out = {k: varlen.copy_to_device(v, device) for k, v in mb.items() if k != "cu_seqlens"}
+    out = {k: copy_to_device(v, device) for k, v in mb.items() if k != "cu_seqlens"}
     out["cu_seqlens"] = varlen.to_device(mb["cu_seqlens"], device)
     return out
 

@@ -16,12 +16,12 @@ from qwenft.checkpoint.dcp import free_bytes, size_text
 from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft_adapter, full_state_dict
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
+from qwenft.distributed.transfer import copy_to_device
 from qwenft.launch import signals
 from qwenft.train.build import Job, build_job, lora_config
 from qwenft.train.optim import LowPrecisionAdamW
 from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, with_mtp_labels
 from qwenft.models.loss import count_label_tokens
-from qwenft.models.qwen3_5.varlen import copy_to_device
 from qwenft.models.weight_grad import prepare_grads
 from qwenft.train.metrics import peak_memory_gib
 
@@ -140,12 +140,12 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         micro_batches = [with_mtp_labels(mb) for mb in micro_batches]
     micro_batches = [span_labels(mb, job.mesh) for mb in micro_batches]
     label_count = sum(count_label_tokens(mb["labels"]) for mb in micro_batches)  # this rank's, on the host
-    label_tokens = _summable_copy(label_count, job.device)  # summed over the ranks in place next
+    label_tokens = copy_to_device(label_count, job.device, fresh=True)  # summed over the ranks in place next
     dist.all_reduce(label_tokens, group=job.loss_group)
     mtp_count = None
     if trains_head:
         mtp_count = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches)
-        job.loss_fn.mtp_tokens = _summable_copy(mtp_count, job.device)
+        job.loss_fn.mtp_tokens = copy_to_device(mtp_count, job.device, fresh=True)
         dist.all_reduce(job.loss_fn.mtp_tokens, group=job.loss_group)
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)
@@ -167,11 +167,12 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     lr = job.scheduler.get_last_lr()[0]
-    # the host's one wait of the step: the norm, the token count and the stop signal are ready with the loss, so
-    # the optimizer's kernels, once queued, run while the host prepares the next step (nothing waits for them)
+    # the step's wait for the GPU (a dense model's only one; an MoE's routing metrics and the MTP head's read
+    # theirs above): the norm, the token count and the stop signal are ready with the loss, so the optimizer's
+    # kernels, once queued, run while the host prepares the next step (a validation or a save waits for them)
     stop_flag = stop.ask(job.device)
     loss_value = step_loss.item()
-    norm_value, token_count, stop_signal = grad_norm.item(), int(label_tokens.item()), stop.answer(stop_flag)
+    norm_value, token_count, stop_signal = grad_norm.item(), int(label_tokens.item()), signals.agreed_signal(stop_flag)
     # loss and grad norm are reduced over every rank, so all ranks take the same branch
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         job.optimizer.step()
@@ -186,14 +187,6 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
                     "so far)", step, loss_value, norm_value, result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics, stop_signal)
-
-
-def _summable_copy(count: torch.Tensor, device) -> torch.Tensor:
-    """A copy of the host tensor `count` on `device`, for an all-reduce in place; to a GPU through pinned memory,
-    so the host does not wait there for the previous step's optimizer to finish."""
-    if torch.device(device).type == "cuda":
-        return copy_to_device(count, device)
-    return count.to(device, copy=True)
 
 
 def keep_grads(model_parts) -> None:

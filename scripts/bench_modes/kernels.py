@@ -1,6 +1,6 @@
 """Time and check qwenft's own CUDA kernels against the torch paths they replace, at the 27B benchmark's sizes.
 
-    python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv]
+    python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv embed]
 
 - AdamW: `LowPrecisionAdamW` over bf16 weights, gradients and moments, foreach (torch ops) against fused (one
   Triton kernel per tensor): ms per step per billion parameters, and the two paths' results with rounding to
@@ -12,6 +12,11 @@
   kernels (`conv_kernel.py`) at each launch tried, on `--tokens` tokens as one row and as a packed row of
   documents: forward and forward + backward ms between CUDA events, the forward + backward's kernels alone (the
   profiler's GPU time), and each one's errors against the fp64 torch conv.
+- The embedding's backward into bf16 `.grad` (vocabulary 248,320, hidden 5120): `index_put_(accumulate=True)`
+  (torch's path, which rounds after every repeat of a token) against qwenft's sort and `add_sorted_rows_` at each
+  launch tried, on `--tokens` tokens drawn from the vocabulary's first 50,000 ids and on the same tokens with
+  their last three quarters one pad id (a run of one id as long as a microbatch's padding tail): the kernels' GPU
+  time and the largest error against the fp64 sum, in units of the result's bf16 step.
 """
 
 import argparse
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_modes.layers import time_ms
+from qwenft.models.ce_kernel import add_sorted_rows_
 from qwenft.models.linear_ce import IGNORE_INDEX, fused_linear_ce_sum
 from qwenft.models.qwen3_5.conv_kernel import causal_conv_silu
 from qwenft.models.qwen3_5.gdn import causal_conv, positions_in_document
@@ -177,16 +183,49 @@ def bench_conv(tokens: int, channels: int = 10240) -> dict:
     return out
 
 
+def bench_embed(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad = (torch.randn(vocab, hidden, device="cuda", generator=g) * 1e-2).bfloat16()
+    dy = (torch.randn(tokens, hidden, device="cuda", generator=g) * 1e-2).bfloat16()
+    drawn = torch.randint(0, 50_000, (tokens,), device="cuda", generator=g)
+    padded = drawn.clone()
+    padded[tokens // 4:] = vocab - 1
+    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
+    for layout, ids in (("drawn", drawn), ("pad_tail", padded)):
+        touched = ids.unique()
+        ref = grad[touched].double().index_add(0, torch.searchsorted(touched, ids), dy.double())
+
+        def steps_off(result):  # the largest error in units of the bf16 step at the exact result
+            step = torch.finfo(torch.bfloat16).eps * ref.abs().clamp(min=1e-30).log2().floor().exp2()
+            return ((result[touched].double() - ref).abs() / step).max().item()
+
+        variants = {"index_put": lambda: grad.index_put_((ids,), dy, accumulate=True)}
+        for rows, block, warps in ((8, 512, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8)):
+            def ours(rows=rows, block=block, warps=warps):
+                sorted_ids, order = ids.sort(stable=True)
+                return add_sorted_rows_(grad, sorted_ids, order, dy, rows=rows, block=block, num_warps=warps)
+            variants[f"sorted_rows_r{rows}_b{block}_w{warps}"] = ours
+        out[layout] = {"runs": touched.numel(), "longest_run": int(torch.bincount(ids).max())}
+        original = grad.clone()
+        for name, fn in variants.items():
+            grad.copy_(original)
+            err = steps_off(fn())
+            out[layout][name] = {"kernels_ms": kernels_ms(fn), "max_err_bf16_steps": err}
+        grad.copy_(original)
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench.py kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--params", type=float, default=1.0e9, help="AdamW: parameters per step")
     parser.add_argument("--tokens", type=int, default=4096, help="CE and the conv: tokens per microbatch")
-    parser.add_argument("--parts", nargs="+", choices=("adamw", "ce", "conv"), default=["adamw", "ce", "conv"])
+    parser.add_argument("--parts", nargs="+", choices=("adamw", "ce", "conv", "embed"),
+                        default=["adamw", "ce", "conv", "embed"])
     args = parser.parse_args(argv)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     benches = {"adamw": lambda: bench_adamw(args.params), "ce": lambda: bench_ce(args.tokens),
-               "conv": lambda: bench_conv(args.tokens)}
+               "conv": lambda: bench_conv(args.tokens), "embed": lambda: bench_embed(args.tokens)}
     for part in args.parts:
         report[part] = benches[part]()
     text = json.dumps(report, indent=1)

@@ -157,37 +157,45 @@ def host_profiled_run(cfg, warmup: int, out: str):
 
 def sync_debug_run(cfg, warmup: int, out: str):
     """`run(cfg)` with torch's CUDA sync debug mode on for the steps after the first `warmup`; writes each
-    distinct synchronizing call (its message and the innermost Python frames under the runner) to `out`, with
-    how many times it ran."""
+    distinct synchronizing call (its message and the innermost Python frames) to `out` (rank R > 0:
+    `out.rankR`), with how many times it ran. Recording each call's stack slows those steps: their times are
+    not the run's."""
     import traceback
     import warnings
 
     seen: dict[str, int] = {}
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchronizing" not in str(message):
-            return show(message, category, filename, lineno, file, line)
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename][-8:]
         key = str(message).splitlines()[0] + "\n" + "".join(traceback.format_list(frames))
         seen[key] = seen.get(key, 0) + 1
 
+    def watch(on: bool):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn" if on else "default")
+
     def on_step(step):
         if step == warmup:
-            torch.cuda.synchronize()
-            warnings.showwarning = record
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            watch(True)
         if step == cfg.train.max_steps:
-            torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = show
+            watch(False)
 
-    result = run(cfg, on_step=on_step)
-    torch.cuda.set_sync_debug_mode("default")
-    warnings.showwarning = show
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # restored with the filters when the block ends
+        if warmup == 0:
+            watch(True)
+        try:
+            result = run(cfg, on_step=on_step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     steps = cfg.train.max_steps - warmup
     text = [f"{count} times in {steps} steps: {key}" for key, count in sorted(seen.items(), key=lambda kv: -kv[1])]
-    Path(out).write_text("\n".join(text) or f"no synchronizing call in {steps} steps\n")
+    rank = int(os.environ.get("RANK", "0"))
+    Path(out if rank == 0 else f"{out}.rank{rank}").write_text(
+        "\n".join(text) or f"no synchronizing call in {steps} steps\n")
     return result
 
 
@@ -234,6 +242,8 @@ def main(argv: list[str]) -> None:
         parser.error("--host-profile and --profile each profile the same steps: pass one of them")
     if args.sync_debug and (args.profile or args.host_profile):
         parser.error("--sync-debug runs the steps without a profiler: pass it alone")
+    if args.sync_debug and not torch.cuda.is_available():
+        parser.error("--sync-debug watches CUDA's synchronizations: it needs a GPU")
     if args.trace and not args.profile:
         parser.error(f"--trace {args.trace} needs --profile (the trace is the profiled steps' timeline)")
     # no HF export (minutes for a 27B-sized model) unless asked for; later overrides win

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qwenft.distributed.transfer import copy_to_device
+
 _RECENT: deque = deque(maxlen=8)  # (cu_seqlens, Varlen): a few batches are in flight under pipelining
 FLA_CHUNK = 64  # the token block of fla's chunked delta rule and of its causal conv (their default chunk_size)
 
@@ -117,15 +119,6 @@ def to_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
     on_device = copy_to_device(cu_seqlens, device)
     _remember(on_device, cu_seqlens.to("cpu", torch.long))
     return on_device
-
-
-def copy_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory, asynchronously: a copy from pageable memory
-    makes the host wait for the GPU."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @torch.compiler.disable  # an identity cache and a host copy: never traced into a graph (model.compile)
