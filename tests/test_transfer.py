@@ -1,9 +1,9 @@
-"""qwenft.distributed.transfer.copy_to_device on the CPU (the pinned, asynchronous GPU path runs in the GPU tier
+"""qwenft.transfer.copy_to_device on the CPU (the pinned, asynchronous GPU path runs in the GPU tier
 through every microbatch)."""
 
 import torch
 
-from qwenft.distributed.transfer import copy_to_device
+from qwenft.transfer import copy_to_device
 
 
 def test_copy_to_device_is_a_new_tensor_only_when_asked_on_the_cpu():

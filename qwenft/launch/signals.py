@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwenft.distributed.transfer import copy_to_device
+from qwenft.transfer import copy_to_device
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again later": the run saved a checkpoint and stopped.
 EXIT_PREEMPTED = 75

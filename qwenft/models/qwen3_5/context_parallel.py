@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qwenft.constants import IGNORE_INDEX
-from qwenft.distributed.transfer import copy_to_device
+from qwenft.transfer import copy_to_device
 
 
 @dataclass(frozen=True)

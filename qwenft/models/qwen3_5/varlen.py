@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qwenft.distributed.transfer import copy_to_device
+from qwenft.transfer import copy_to_device
 
 _RECENT: deque = deque(maxlen=8)  # (cu_seqlens, Varlen): a few batches are in flight under pipelining
 FLA_CHUNK = 64  # the token block of fla's chunked delta rule and of its causal conv (their default chunk_size)
