@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 
 from qwenft.constants import IGNORE_INDEX
-from qwenft.transfer import copy_to_device
 from qwenft.models.qwen3_5 import varlen
 from qwenft.models.loss import count_label_tokens, token_ce_sum
+from qwenft.transfer import copy_to_device
 
 
 def device_batch(mb: dict, device) -> dict:

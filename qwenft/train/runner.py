@@ -16,7 +16,6 @@ from qwenft.checkpoint.dcp import free_bytes, size_text
 from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft_adapter, full_state_dict
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
-from qwenft.transfer import copy_to_device
 from qwenft.launch import signals
 from qwenft.train.build import Job, build_job, lora_config
 from qwenft.train.optim import LowPrecisionAdamW
@@ -24,6 +23,7 @@ from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, w
 from qwenft.models.loss import count_label_tokens
 from qwenft.models.weight_grad import prepare_grads
 from qwenft.train.metrics import peak_memory_gib
+from qwenft.transfer import copy_to_device
 
 log = logging.getLogger("qwenft")
 
