@@ -11,6 +11,7 @@
     python scripts/bench.py data_workers [--workers 0 2 4] [--videos 24] [--frames 16] [overrides ...]
     python scripts/bench.py media [--frames 16] [--size 360 640] [--json out.json] [--profile PATH] [overrides ...]
     python scripts/bench.py attention [--json out.json]
+    python scripts/bench.py idle DIR/rank0.json.gz [--min-us 20] [--top 15] [--json out.json]
 
 | mode | what it measures | needs |
 |---|---|---|
@@ -24,6 +25,7 @@
 | data_workers | VLM video steps with micro batches made by `data.num_workers` threads, against batches made before the run | CUDA (or the CPU) |
 | media | tokens/s of VLM video micro batches against image micro batches of the same token counts; the vision tower's share of a step | CUDA (or the CPU) |
 | attention | causal attention at the 27B's head sizes through torch's kernels (qwenft's varlen flash, SDPA cuDNN and flash, flex): time and TFLOP/s | CUDA |
+| idle | where the GPU idles in a timeline that `train --profile F --trace DIR` wrote: gaps per step, by the host op that launched the kernel after each | a trace file |
 
 `python scripts/bench.py MODE --help` lists a mode's options. Each mode's code is `scripts/bench_modes/MODE.py`.
 """
@@ -33,7 +35,8 @@ import os
 import sys
 from pathlib import Path
 
-MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations", "data_workers", "media", "attention")
+MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations", "data_workers", "media", "attention",
+         "idle")
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

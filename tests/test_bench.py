@@ -133,7 +133,7 @@ def test_unknown_mode_names_the_modes(tmp_path):
     out = subprocess.run([sys.executable, BENCH, "kernel"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("bench.py: unknown mode 'kernel': the first argument is one of train, kernels, "
-                                  "layers, fused, moe, host, activations, data_workers, media, attention, an option or a "
+                                  "layers, fused, moe, host, activations, data_workers, media, attention, idle, an option or a "
                                   "KEY=VALUE override (a training step)")
 
 
@@ -277,3 +277,40 @@ def test_media_times_the_tower_of_an_fsdp_model():
     and 2 timed: 3 forwards, in bf16, and 3 backwards) and leaves the model sharded, without gradients."""
     seconds, calls, sharded = call_alone(_tower_under_fsdp)
     assert seconds > 0 and calls == [("forward", torch.bfloat16), ("backward", None)] * 3 and sharded
+
+
+def test_idle_mode_sums_the_gaps_and_names_who_launched_late(tmp_path):
+    """A timeline of one step: kernels at 0-100 and 100-150 us (back to back on two streams), then a 60 us gap whose
+    next kernel was launched after it began from inside `aten::copy_` under `Optimizer.step` (host late), then a
+    30 us gap whose kernel was launched long before (the GPU waited), then a 5 us gap (under the threshold)."""
+    from bench_modes import idle
+
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        x("user_annotation", "ProfilerStep#3", 0, 400),
+        x("gpu_user_annotation", "ProfilerStep#3", 0, 300, tid=7),  # the step's range on the GPU: not a second step
+        x("cpu_op", "Optimizer.step#AdamW.step", 150, 100),
+        x("cpu_op", "aten::copy_", 200, 20),
+        x("cuda_runtime", "cudaLaunchKernel", 205, 5, corr=7),
+        x("cuda_runtime", "cudaLaunchKernel", 20, 5, corr=8),
+        x("kernel", "gemm_a", 0, 100, tid=7),
+        x("kernel", "gemm_b", 90, 60, tid=8),
+        x("kernel", "adam_kernel", 210, 40, tid=7, corr=7),  # gap 150 -> 210: 60 us, launched at 205 > 150
+        x("gpu_memcpy", "Memcpy HtoD", 280, 10, tid=7, corr=8),  # gap 250 -> 280: 30 us, launched at 20
+        x("kernel", "tail", 295, 5, tid=7),  # gap 5 us: left out
+    ]
+    trace = tmp_path / "rank0.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    report = idle.summarize(str(trace), min_us=20)
+    assert report["per_step"] == [{"step": "ProfilerStep#3", "wall_ms": 0.4, "idle_ms": 0.1, "host_late_ms": 0.1}]
+    late, waited = report["largest_gaps"]
+    assert late == {"us": 60, "next": "adam_kernel", "host_late": True,
+                    "launched_in": "ProfilerStep#3 > Optimizer.step#AdamW.step > aten::copy_"}
+    assert waited["us"] == 30 and not waited["host_late"] and waited["launched_in"] == "ProfilerStep#3"
+    assert [(r["op"], r["host_late"]) for r in report["idle_ms_per_step_by_launching_op"]] == [
+        ("aten::copy_", True), ("ProfilerStep#3", False)]

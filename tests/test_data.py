@@ -222,6 +222,40 @@ def test_resume_continues_exactly(tok):
         build_sft_data(TRAIN_PATH, tok, **{**kwargs, "seed": 8}).load_state_dict(state)
 
 
+def test_batches_made_ahead_are_the_stream_and_a_save_counts_only_those_handed_out(tok):
+    """`make_ahead` (the runner makes the next step's batches before it waits for the GPU): the same batches in
+    the same order across an epoch boundary; the saved position is that of the batches handed out, so a resume
+    from it gives the batches that were made ahead but not taken; a load or a close drops them."""
+    kwargs = dict(seq_len=96, micro_batch_size=4, dp_rank=1, dp_size=2, seed=7)
+    reference = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    expected = [next(reference) for _ in range(40)]
+    ahead = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    got = []
+    for step in range(10):  # 4 micro batches a step, the next step's made before the step's end
+        got += [next(ahead) for _ in range(4)]
+        ahead.make_ahead(4)
+        ahead.make_ahead(4)  # already made: nothing more
+        if step == 3:
+            state = json.loads(json.dumps(ahead.state_dict()))
+    assert ahead.epoch >= 1
+    for want, have in zip(expected, got, strict=True):
+        for key in want:
+            assert torch.equal(have[key], want[key]), key
+    handed_out = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    for _ in range(16):  # the 16 micro batches of steps 0-3, without those made ahead for step 4
+        next(handed_out)
+    assert state == handed_out.state_dict()
+
+    resumed = build_sft_data(TRAIN_PATH, tok, **kwargs)
+    resumed.make_ahead(4)  # from the start: dropped by the load below
+    resumed.load_state_dict(state)
+    for want in expected[16:20]:
+        assert torch.equal(next(resumed)["input_ids"], want["input_ids"])
+    resumed.make_ahead(4)
+    resumed.close()  # made ahead from micro batch 20: dropped, and `next` makes it again
+    assert torch.equal(next(resumed)["input_ids"], expected[20]["input_ids"])
+
+
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_dp_ranks_split_the_dp1_stream(tok, packing):
     micro, dp, steps = 2, 3, 30

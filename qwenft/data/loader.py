@@ -21,6 +21,7 @@ API (what the runner uses):
     data.source_tokens()     # {source: tokens consumed} of a mixture (qwenft.data.mixture), else {}
     data.state_dict() / data.load_state_dict(sd)   # resume continues exactly (same for every rank)
     data.eval_batches()      # one finite pass (for validation), last micro batch padded with empty rows
+    data.make_ahead(n)       # make the next n micro batches now (no workers), handed out by `next`
     data.close()             # stop the worker threads (num_workers > 0; the VLM data's); `next` restarts them
 
 Sharding. Each epoch's documents are shuffled with (seed, epoch) and packed into rows (a numpy plan
@@ -38,13 +39,15 @@ Workers. `num_workers > 0` makes micro batches ahead in that many threads (qwenf
 plans the micro batch here (`plan`: which documents) and hands out a batch a worker made from the same plan
 (`make_batch`), in order; the position moves when a batch is handed out, so batches, position and counts
 are those of `num_workers=0`. The text builders leave it at 0 (a text batch is a slice of token arrays);
-the VLM data (qwenft.data.vlm) decodes and processes pixels there.
+the VLM data (qwenft.data.vlm) decodes and processes pixels there. Without workers, `make_ahead(n)` makes the
+next n micro batches at once in the calling thread, also without moving the position (the runner calls it
+while the GPU finishes a step, instead of after).
 """
 
 import json
 import os
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -203,6 +206,7 @@ class SFTData:
         # micro batches made in background threads (qwenft.data.workers), `prefetch` of them ahead; 0 = in `next`
         self.num_workers, self.prefetch = num_workers, prefetch or 2 * num_workers
         self._workers: Prefetcher | None = None
+        self._ahead: deque[tuple[MicroBatchPlan, dict]] = deque()  # `make_ahead`'s batches, not yet handed out
 
     @property
     def num_documents(self) -> int:
@@ -269,8 +273,24 @@ class SFTData:
         """The micro batch of `plan.mine`: a pure function of the plan, so a worker thread may run it."""
         return self._collate([self._row_tokens(doc_ids) for doc_ids in plan.mine])
 
+    def make_ahead(self, n: int) -> None:
+        """Make the next `n` micro batches now, in this thread, without moving the position: `next` hands them
+        out. The runner calls it while the GPU finishes a step, so the next step's batches are ready when the
+        host gets back to it. A no-op with workers (`num_workers > 0`), which make batches ahead anyway."""
+        if self.num_workers:
+            return
+        epoch, row = self._ahead[-1][0].after if self._ahead else (self._epoch, self._row)
+        while len(self._ahead) < n:
+            plan = self.plan(epoch, row)
+            self._ahead.append((plan, self.make_batch(plan)))
+            epoch, row = plan.after
+
     def __next__(self) -> dict:
         if self.num_workers == 0:
+            if self._ahead:
+                plan, batch = self._ahead.popleft()
+                self._hand_out(plan)
+                return batch
             plan = self.plan(self._epoch, self._row)
             self._hand_out(plan)
             return self.make_batch(plan)
@@ -290,7 +310,8 @@ class SFTData:
 
     def close(self) -> None:
         """Stop the worker threads (each finishes the batch it is making; the rest are dropped). The position
-        stays; a later `next` starts them again from it."""
+        stays; a later `next` starts them again from it. Batches made by `make_ahead` are dropped too."""
+        self._ahead.clear()
         if self._workers is not None:
             self._workers.close()
             self._workers = None

@@ -151,7 +151,7 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
     `mtp_scale`: the step's loss factors on the head's CE sum and on the MTP head's (1 / the step's label tokens;
     the MTP weight / its targets), which let the fused head add its weight gradient inside its forward matmuls
     (`linear_ce.LMHead.grad_scales`); None = the head scales it into the buffer in its backward."""
-    by_param = {}
+    by_param, to_zero = {}, []
     for module in switched_modules(model_parts):
         if isinstance(module, LMHead):
             module.grad_scales = None if ce_scale is None and mtp_scale is None else (ce_scale, mtp_scale)
@@ -162,7 +162,9 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
             if grad is None or grad.shape != weight.shape or grad.device != weight.device or grad.dtype != weight.dtype:
                 grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
             else:
-                grad.zero_()
+                to_zero.append(grad)
             by_param[id(weight)] = grad
             weight.grad = grad
         module.weight_grad = grad
+    if to_zero:  # one call for all: a zero_ per buffer is a launch each, host time at the step's start
+        torch._foreach_zero_(to_zero)

@@ -94,7 +94,7 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
         for step in range(job.start_step, job.max_steps + 1):
             start = time.perf_counter()
             micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
-            stats = train_step(job, micro_batches, step, result, stop)
+            stats = train_step(job, micro_batches, step, result, stop, make_ahead=step < job.max_steps)
             elapsed = time.perf_counter() - start
             result.losses.append(stats.loss)
             if step % cfg.train.log_every == 0 or step == job.max_steps:
@@ -130,10 +130,10 @@ def warn_low_disk(job: Job) -> None:
 
 
 def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult,
-               stop: signals.StopOnSignal) -> StepStats:
+               stop: signals.StopOnSignal, make_ahead: bool = False) -> StepStats:
     """Forward + backward of one step's microbatches, gradient clipping, then the optimizer and lr steps unless
     the loss or grad norm is not finite (train.on_nonfinite); the stop signal agreed on (`stop`), read with the
-    loss."""
+    loss. `make_ahead`: make the next step's micro batches while the GPU finishes this one (`data.make_ahead`)."""
     cfg = job.cfg
     trains_head = job.spec.parallel.mtp_weight is not None
     if trains_head:  # the MTP head's targets from the whole rows, before a cp rank cuts its span
@@ -171,6 +171,8 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     # theirs above): the norm, the token count and the stop signal are ready with the loss, so the optimizer's
     # kernels, once queued, run while the host prepares the next step (a validation or a save waits for them)
     stop_flag = stop.ask(job.device)
+    if make_ahead:  # host work that would otherwise keep the GPU idle between this step's optimizer and the next
+        job.data.make_ahead(job.spec.batching.num_microbatches)
     loss_value = step_loss.item()
     norm_value, token_count, stop_signal = grad_norm.item(), int(label_tokens.item()), signals.agreed_signal(stop_flag)
     # loss and grad norm are reduced over every rank, so all ranks take the same branch
