@@ -162,7 +162,7 @@ class CachedDocuments:
         labels = np.full(end - start, IGNORE_INDEX, dtype=np.int64)
         target = self._read("targets", start, end - 1).astype(bool)
         labels[:-1][target] = ids[1:][target]
-        return Document(ids.tolist(), labels.tolist())
+        return Document(ids, labels)  # int64 arrays: rows are built in numpy (packing.build_row)
 
     def raise_first_bad_row(self) -> None:
         """`data.on_bad_row=error`: the one-line error of the first bad row, as the in-memory pipeline gives."""

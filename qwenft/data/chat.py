@@ -46,8 +46,8 @@ class BadRow(ValueError):
 
 @dataclass
 class Document:
-    input_ids: list[int]
-    labels: list[int]  # pre-shifted, see the module docstring
+    input_ids: list[int]  # or a 1-D int64 array (the token cache's documents)
+    labels: list[int]  # pre-shifted, see the module docstring; an array where input_ids is one
 
 
 def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:

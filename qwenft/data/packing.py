@@ -69,23 +69,30 @@ def pack_plan(order: np.ndarray, lengths: np.ndarray, seq_len: int, open_rows: i
 
 
 class Row(NamedTuple):
-    """One row of `seq_len` tokens: its documents, then `padding` tokens of the pad id (label IGNORE_INDEX)."""
-    input_ids: list[int]
-    labels: list[int]
-    position_ids: list[int]
+    """One row of `seq_len` tokens: its documents, then `padding` tokens of the pad id (label IGNORE_INDEX);
+    each column a 1-D int64 array."""
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
     padding: int
 
 
 def build_row(docs: list[Document], seq_len: int, pad_id: int) -> Row:
-    """The `Row` holding `docs` then padding."""
-    input_ids, labels, position_ids = [], [], []
+    """The `Row` holding `docs` then padding. Filled in numpy (a document's tokens are a list, or an array from
+    the token cache): a long row is one copy per document, not a Python list of its tokens."""
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.empty(seq_len, dtype=np.int64)
+    at = 0
     for doc in docs:
-        input_ids += doc.input_ids
-        labels += doc.labels
-        position_ids += range(len(doc.input_ids))
-    pad = seq_len - len(input_ids)
-    assert pad >= 0, (len(input_ids), seq_len)
-    return Row(input_ids + [pad_id] * pad, labels + [IGNORE_INDEX] * pad, position_ids + list(range(pad)), pad)
+        n = len(doc.input_ids)
+        assert at + n <= seq_len, (at + n, seq_len)
+        input_ids[at:at + n] = doc.input_ids
+        labels[at:at + n] = doc.labels
+        position_ids[at:at + n] = np.arange(n)
+        at += n
+    position_ids[at:] = np.arange(seq_len - at)
+    return Row(input_ids, labels, position_ids, seq_len - at)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -103,7 +110,7 @@ def padding_mask(padding: list[int], seq_len: int) -> torch.Tensor:
 def collate(rows: list[Row]) -> dict[str, torch.Tensor]:
     """Rows from `build_row` -> a micro batch: `input_ids`, `labels`, `position_ids` `[B, T]` long, `cu_seqlens`,
     `padding_mask` `[B, T]` bool."""
-    input_ids, labels, position_ids = (torch.tensor(column, dtype=torch.long) for column in list(zip(*rows))[:3])
+    input_ids, labels, position_ids = (torch.from_numpy(np.stack(column)) for column in list(zip(*rows))[:3])
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
             "cu_seqlens": cu_seqlens_from_position_ids(position_ids),
             "padding_mask": padding_mask([row.padding for row in rows], input_ids.shape[1])}

@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -399,7 +400,7 @@ class VLMData(SFTData):
         else:  # a batch of images alone needs no video settings
             patch_dim = pixel_values.shape[1]
             pixel_values_videos, video_grid_thw = torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.long)
-        return {"input_ids": torch.tensor(input_ids), "labels": torch.tensor(labels),
+        return {"input_ids": torch.from_numpy(np.stack(input_ids)), "labels": torch.from_numpy(np.stack(labels)),
                 "position_ids": position_ids, "cu_seqlens": cu_seqlens_from_position_ids(position_ids[0]),
                 "padding_mask": padding_mask(list(padding), self.seq_len),
                 "pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
