@@ -220,8 +220,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default=None, help="write torch.profiler's top CUDA kernels here")
     parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="with --profile: every rank writes its timeline to DIR/rank<R>.json.gz (where the GPU idles, "
-                             "which rank a collective waits for)")
+                        help="with --profile: every rank writes its timeline to DIR/rank<R>.json.gz (where the GPU idles: "
+                             "`bench.py idle DIR/rank0.json.gz`; which rank a collective waits for)")
     parser.add_argument("--host-profile", default=None, metavar="FILE",
                         help="cProfile the steps after the warm-up (host time by Python function) into FILE")
     parser.add_argument("--sync-debug", default=None, metavar="FILE",
