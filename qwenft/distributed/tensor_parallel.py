@@ -169,14 +169,44 @@ def _split_tokens(layer, args, mesh):
     if h.shape[1] % mesh.size():
         raise ValueError(f"sequence parallelism needs the sequence length to divide by mesh.tp: {h.shape[1]} "
                          f"tokens per row, tp={mesh.size()}; pick data.seq_len as a multiple of {mesh.size()}")
-    shard = DTensor.from_local(h, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
-    return (shard.to_local(), *rest)
+    return (_SplitTokens.apply(h, mesh), *rest)
 
 
 def _gather_tokens(layer, args, output, mesh):
     """Sequence parallel exit: all-gather the tokens (backward: keep this rank's slice of the gradient)."""
-    return DTensor.from_local(output, mesh, [Shard(1)], run_check=False).redistribute(
-        mesh, [Replicate()]).to_local()
+    return _GatherTokens.apply(output, mesh)
+
+
+def _own_tokens(x: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's contiguous T/tp tokens of every row of [B, T, ...]."""
+    t = x.shape[1] // mesh.size()
+    start = mesh.get_local_rank() * t
+    return x[:, start:start + t].contiguous()
+
+
+# The stack's entry and exit as the blocks' own collectives on plain tensors (not DTensor's redistribute, whose
+# dispatch costs host time at every microbatch). Every rank computes the stack's input and, after the exit, the
+# head on whole rows alike, so each rank's gradient at the exit is whole: its backward keeps this rank's slice.
+class _SplitTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, mesh):
+        ctx.mesh = mesh
+        return _own_tokens(h, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_tokens(grad, ctx.mesh), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _all_gather_tokens(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_tokens(grad, ctx.mesh), None
 
 
 def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
