@@ -256,6 +256,36 @@ def test_batches_made_ahead_are_the_stream_and_a_save_counts_only_those_handed_o
     assert torch.equal(next(resumed)["input_ids"], expected[20]["input_ids"])
 
 
+def test_a_batch_that_fails_ahead_raises_when_it_is_handed_out(tok, monkeypatch):
+    """An error making a batch ahead (an unreadable file, a bad image) does not end the step that made it ahead:
+    `next` raises it for that batch, with the batches before it handed out, the same error and position as
+    without `make_ahead`."""
+    def stream(ahead: bool):
+        data = build_sft_data(TRAIN_PATH, tok, seq_len=96, micro_batch_size=2, seed=1)
+        make, made = data.make_batch, []
+        first = data.plan(0, 0)
+        third = data.plan(*data.plan(*first.after).after).start
+
+        def failing(plan):  # the third batch fails, each time it is made
+            made.append(plan.start)
+            if plan.start == third:
+                raise OSError("read failed")
+            return make(plan)
+
+        monkeypatch.setattr(data, "make_batch", failing)
+        if ahead:
+            data.make_ahead(4)  # the third fails here: two made ahead, no error
+        batches = [next(data)["input_ids"] for _ in range(2)]
+        with pytest.raises(OSError, match="read failed"):
+            next(data)
+        return batches, data.state_dict(), made
+
+    (with_ahead, state, made), (without, want_state, _) = stream(True), stream(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_ahead, without, strict=True))
+    assert state == want_state
+    assert made[2] == made[3]  # the failed batch's plan, made ahead and then again by `next`
+
+
 @pytest.mark.parametrize("packing", ["pack", "pad"])
 def test_dp_ranks_split_the_dp1_stream(tok, packing):
     micro, dp, steps = 2, 3, 30

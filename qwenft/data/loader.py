@@ -276,13 +276,20 @@ class SFTData:
     def make_ahead(self, n: int) -> None:
         """Make the next `n` micro batches now, in this thread, without moving the position: `next` hands them
         out. The runner calls it while the GPU finishes a step, so the next step's batches are ready when the
-        host gets back to it. A no-op with workers (`num_workers > 0`), which make batches ahead anyway."""
+        host gets back to it. A no-op with workers (`num_workers > 0`), which make batches ahead anyway. A batch
+        that fails to be made is left to `next`, which raises its error as it would have without this."""
         if self.num_workers:
             return
         epoch, row = self._ahead[-1][0].after if self._ahead else (self._epoch, self._row)
         while len(self._ahead) < n:
             plan = self.plan(epoch, row)
-            self._ahead.append((plan, self.make_batch(plan)))
+            try:
+                batch = self.make_batch(plan)
+            except Exception:
+                # raised where it was before: `next` makes this batch again in the next step and raises there,
+                # after this step has stepped, logged and saved
+                return
+            self._ahead.append((plan, batch))
             epoch, row = plan.after
 
     def __next__(self) -> dict:
