@@ -169,12 +169,12 @@ def _split_tokens(layer, args, mesh):
     if h.shape[1] % mesh.size():
         raise ValueError(f"sequence parallelism needs the sequence length to divide by mesh.tp: {h.shape[1]} "
                          f"tokens per row, tp={mesh.size()}; pick data.seq_len as a multiple of {mesh.size()}")
-    return (_SplitTokens.apply(h, mesh), *rest)
+    return (_StackTokens.apply(h, mesh, False), *rest)
 
 
 def _gather_tokens(layer, args, output, mesh):
     """Sequence parallel exit: all-gather the tokens (backward: keep this rank's slice of the gradient)."""
-    return _GatherTokens.apply(output, mesh)
+    return _StackTokens.apply(output, mesh, True)
 
 
 def _own_tokens(x: torch.Tensor, mesh) -> torch.Tensor:
@@ -184,29 +184,20 @@ def _own_tokens(x: torch.Tensor, mesh) -> torch.Tensor:
     return x[:, start:start + t].contiguous()
 
 
-# The stack's entry and exit as the blocks' own collectives on plain tensors (not DTensor's redistribute, whose
-# dispatch costs host time at every microbatch). Every rank computes the stack's input and, after the exit, the
-# head on whole rows alike, so each rank's gradient at the exit is whole: its backward keeps this rank's slice.
-class _SplitTokens(torch.autograd.Function):
+class _StackTokens(torch.autograd.Function):
+    """The sequence-parallel stack's entry (`gather=False`: keep this rank's tokens; backward: all-gather) or exit
+    (`gather=True`: all-gather; backward: keep this rank's slice), through the blocks' own collectives on plain
+    tensors (DTensor's redistribute costs host time in its dispatch at every microbatch). Every rank computes the
+    stack's input and, after the exit, the head on whole rows alike, so each rank's gradient at the exit is whole."""
+
     @staticmethod
-    def forward(ctx, h, mesh):
-        ctx.mesh = mesh
-        return _own_tokens(h, mesh)
+    def forward(ctx, x, mesh, gather):
+        ctx.mesh, ctx.gather = mesh, gather
+        return (_all_gather_tokens if gather else _own_tokens)(x, mesh)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_tokens(grad, ctx.mesh), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh):
-        ctx.mesh = mesh
-        return _all_gather_tokens(x, mesh)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_tokens(grad, ctx.mesh), None
+        return (_own_tokens if ctx.gather else _all_gather_tokens)(grad, ctx.mesh), None, None
 
 
 def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:

@@ -41,7 +41,7 @@ def busy_intervals(events: list[dict]) -> list[tuple[float, float, dict]]:
     return [tuple(m) for m in merged]
 
 
-def innermost_ops(events: list[dict]):
+def open_ops(events: list[dict]):
     """A lookup: (thread, time) -> names of the host ops open then, outermost first."""
     by_thread: dict = defaultdict(list)
     for e in events:
@@ -69,12 +69,12 @@ def summarize(path: str, min_us: float = 20.0, top: int = 15) -> dict:
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     busy = busy_intervals(events)
-    ops_at = innermost_ops(events)
+    ops_at = open_ops(events)
     if steps:  # the recorded steps only: the profiler's start and the trace's tail stay out
         lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
         busy = [b for b in busy if lo <= b[0] <= hi]
     gaps = []
-    for (_, prev_end, prev_first), (start, _, nxt) in zip(busy, busy[1:]):
+    for (_, prev_end, _), (start, _, nxt) in zip(busy, busy[1:]):
         gap = start - prev_end
         if gap < min_us:
             continue
