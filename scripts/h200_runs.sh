@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -182,6 +182,19 @@ for tp in ${FAKE_TPS:-2 4}; do
     model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp mesh.sequence_parallel=true \
     train.on_nonfinite=skip
 done ;;
+tp_weight_grad)  # a tp rank's weight gradients added inside its shards' matmuls (model.kernels.weight_grad=in_matmul,
+# auto's choice at tp without CUDA graphs) against autograd's adds, rank 0 of a fake tp2 world with sequence
+# parallelism, compiled, bf16, AC off; then the same layout with CUDA graphs (which keep autograd's adds), and tp1
+# compiled for the per-GPU ratio. The limits allow a cold machine's compiles in the first two runs
+bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+for mode in in_matmul autograd; do
+  bench fake_tp2_sp_$mode 250 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
+    model.activation_checkpointing=false model.compile=true mesh.tp=2 mesh.sequence_parallel=true \
+    model.kernels.weight_grad=$mode train.on_nonfinite=skip
+done
+bench fake_tp2_sp_graphs 200 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
+  model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=2 mesh.sequence_parallel=true \
+  train.on_nonfinite=skip ;;
 gpu_tests_model)  # the GPU tier in three parts (this, gpu_tests_kernels, cp_tests), each one call from a cold start:
 # every test has a limit of its own (tests/gpu/conftest.py), so a slow compile fails that test and the rest run; the
 # KILL limit is the last resort (SIGTERM would make a training test checkpoint and stop, and loses the log's tail).

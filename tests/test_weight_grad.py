@@ -26,9 +26,14 @@ class _Ops(TorchDispatchMode):
 
 
 def _adds_into(ops, tensors) -> list[str]:
-    """The in-place adds (autograd's accumulation) whose destination is one of `tensors`."""
-    ids = {id(t) for t in tensors}
-    return [name for name, first in ops if name.startswith("aten.add_") and id(first) in ids]
+    """The in-place adds (autograd's accumulation; a tensor-parallel rank's `_LocalParams` adds a list of them at
+    once) whose destination is one of `tensors` or a view of one (a DTensor `.grad`'s local tensor)."""
+    def storages(ts):
+        return {t.untyped_storage().data_ptr() for t in ts if isinstance(t, torch.Tensor)}
+
+    into = storages(tensors)
+    return [name for name, first in ops if name.startswith(("aten.add_", "aten._foreach_add_"))
+            and into & storages(first if isinstance(first, (list, tuple)) else [first])]
 
 
 class _Net(nn.Module):
@@ -158,7 +163,8 @@ def test_compiled_backward_adds_in_its_matmuls():
 
 
 def test_frozen_float8_and_parameterless_uses_keep_autograd():
-    """Only the exact nn.Linear / nn.Embedding classes and LMHead switch, and only with a trained weight: a frozen
+    """Only the exact nn.Linear / nn.Embedding classes and those that take the buffer themselves (LMHead, the tp
+    shards') switch, and only with a trained weight: a frozen
     linear, a subclass (torchao's float8 linear is one) and a parameter read outside its module's forward keep
     autograd's path (the last with `.grad` as the buffer, which autograd's accumulation adds into in place)."""
     from qwenft.models import weight_grad
@@ -175,6 +181,85 @@ def test_frozen_float8_and_parameterless_uses_keep_autograd():
     nn.functional.linear(x, model["router"].weight).sum().backward()
     assert model["router"].weight.grad is model["router"].weight_grad
     assert torch.allclose(model["router"].weight_grad, 2 * x.sum(0).expand(3, 4))
+
+
+def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab):
+    """tiny in fp64 with the fused head, tp2 (vocab-parallel; `sequence_parallel` or not; its layers compiled or
+    not; `tied_odd_vocab`: the head tied to the embedding, one DTensor of uneven vocab shards), switched to in_matmul, two microbatches against the whole model's autograd in the same process: the full
+    gradients, the adds into the buffers the backward made, its in-place matmuls, the switched modules and the
+    `.grad` objects."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwenft.distributed.parallelize import apply_compile
+    from qwenft.distributed.tensor_parallel import apply_tp
+    from qwenft.models import weight_grad
+    from qwenft.models.loader import build_model, init_random_weights
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.models.qwen3_5.gdn import positions_in_document
+
+    torch.manual_seed(0)
+    cfg = named_config("tiny")
+    if tied_odd_vocab:
+        cfg.text.vocab_size, cfg.tie_word_embeddings = 511, True
+    reference = build_model(cfg, kernels="torch", ce_kernel="fused")
+    init_random_weights(reference, seed=0, device="cpu")
+    reference.double()
+    for name, p in reference.named_parameters():  # zero-initialised norms would hide a norm's missing gradient
+        if name.endswith("norm.weight"):
+            p.data.normal_(0, 0.1)
+    model = copy.deepcopy(reference)
+    apply_tp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)), vocab_parallel=True,
+             sequence_parallel=sequence_parallel)
+    if compile_layers:
+        apply_compile(model)
+    switched = weight_grad.enable(model)
+    weight_grad.prepare_grads([model])
+    buffers = [m.weight_grad for m in weight_grad.switched_modules([model])]
+    cu = torch.tensor([0, 5, 16, 23, 32], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    adds, matmuls = [], []
+    for _ in range(2):
+        ids = torch.randint(1, 500, (2, 16), generator=gen)
+        batch = dict(input_ids=ids, labels=ids.roll(-1, dims=1), cu_seqlens=cu,
+                     position_ids=positions_in_document(cu, 32).view(2, 16))
+        (reference(**batch) / 60).backward()
+        loss = model(**batch) / 60
+        with _Ops() as ops:
+            loss.backward()
+        adds += _adds_into(ops.ops, buffers)
+        matmuls.append(sum(name == "qwenft.addmm_weight_grad_.default" for name, _ in ops.ops))
+    grads = {n: (getattr(p.grad, "full_tensor", p.grad.clone)(), ref.grad)
+             for (n, p), ref in zip(model.named_parameters(), reference.parameters())}
+    own = [n for n, m in model.named_modules() if hasattr(m, "weight_grad")
+           and m.weight.grad.to_local().data_ptr() == m.weight_grad.data_ptr()
+           and m.weight.grad.to_local().shape == m.weight_grad.shape == m.weight.to_local().shape
+           and m.weight.grad.placements == m.weight.placements]
+    return dict(switched=switched, adds=adds, matmuls=matmuls, grads=grads, own=own)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sequence_parallel, compile_layers, tied_odd_vocab", [
+    (False, False, True), (True, False, False), pytest.param(True, True, False, marks=pytest.mark.slow)],
+    ids=["tp2-tied-odd-vocab", "tp2-sp", "tp2-sp-compiled"])
+def test_tensor_parallel_shards_add_in_their_matmuls(sequence_parallel, compile_layers, tied_odd_vocab):
+    """tp2: every sharded linear, the vocab-parallel embedding and the head (in one case tied to the embedding, one
+    buffer over uneven vocab shards) get a buffer their shard's size, and
+    `.grad` is a DTensor over it with the weight's placement; the backward adds nothing into any buffer (each
+    linear's in-place matmul, the rows' put and the head's forward did; compiled, the matmuls run inside the
+    layers' graphs), and every full gradient equals one process's autograd in fp64."""
+    for out in run_distributed(_tp_rank, 2, sequence_parallel, compile_layers, tied_odd_vocab):
+        switched = out["switched"]
+        assert "embed_tokens" in switched and "lm_head" in switched, switched
+        for part in ("self_attn.q_proj", "self_attn.o_proj", "linear_attn.q_proj", "linear_attn.out_proj",
+                     "mlp.gate_proj", "mlp.down_proj"):
+            assert any(n.endswith(part) for n in switched), (part, switched)
+        assert set(out["own"]) == set(switched), (out["own"], switched)
+        assert out["adds"] == []
+        linears = [n for n in switched if n not in ("embed_tokens", "lm_head")]
+        assert out["matmuls"] == [len(linears)] * 2, (out["matmuls"], linears)
+        for name, (got, ref) in out["grads"].items():
+            assert ref.norm() > 0, name
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-12, name
 
 
 def _overrides(tmp_path, name, *extra):
@@ -215,6 +300,26 @@ def test_compiled_checkpointed_training_equals_autograds(tmp_path):
     assert_same_training(in_matmul, autograd, lr=lr)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, lr", [
+    (["model.kernels.ce=fused", "mesh.sequence_parallel=true", "model.mtp=train"], 5e-4),
+    (["model.compile=true"], 2e-4),
+], ids=["fused-ce-sp-mtp", "compiled"])
+def test_tensor_parallel_training_equals_one_processs_autograd(tmp_path, extra, lr):
+    """The runner at mesh.tp=2 (vocab-parallel, no FSDP2) with in_matmul against one process with autograd, 3 steps
+    of 4 microbatches: every loss, the last step's full gradients and the trained parameters within fp32_rtol, on
+    both ranks. With the fused head, sequence parallelism and a trained MTP head; and compiled (the sharded
+    linears' in-place matmuls inside the layers' graphs)."""
+    (autograd,) = run_distributed(train_with_grads, 1, _overrides(
+        tmp_path, "autograd", f"optim.lr={lr}", "model.kernels.weight_grad=autograd",
+        *[o for o in extra if not o.startswith("mesh.")]))
+    for in_matmul in run_distributed(train_with_grads, 2, _overrides(
+            tmp_path, "tp2", f"optim.lr={lr}", "mesh.tp=2", "model.kernels.weight_grad=in_matmul", *extra)):
+        assert_same_grads(in_matmul, autograd, lr=lr)
+        assert_same_training(in_matmul, autograd, lr=lr)
+
+
 def test_the_vision_tower_keeps_autograds_path():
     """A VLM's tower runs twice in a microbatch of images and videos and not at all in a text-only step: none of
     its modules switch (the text model's do)."""
@@ -250,17 +355,19 @@ def test_vlm_training_equals_autograds(tmp_path):
     (["model.kernels.weight_grad=autograd"], (1, 1, 1, 1), "cuda", "autograd"),
     (["optim.master_dtype=float32"], (1, 1, 1, 1), "cuda", "autograd"),  # FSDP2 casts the fp32 weights
     ([], (1, 2, 1, 2), "cuda", "autograd"),
-    ([], (1, 1, 2, 2), "cuda", "autograd"),
+    ([], (1, 1, 2, 2), "cuda", "in_matmul"),  # a tp rank's own shards
+    ([], (1, 2, 2, 4), "cuda", "autograd"),  # tp2 x dp2: FSDP2
     ([], (2, 1, 1, 2), "cuda", "autograd"),
     (["model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda", "autograd"),
     (["model.kernels.weight_grad=in_matmul"], (1, 2, 1, 2), "cuda", "FSDP2 reduces the gradients"),
-    (["model.kernels.weight_grad=in_matmul"], (1, 1, 2, 2), "cuda", "mesh.tp=2: a tensor-parallel rank's"),
+    (["model.kernels.weight_grad=in_matmul"], (1, 2, 2, 4), "cuda", "FSDP2 reduces the gradients"),
     (["model.kernels.weight_grad=in_matmul"], (2, 1, 1, 2), "cuda", "mesh.pp=2: pipeline schedules"),
     (["model.kernels.weight_grad=in_matmul", "model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda",
      "model.cuda_graphs=true: a CUDA graph"),
 ])
 def test_where_it_runs(overrides, layout, device, expected):
-    """auto: in_matmul on CUDA with one rank holding plain weights in the compute dtype, else autograd; asked for
+    """auto: in_matmul on CUDA where each rank's weights are its own (one rank, or tp shards) in the compute dtype,
+    else autograd; asked for
     where it cannot run: one line naming the key, the value, the cause and what to set."""
     from qwenft.conf.layout import resolve_layout
     from qwenft.train.build import model_config

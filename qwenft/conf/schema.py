@@ -48,8 +48,8 @@ class KernelsOptions:
     moe: str = "auto"
     # the weight gradients: in_matmul = each added into .grad by the matmul that forms it (cuBLAS's beta = 1; the
     # embedding's and the fused head's likewise), autograd = formed as new tensors, then added by autograd;
-    # auto = in_matmul on CUDA with one rank holding plain weights (no FSDP2, tp, pp or CUDA graphs), else autograd
-    # (qwenft.models.weight_grad)
+    # auto = in_matmul on CUDA where each rank's weights (tp shards included) are its own: no FSDP2, pp or CUDA
+    # graphs; else autograd (qwenft.models.weight_grad)
     weight_grad: str = "auto"
     # where compiled kernels persist between runs: torch.compile's (inductor/), Triton's, fla's among them
     # (triton/), TileLang's (tilelang/); null = each library's default (inductor's is under /tmp, which a SLURM

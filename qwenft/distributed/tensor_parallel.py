@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from qwenft.models import weight_grad
 from qwenft.models.qwen3_5.attention import local, shard_extent
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig
 from qwenft.models.qwen3_5.moe import MoE
@@ -233,11 +234,20 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
 
 
 class ShardedLinear(nn.Linear):
-    """An nn.Linear whose DTensor weight (and a column-parallel bias) are multiplied as local shards."""
+    """An nn.Linear whose DTensor weight (and a column-parallel bias) are multiplied as local shards. With
+    model.kernels.weight_grad=in_matmul (`weight_grad.enable` gives it a `weight_grad` buffer, its shard's size)
+    the backward's matmul adds the weight's gradient into that buffer, the local tensor of the weight's `.grad`."""
+
+    takes_weight_grad = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a row-parallel bias is replicated: `_block_output` adds it once, to rank 0's partial output
-        return torch.nn.functional.linear(x, local(self.weight), local(self.bias) if self.sharded_bias else None)
+        bias = local(self.bias) if self.sharded_bias else None
+        grad = getattr(self, "weight_grad", None)
+        if grad is None or not torch.is_grad_enabled():
+            return F.linear(x, local(self.weight), bias)
+        y = weight_grad.linear(x, self.weight, grad)
+        return y if bias is None else y + bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -247,13 +257,22 @@ class VocabParallelEmbedding(nn.Embedding):
     RowwiseParallel returns it replicated, the whole vocabulary on every rank, which only FSDP2 cuts back to
     the shard). Plain tensors throughout, as `ShardedLinear`. An id outside the whole vocabulary gives zeros here,
     where nn.Embedding raises: the tokenizer's ids fit the model's vocabulary (checked when a run is built,
-    `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync."""
+    `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync. With
+    model.kernels.weight_grad=in_matmul the backward puts its rows' gradients into the `weight_grad` buffer (the
+    local tensor of the weight's `.grad`; the ids outside the shard add zeros to its row 0)."""
+
+    takes_weight_grad = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mesh = self.weight.device_mesh
         (rows, _), (start, _) = shard_extent(self.weight)
         outside = (ids < start) | (ids >= start + rows)
-        out = F.embedding((ids - start).masked_fill(outside, 0), local(self.weight))
+        own_ids = (ids - start).masked_fill(outside, 0)
+        grad = getattr(self, "weight_grad", None)
+        if grad is None or not torch.is_grad_enabled():
+            out = F.embedding(own_ids, local(self.weight))
+        else:
+            out = weight_grad.embedding(own_ids, self.weight, grad)
         return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)
 
 

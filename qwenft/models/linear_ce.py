@@ -39,6 +39,10 @@ class LMHead(nn.Linear):
     takes them); the CE sum is the same plain tensor on every rank.
     """
 
+    # the fused cross-entropy adds the weight's gradient into the `weight_grad` buffer (qwenft.models.weight_grad);
+    # the other paths' autograd adds into it as the weight's `.grad`
+    takes_weight_grad = True
+
     def __init__(self, hidden_size: int, vocab_size: int, ce_chunk_tokens: int = 0, ce_kernel: str = "torch"):
         super().__init__(hidden_size, vocab_size, bias=False)
         if ce_kernel not in ("torch", "fused"):

@@ -18,22 +18,27 @@ So `.grad` must exist before the step's first backward: `prepare_grads` makes it
 buffer, zeroed, and every microbatch adds. Each buffer lives with its module for the run (a fixed address, no
 allocation per step); `.grad` is set to it again at every step after `zero_grad(set_to_none=True)`.
 
-It needs each parameter whole and plain on its rank, with nothing between `.grad` and the optimizer: one rank
-without FSDP2, tensor or pipeline parallelism (FSDP2 reduce-scatters a gradient it takes from autograd; the tp
-path's local shards and the pipeline schedules' split weight gradients go through autograd too), and not with
-CUDA graphs (a graph's mutation of a buffer outside it). `spec.resolve_weight_grad` says where it runs.
+It needs each parameter's gradient to go from `.grad` straight to the optimizer: no FSDP2 (which reduce-scatters
+a gradient it takes from autograd), no pipeline parallelism (its schedules split the weight gradients off through
+autograd) and no CUDA graphs (a graph's mutation of a buffer outside it). Tensor parallelism without FSDP2 runs
+it: a tp-sharded weight (a DTensor whose rank multiplies its local shard, qwenft.distributed.tensor_parallel) gets
+a buffer the size of its shard, and `.grad` is a DTensor over that buffer with the weight's placements; each
+rank's shard gradient is whole on its rank, so nothing is summed over tp. `spec.resolve_weight_grad` says where it
+runs.
 
-Only the text model's `nn.Linear` and `nn.Embedding` themselves are switched (and the lm_head): each of those
-runs once a microbatch and every step. Float8 linears (subclasses) and parameters read outside their module's
-forward (the MoE router's weight, LoRA's adapters, both through `F.linear`) keep autograd's path, which then adds
-into the buffer in place; a frozen weight has no gradient. The vision tower keeps autograd's path whole: it runs
-twice in a microbatch of images and videos, and not at all in a text-only step, where its weights must keep no
-gradient (AdamW then leaves them alone).
+Only the text model's `nn.Linear` and `nn.Embedding` themselves are switched, and the modules whose class adds
+into the buffer itself (`takes_weight_grad`: the lm_head, tensor parallelism's sharded linears and vocab-parallel
+embedding): each of those runs once a microbatch and every step. Float8 linears (subclasses) and parameters read
+outside their module's forward (the MoE router's weight, LoRA's adapters, both through `F.linear`) keep autograd's
+path, which then adds into the buffer in place; a frozen weight has no gradient. The vision tower keeps autograd's
+path whole: it runs twice in a microbatch of images and videos, and not at all in a text-only step, where its
+weights must keep no gradient (AdamW then leaves them alone).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from qwenft.models.linear_ce import LMHead
 
@@ -51,11 +56,30 @@ def _(grad, dy, x) -> None:
     return None
 
 
+def _own(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank multiplies: a tp-sharded DTensor weight's local shard, else the weight itself."""
+    # the local tensor itself, as `attention.local` takes it: `to_local()` would add an autograd node in grad mode
+    return weight._local_tensor if isinstance(weight, DTensor) else weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T, weight's gradient added into `grad` (its own tensor's shape: a DTensor's local shard) by the
+    backward's matmul; autograd gets none for `weight`."""
+    return _Linear.apply(x, weight, grad)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """weight[ids] (a DTensor's local rows), the rows' gradients put into `grad` by the backward."""
+    return _Embedding.apply(ids, weight, grad)
+
+
 class _Linear(torch.autograd.Function):
-    """y = x @ weight^T; the backward returns x's gradient and adds weight's into `grad` (returning none for it)."""
+    """y = x @ weight^T; the backward returns x's gradient and adds weight's into `grad` (returning none for it).
+    `weight` itself is the input, DTensor or not, so that the output needs a gradient whenever the weight does."""
 
     @staticmethod
     def forward(ctx, x, weight, grad):
+        weight = _own(weight)
         # `grad` saved like x: each switched linear runs once a microbatch (`enable`), so nothing changes the buffer
         # between this forward and its backward (a compiled layer's backward takes it as a graph input)
         ctx.save_for_backward(x, weight, grad)
@@ -75,7 +99,7 @@ class _Embedding(torch.autograd.Function):
     def forward(ctx, ids, weight, grad):
         ctx.save_for_backward(ids)
         ctx.grad = grad  # not saved: a tied lm_head adds into it first, which autograd's version check would refuse
-        return F.embedding(ids, weight)
+        return F.embedding(ids, _own(weight))
 
     @staticmethod
     def backward(ctx, dy):
@@ -102,27 +126,32 @@ class GradInMatmulLinear(nn.Linear):
     """nn.Linear whose weight gradient its backward matmul adds into `weight_grad` (the weight's `.grad` during
     a step, `prepare_grads`). The bias, if any, keeps autograd's path."""
 
+    takes_weight_grad = True
+
     def forward(self, x):
         if not torch.is_grad_enabled() or self.weight_grad is None:
             return super().forward(x)
-        y = _Linear.apply(x, self.weight, self.weight_grad)
+        y = linear(x, self.weight, self.weight_grad)
         return y if self.bias is None else y + self.bias
 
 
 class GradInPlaceEmbedding(nn.Embedding):
     """nn.Embedding whose backward puts the token gradients into `weight_grad` (the weight's `.grad`)."""
 
+    takes_weight_grad = True
+
     def forward(self, ids):
         if not torch.is_grad_enabled() or self.weight_grad is None or self.padding_idx is not None or self.max_norm:
             return super().forward(ids)
-        return _Embedding.apply(ids, self.weight, self.weight_grad)
+        return embedding(ids, self.weight, self.weight_grad)
 
 
 def enable(model: nn.Module) -> list[str]:
-    """Switch `model`'s trained plain linears and embeddings (exact classes: nn.Linear, nn.Embedding) and its
-    lm_head (`linear_ce.LMHead`, which takes the buffer in its fused cross-entropy) to adding their weight
-    gradients in place, all but the vision tower's (`model.visual`); returns the switched modules' names. Works on
-    the meta device (no buffer is made yet)."""
+    """Switch `model`'s trained plain linears and embeddings (exact classes: nn.Linear, nn.Embedding) to adding
+    their weight gradients in place, and give the modules whose class does so itself (`takes_weight_grad`: the
+    lm_head, `linear_ce.LMHead`, in its fused cross-entropy; tensor parallelism's sharded linears and
+    vocab-parallel embedding) their buffer, all but the vision tower's (`model.visual`); returns the switched
+    modules' names. Works on the meta device (no buffer is made yet)."""
     tower = getattr(model, "visual", None)
     skipped = set() if tower is None else {id(m) for m in tower.modules()}
     switched = []
@@ -130,7 +159,7 @@ def enable(model: nn.Module) -> list[str]:
         if id(module) in skipped:
             continue
         kind = {nn.Linear: GradInMatmulLinear, nn.Embedding: GradInPlaceEmbedding}.get(type(module))
-        if kind is None and not isinstance(module, LMHead):
+        if kind is None and not getattr(type(module), "takes_weight_grad", False):
             continue
         if not module.weight.requires_grad:
             continue
@@ -147,7 +176,8 @@ def switched_modules(model_parts) -> list[nn.Module]:
 
 def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float | None = None) -> None:
     """Before a step's first backward: each switched module's weight gets `.grad` = its buffer, zeroed (made at
-    the first step; a weight shared by two modules, tied embeddings, one buffer for both). `ce_scale` and
+    the first step; a weight shared by two modules, tied embeddings, one buffer for both; a DTensor weight's
+    buffer is its local shard's size and `.grad` a DTensor over it, `_as_grad`). `ce_scale` and
     `mtp_scale`: the step's loss factors on the head's CE sum and on the MTP head's (1 / the step's label tokens;
     the MTP weight / its targets), which let the fused head add its weight gradient inside its forward matmuls
     (`linear_ce.LMHead.grad_scales`); None = the head scales it into the buffer in its backward."""
@@ -158,13 +188,26 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
         weight = module.weight
         grad = by_param.get(id(weight))
         if grad is None:
-            grad = module.weight_grad
-            if grad is None or grad.shape != weight.shape or grad.device != weight.device or grad.dtype != weight.dtype:
-                grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+            own, grad = _own(weight), module.weight_grad
+            if grad is None or grad.shape != own.shape or grad.device != own.device or grad.dtype != own.dtype:
+                grad = torch.zeros_like(own, memory_format=torch.contiguous_format)
             else:
                 to_zero.append(grad)
             by_param[id(weight)] = grad
-            weight.grad = grad
+            weight.grad = _as_grad(module, weight, grad)
         module.weight_grad = grad
     if to_zero:  # one call for all: a zero_ per buffer is a launch each, host time at the step's start
         torch._foreach_zero_(to_zero)
+
+
+def _as_grad(module: nn.Module, weight: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """`buffer` as `weight`'s `.grad`: itself, or for a DTensor weight a DTensor over it with the weight's
+    placements, made once and kept on the module (a new one each step would be host work per weight)."""
+    if not isinstance(weight, DTensor):
+        return buffer
+    of, grad = getattr(module, "weight_grad_dtensor", (None, None))  # (the buffer it is over, the DTensor)
+    if of is not buffer:  # its local tensor is a view of the buffer, not the buffer object itself
+        grad = DTensor.from_local(buffer, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
+        module.weight_grad_dtensor = (buffer, grad)
+    return grad

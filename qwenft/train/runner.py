@@ -150,7 +150,8 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)
     elif job.spec.parallel.weight_grad == "in_matmul":
-        # one rank (nothing to sum the counts over): the loss's factors on the CE sums are known on the host
+        # one batch shard (no FSDP2: dp = cp = 1, nothing to sum the counts over): the loss's factors on the CE sums
+        # are known on the host
         mtp_weight = job.spec.parallel.mtp_weight
         prepare_grads(job.model_parts, ce_scale=1.0 / max(int(label_count), 1),
                       mtp_scale=None if mtp_count is None else mtp_weight / max(int(mtp_count), 1))

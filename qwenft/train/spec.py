@@ -287,17 +287,15 @@ def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
 
 def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes,
                         cuda_graphs: bool) -> str:
-    """model.kernels.weight_grad: in_matmul needs each trained weight whole and plain on its rank with its
-    `.grad` going straight to the optimizer (qwenft.models.weight_grad); auto takes it there on CUDA, else
-    autograd. Raises where in_matmul was asked for and the layout cannot run it."""
+    """model.kernels.weight_grad: in_matmul needs each trained weight's `.grad` to go straight to the optimizer
+    (qwenft.models.weight_grad): no FSDP2, pipeline or CUDA graphs; a tensor-parallel rank's shards qualify. auto
+    takes it there on CUDA, else autograd. Raises where in_matmul was asked for and the layout cannot run it."""
     mode = cfg.model.kernels.weight_grad
     if mode == "autograd":
         return mode
     why = None
     if fsdp:
         why = f"FSDP2 reduces the gradients that autograd gives it, and {fsdp_cause(cfg, layout, dtypes)}"
-    elif layout.tp > 1:
-        why = f"mesh.tp={layout.tp}: a tensor-parallel rank's gradients go through its shards' autograd nodes"
     elif layout.pp > 1:
         why = f"mesh.pp={layout.pp}: pipeline schedules take the weight gradients from autograd"
     elif cuda_graphs:
