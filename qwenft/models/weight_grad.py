@@ -43,17 +43,20 @@ from torch.distributed.tensor import DTensor
 from qwenft.models.linear_ce import LMHead
 
 
-@torch.library.custom_op("qwenft::addmm_weight_grad_", mutates_args=("grad",))
-def addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    """grad += dy^T @ x over all leading dimensions: [out, in] += [N, out]^T @ [N, in], in one matmul. A
-    custom op, so that inside a compiled layer's backward the compiler keeps the in-place matmul (it would
-    otherwise form the product and then add it)."""
+def _addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
     grad.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
 
 
-@addmm_weight_grad_.register_fake
-def _(grad, dy, x) -> None:
-    return None
+# An operator of its own, so that inside a compiled layer's backward the compiler keeps the in-place matmul (it
+# would otherwise form the product and then add it). Defined through torch.library.Library rather than
+# torch.library.custom_op, whose Python wrapper costs several times the call's own host time (docs/performance.md),
+# once per switched linear and microbatch, eager or from a compiled graph.
+_LIB = torch.library.Library("qwenft", "DEF")
+_LIB.define("addmm_weight_grad_(Tensor(a!) grad, Tensor dy, Tensor x) -> ()")
+_LIB.impl("addmm_weight_grad_", _addmm_weight_grad_, "CompositeExplicitAutograd")
+torch.library.register_fake("qwenft::addmm_weight_grad_", lambda grad, dy, x: None, lib=_LIB)
+# grad += dy^T @ x over all leading dimensions: [out, in] += [N, out]^T @ [N, in], in one matmul
+addmm_weight_grad_ = torch.ops.qwenft.addmm_weight_grad_.default
 
 
 def _own(weight: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Host-side time of one microbatch's forward + backward per decoder layer, with kernels too small to matter.
 
     python scripts/bench.py host [--repeat 20] recipe=tiny data.seq_len=16 [mesh.tp=2] \
-        [model.activation_checkpointing=true] [model.compile=true]
+        [model.activation_checkpointing=true] [model.compile=true] [model.kernels.weight_grad=in_matmul]
 
 Builds the model as `qwenft train` does up to FSDP (tensor parallel over mesh.tp on a fake process group,
-whose collectives send nothing; activation checkpointing), on the CPU in fp32, and times forward + backward of
+whose collectives send nothing; activation checkpointing; the weight gradients added in their matmuls when
+model.kernels.weight_grad=in_matmul), on the CPU in fp32, and times forward + backward of
 one microbatch of `data.seq_len` tokens. With the tiny model and a few tokens the kernels take microseconds,
 so what is timed is the host's work per op: Python, torch's dispatch, DTensor where parameters pass
 through it, autograd and the recompute. That work does not depend on the model's dimensions, only on
@@ -36,6 +37,7 @@ def build(cfg):
     from qwenft.distributed.mesh import build_mesh
     from qwenft.distributed.parallelize import apply_compile
     from qwenft.distributed.tensor_parallel import apply_tp, validate_tp
+    from qwenft.models import weight_grad
     from qwenft.models.loader import build_model, init_random_weights
     from qwenft.train.build import model_config
 
@@ -51,7 +53,13 @@ def build(cfg):
         apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if cfg.model.compile:
         apply_compile(model)
-    return init_random_weights(model, seed=0, device="cpu", dtype=torch.float32), model_cfg.text.vocab_size
+    in_matmul = cfg.model.kernels.weight_grad == "in_matmul"
+    if in_matmul:
+        weight_grad.enable(model)
+    init_random_weights(model, seed=0, device="cpu", dtype=torch.float32)
+    if in_matmul:  # the buffers made once and never zeroed: every microbatch adds, as within a step
+        weight_grad.prepare_grads([model])
+    return model, model_cfg.text.vocab_size
 
 
 def main(argv: list[str]) -> None:
