@@ -306,7 +306,7 @@ def test_compiled_checkpointed_training_equals_autograds(tmp_path):
     (["model.kernels.ce=fused", "mesh.sequence_parallel=true", "model.mtp=train"], 5e-4),
     (["model.compile=true"], 2e-4),
 ], ids=["fused-ce-sp-mtp", "compiled"])
-def test_tensor_parallel_training_equals_one_processs_autograd(tmp_path, extra, lr):
+def test_tensor_parallel_training_equals_one_process_with_autograd(tmp_path, extra, lr):
     """The runner at mesh.tp=2 (vocab-parallel, no FSDP2) with in_matmul against one process with autograd, 3 steps
     of 4 microbatches: every loss, the last step's full gradients and the trained parameters within fp32_rtol, on
     both ranks. With the fused head, sequence parallelism and a trained MTP head; and compiled (the sharded
