@@ -207,7 +207,8 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
 
     The parameters stay DTensors (FSDP2 shards them further over dp, the loader and checkpoints read their
     placements); the forward multiplies plain tensors: `attention.local` adds each local gradient to the
-    parameter's `.grad`, with the same placement, so the shards' gradients need no communication. Only
+    parameter's `.grad`, with the same placement (or, model.kernels.weight_grad=in_matmul, the weight-gradient
+    matmul adds into the local tensor of `.grad` itself), so the shards' gradients need no communication. Only
     `_block_input` / `_block_output` communicate, once per block, and the projections' ops skip DTensor's
     dispatch."""
     shard_param(linear, "weight", mesh, placement)
@@ -259,7 +260,9 @@ class VocabParallelEmbedding(nn.Embedding):
     where nn.Embedding raises: the tokenizer's ids fit the model's vocabulary (checked when a run is built,
     `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync. With
     model.kernels.weight_grad=in_matmul the backward puts its rows' gradients into the `weight_grad` buffer (the
-    local tensor of the weight's `.grad`; the ids outside the shard add zeros to its row 0)."""
+    local tensor of the weight's `.grad`). The ids outside the shard then look up rows spread over the shard, each
+    token's position modulo the rows, whose masked outputs add exact zeros: all on one row, they would make one
+    run of (tp - 1) / tp of the tokens for CUDA's sorted-rows kernel to walk alone."""
 
     takes_weight_grad = True
 
@@ -267,12 +270,12 @@ class VocabParallelEmbedding(nn.Embedding):
         mesh = self.weight.device_mesh
         (rows, _), (start, _) = shard_extent(self.weight)
         outside = (ids < start) | (ids >= start + rows)
-        own_ids = (ids - start).masked_fill(outside, 0)
         grad = getattr(self, "weight_grad", None)
         if grad is None or not torch.is_grad_enabled():
-            out = F.embedding(own_ids, local(self.weight))
+            out = F.embedding((ids - start).masked_fill(outside, 0), local(self.weight))
         else:
-            out = weight_grad.embedding(own_ids, self.weight, grad)
+            spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % rows
+            out = weight_grad.embedding(torch.where(outside, spread, ids - start), self.weight, grad)
         return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)
 
 

@@ -79,9 +79,7 @@ def _compile(fn, *owners: nn.Module, cuda_graphs: bool = False):
     tensor-parallel shard (docs/performance.md, "Host time per decoder layer"). So for the call each DTensor
     parameter is swapped for its local tensor through `attention.local_all` (one autograd node for all of a
     graph's parameters), eager, as the layers without compile take them through `local`: its backward adds
-    each local gradient to the parameter's `.grad`, and the graph sees plain tensors. A weight whose module adds
-    its gradient into a buffer itself (model.kernels.weight_grad=in_matmul: `weight_grad` set) is swapped for its
-    local tensor as it is, as a frozen one: its gradient never passes through autograd. The parameters are put
+    each local gradient to the parameter's `.grad`, and the graph sees plain tensors. The parameters are put
     back before the call returns (FSDP2 swaps the same slots around the layer).
 
     An input may arrive as AsyncCollectiveTensor (a functional collective not yet waited on). Given one
@@ -101,27 +99,20 @@ def _compile(fn, *owners: nn.Module, cuda_graphs: bool = False):
     @functools.wraps(fn)
     def call(*args):
         args = [a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args]
-        swapped = [(m, name, m._parameters[name], p.requires_grad and not _adds_own_grad(m, name))
-                   for m, name in slots if isinstance(p := m._parameters[name], DTensor)]
-        taken = [p for _, _, p, take in swapped if take]
-        taken = iter(local_all(taken) if taken else ())
+        swapped = [(m, name, m._parameters[name]) for m, name in slots if isinstance(m._parameters[name], DTensor)]
+        trained = [p for _, _, p in swapped if p.requires_grad]
+        taken = iter(local_all(trained) if trained else ())
         try:
-            for m, name, p, take in swapped:  # else its local tensor as it is: no gradient to take
-                m._parameters[name] = t = next(taken) if take else p._local_tensor
+            for m, name, p in swapped:  # a frozen parameter's local tensor as it is: no gradient to take
+                m._parameters[name] = t = next(taken) if p.requires_grad else p._local_tensor
                 if cuda_graphs:
                     torch._dynamo.mark_static_address(t)
             return graph(*args)
         finally:
-            for m, name, p, _ in swapped:
+            for m, name, p in swapped:
                 m._parameters[name] = p
 
     return call
-
-
-def _adds_own_grad(module: nn.Module, name: str) -> bool:
-    """Whether `module`'s parameter `name` gets its gradient from the module's own kernels, into the `weight_grad`
-    buffer (qwenft.models.weight_grad), rather than from autograd."""
-    return name == "weight" and getattr(module, "weight_grad", None) is not None
 
 
 def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False, gdn_graphs: bool = False) -> None:
