@@ -286,8 +286,8 @@ class SFTData:
             try:
                 batch = self.make_batch(plan)
             except Exception:
-                # raised where it was before: `next` makes this batch again in the next step and raises there,
-                # after this step has stepped, logged and saved
+                # `next` makes this batch again in the next step and raises its error there, after this step has
+                # stepped, logged and saved
                 return
             self._ahead.append((plan, batch))
             epoch, row = plan.after

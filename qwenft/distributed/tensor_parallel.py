@@ -258,11 +258,11 @@ class VocabParallelEmbedding(nn.Embedding):
     RowwiseParallel returns it replicated, the whole vocabulary on every rank, which only FSDP2 cuts back to
     the shard). Plain tensors throughout, as `ShardedLinear`. An id outside the whole vocabulary gives zeros here,
     where nn.Embedding raises: the tokenizer's ids fit the model's vocabulary (checked when a run is built,
-    `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync. With
-    model.kernels.weight_grad=in_matmul the backward puts its rows' gradients into the `weight_grad` buffer (the
-    local tensor of the weight's `.grad`). The ids outside the shard then look up rows spread over the shard, each
-    token's position modulo the rows, whose masked outputs add exact zeros: all on one row, they would make one
-    run of (tp - 1) / tp of the tokens for CUDA's sorted-rows kernel to walk alone."""
+    `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync. The ids outside the shard
+    look up rows spread over it (each token's position modulo the rows), whose masked outputs give back exact
+    zeros: all on one row, they would be one run of (tp - 1) / tp of the tokens for CUDA's sorted-rows kernel to
+    walk alone under model.kernels.weight_grad=in_matmul, where the backward puts the rows' gradients into the
+    `weight_grad` buffer (the local tensor of the weight's `.grad`)."""
 
     takes_weight_grad = True
 
@@ -270,12 +270,12 @@ class VocabParallelEmbedding(nn.Embedding):
         mesh = self.weight.device_mesh
         (rows, _), (start, _) = shard_extent(self.weight)
         outside = (ids < start) | (ids >= start + rows)
+        own_ids = torch.where(outside, torch.arange(ids.numel(), device=ids.device).view_as(ids) % rows, ids - start)
         grad = getattr(self, "weight_grad", None)
         if grad is None or not torch.is_grad_enabled():
-            out = F.embedding((ids - start).masked_fill(outside, 0), local(self.weight))
+            out = F.embedding(own_ids, local(self.weight))
         else:
-            spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % rows
-            out = weight_grad.embedding(torch.where(outside, spread, ids - start), self.weight, grad)
+            out = weight_grad.embedding(own_ids, self.weight, grad)
         return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)
 
 
