@@ -14,17 +14,24 @@ from qwenft.data.loader import FINGERPRINT_BYTES, build_sft_data, fingerprint, l
 from qwenft.data.tiny_chat import TRAIN_PATH, VAL_PATH
 from qwenft.data.tokenizer import load_tokenizer
 
-# Qwen3's structure (trimmed of tools): assistant turns after the last user query get a
-# `<think>...</think>` block, earlier ones do not, and `reasoning_content` is dropped from history.
+# Qwen3's structure (trimmed of tools): an assistant turn's reasoning is its `reasoning_content`, or the
+# `<think>` block that opens its content, moved into a block of the template's own spacing; turns after the last
+# user query keep it (an empty block when there is none), earlier ones are rendered without it.
 QWEN_LIKE_TEMPLATE = """
 {%- set ns = namespace(last_query=-1) %}
 {%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}
+{%- set content = m.content %}
+{%- set reasoning = m.reasoning_content or '' %}
+{%- if '</think>' in content %}
+{%- set reasoning = reasoning or content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = content.split('</think>')[-1] %}
+{%- endif %}
 {%- if loop.index0 > ns.last_query %}
-{{- '<|im_start|>assistant\\n<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n\\n' + m.content.strip() + '<|im_end|>\\n' }}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.strip() + '<|im_end|>\\n' }}
 {%- else %}
-{{- '<|im_start|>assistant\\n' + m.content.strip() + '<|im_end|>\\n' }}
+{{- '<|im_start|>assistant\\n' + content.strip() + '<|im_end|>\\n' }}
 {%- endif %}
 {%- else %}
 {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
@@ -32,6 +39,9 @@ QWEN_LIKE_TEMPLATE = """
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
+# The same with a generation prompt that opens the reasoning block, as thinking-by-default templates do.
+THINKING_PROMPT_TEMPLATE = QWEN_LIKE_TEMPLATE.replace("""{{- '<|im_start|>assistant\\n' }}{%- endif %}""",
+                                                      """{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}""")
 
 CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},
@@ -86,6 +96,46 @@ def test_masking_with_qwen_like_template_learns_the_think_block_of_the_final_tur
     docs, _ = tokenize_rows([{"messages": messages}], qwen_like_tok, seq_len=256)
     assert labelled_text(docs[0].labels, qwen_like_tok) == (
         "3 plus 4 is 7.<|im_end|>tac<|im_end|><think>\n\n</think>\n\nfour<|im_end|>")
+
+
+THINKING = [{"role": "user", "content": "What is 3 plus 4?"},
+            {"role": "assistant", "content": "<think>3 and 4 make 7.</think>7."},
+            {"role": "user", "content": "And 2 plus 2?"}]
+
+
+@pytest.mark.parametrize("template", ["qwen_like", "thinking_prompt"])
+def test_reasoning_is_learned_as_the_template_renders_it(qwen_like_tok, template):
+    """Reasoning in `reasoning_content` or as a `<think>` block in the content: the final turn is learned with
+    the template's reasoning block (but for what the generation prompt already holds), an earlier turn as the
+    template renders it, without; data.train_on=last_turn learns the final turn alone."""
+    if template == "thinking_prompt":
+        qwen_like_tok.chat_template = THINKING_PROMPT_TEMPLATE
+    opened = "" if template == "thinking_prompt" else "<think>\n"
+    try:
+        final = {"role": "assistant", "content": "4.", "reasoning_content": "2 and 2 make 4."}
+        inline = {"role": "assistant", "content": "<think>\n2 and 2 make 4.\n</think>\n\n4."}
+        for last in (final, inline):
+            (doc,), skipped = tokenize_rows([{"messages": THINKING + [last]}], qwen_like_tok, seq_len=256)
+            assert not skipped
+            assert qwen_like_tok.decode(doc.input_ids).count("7.") == 1  # the old turn's reasoning is not rendered
+            assert labelled_text(doc.labels, qwen_like_tok) == (
+                f"7.<|im_end|>{opened}2 and 2 make 4.\n</think>\n\n4.<|im_end|>")
+            (doc,), _ = tokenize_rows([{"messages": THINKING + [last]}], qwen_like_tok, seq_len=256,
+                                      train_on="last_turn")
+            assert labelled_text(doc.labels, qwen_like_tok) == f"{opened}2 and 2 make 4.\n</think>\n\n4.<|im_end|>"
+    finally:
+        qwen_like_tok.chat_template = QWEN_LIKE_TEMPLATE
+
+
+def test_reasoning_the_template_drops_from_the_final_turn_is_a_bad_row(tok):
+    """The tiny template has no reasoning branch: the final turn's reasoning_content would be lost."""
+    row = {"messages": THINKING + [{"role": "assistant", "content": "4.", "reasoning_content": "2 and 2 make 4."}]}
+    docs, skipped = tokenize_rows([row], tok, seq_len=256)
+    assert not docs and skipped == {"template": 1}
+    assert "reasoning of assistant message 3" in skipped.describe()
+    with pytest.raises(ValueError, match="reasoning_content is int"):
+        tokenize_rows([{"messages": THINKING[:1] + [{"role": "assistant", "content": "7.", "reasoning_content": 7}]}],
+                      tok, seq_len=256, on_bad_row="error")
 
 
 def test_im_end_is_labelled_when_eos_is_endoftext(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from qwenft.data import cache as cache_lib
 from qwenft.data.chat import tokenize_rows
-from qwenft.data.loader import build_sft_data, load_rows
+from qwenft.data.loader import build_sft_data, fingerprint, load_rows
 from qwenft.data.mixture import Source, build_mixture_data
 from qwenft.data.packing import pack_plan
 from qwenft.data.tiny_chat import TRAIN_PATH
@@ -365,3 +365,75 @@ def test_a_mixture_needs_no_data_path():
     assert [(s.path, s.weight) for s in cfg.data.sources] == [("/d/a.jsonl", 2.0), ("/d/b.jsonl", 1.0)]
     with pytest.raises(ValueError, match="required key"):
         compose(["recipe=qwen3_5_27b_lora"])
+
+
+@pytest.mark.parametrize("damage", ["truncate tokens", "no offsets", "garbled meta", "short offsets"])
+def test_a_damaged_cache_is_named_not_read(tok, tmp_path, damage):
+    data = tmp_path / "chat.jsonl"
+    shutil.copy(TRAIN_PATH, data)
+    docs, _ = cache_lib.open_cache(data, tok, 128, cache_dir=tmp_path / "c", num_proc=1)
+    directory = docs.directory
+    del docs
+    if damage == "truncate tokens":
+        with open(directory / "tokens.npy", "r+b") as f:
+            f.truncate(200)
+    elif damage == "no offsets":
+        (directory / "offsets.npy").unlink()
+    elif damage == "garbled meta":
+        (directory / "meta.json").write_text('{"documents": ')
+    else:
+        np.save(directory / "offsets.npy", np.load(directory / "offsets.npy")[:-5])
+    with pytest.raises(ValueError) as e:
+        build_sft_data(data, tok, 128, 1, cache_dir=tmp_path / "c", num_proc=1)
+    message = str(e.value)
+    assert f"the token cache {directory} is damaged" in message and "delete that directory" in message
+    assert "\n" not in message
+
+
+def test_a_cache_dir_inside_a_datasets_dir_is_not_data(tok, tmp_path):
+    """data.cache_dir inside the data dir: the second run reuses the first's cache and sees the same data."""
+    import datasets
+
+    directory = tmp_path / "ds"
+    datasets.Dataset.from_list(load_rows(TRAIN_PATH)[:40]).save_to_disk(str(directory))
+    before = fingerprint(directory)
+    first = build_sft_data(directory, tok, 96, 2, cache_dir=directory / "mycache", num_proc=1)
+    second = build_sft_data(directory, tok, 96, 2, cache_dir=directory / "mycache", num_proc=1)
+    assert "built here" in first.cache_note and "reused" in second.cache_note
+    assert first.fingerprint == second.fingerprint == before
+
+
+def test_the_format_of_a_json_array_is_read_from_its_head(tmp_path, monkeypatch):
+    """`auto` reads the first rows of a .json array without parsing the rest: here the rest is not even JSON."""
+    rows = load_rows(TRAIN_PATH)[:12]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=1)[:-1] + ", {oops")
+    monkeypatch.setattr(cache_lib, "AUTO_SAMPLE_ROWS", 10)
+    assert cache_lib.head_rows(path, 10) == rows[:10]
+    assert cache_lib.source_format(path, "auto") == "messages"
+    with pytest.raises(ValueError, match="is not a valid JSON array"):
+        load_rows(path)
+    with pytest.raises(ValueError, match="is not a valid JSON array"):
+        cache_lib.head_rows(path, 13)
+
+
+def test_no_usable_documents_says_why_with_the_first_row_of_each_reason(tmp_path):
+    from qwenft.conf import compose
+    from qwenft.train.build import build_data, check_chat_template, model_config
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "robot", "content": "x"}]}]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for cache in ("true", "false"):
+        cfg = compose(["recipe=tiny", f"data.path={path}", f"data.cache={cache}", f"data.cache_dir={tmp_path / 'c'}"])
+        with pytest.raises(ValueError) as e:
+            build_data(cfg, model_config(cfg), 1, 0, 1)
+        message = str(e.value)
+        assert message.startswith("no usable documents (skipped: {") and "\n" not in message, message
+        assert ("data row 0 (no_assistant): conversation has no assistant turn to learn from; data row 1 (bad_role): "
+                "message 0 has role 'robot'; expected one of") in message, message
+    tok = load_tokenizer("tiny", tmp_path / "tok")
+    tok.chat_template = None
+    cfg = compose(["recipe=tiny", f"data.tokenizer={tmp_path / 'tok'}"])
+    with pytest.raises(ValueError, match=f"data.tokenizer='{tmp_path / 'tok'}': its tokenizer has no chat template"):
+        check_chat_template(tok, cfg)

@@ -223,3 +223,75 @@ def test_training_on_a_sharegpt_file_logs_the_format(tmp_path):
     assert f"data: sharegpt rows (data.format=auto, found by their columns); {len(rows) - 1} documents," in line
     assert "skipped rows: {'format': 1}; token cache " in line, line
 
+
+
+@pytest.mark.parametrize("system", ["", "  \n"])
+def test_an_empty_system_column_is_no_system_prompt(tok, system):
+    """LLaMA-Factory's ShareGPT and Alpaca files often carry `"system": ""`: the row trains as without one."""
+    sharegpt = {key: value for key, value in SHAREGPT.items() if key != "system"}
+    for row, fmt, messages in [({**sharegpt, "system": system}, "sharegpt", SHAREGPT_MESSAGES[1:]),
+                               ({**ALPACA[0][0], "system": system}, "alpaca", ALPACA[0][1])]:
+        assert as_messages_row(row, fmt) == {"messages": messages}
+        docs, skipped = tokenize_rows([row], tok, seq_len=256, data_format=fmt)
+        assert len(docs) == 1 and not skipped
+
+
+def test_a_turn_of_the_wrong_type_is_a_bad_row_with_its_index(tok):
+    rows = [{"conversations": [{"from": ["human"], "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+            {"messages": [["user", "hi"], {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": {"a": 1}, "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            "just text"]
+    formats = ["sharegpt", "messages", "messages", "messages"]
+    details = ["turn 0 is from ['human']", "message 0 is a list, not an object", "message 0 has role {'a': 1}",
+               "row is a str, not an object with the 'messages'"]
+    for row, fmt, detail in zip(rows, formats, details):
+        docs, skipped = tokenize_rows([row], tok, seq_len=256, data_format=fmt)
+        assert not docs and len(skipped) == 1 and detail in skipped.describe(), skipped.describe()
+
+
+def test_arrow_rows_lose_the_null_keys_arrow_gives_them(tool_tok, tmp_path):
+    """Parquet and datasets dirs give every row's struct the keys of all rows, nulls where a row had none: two
+    tool calls with different arguments (and two tool schemas) train as they do from JSONL."""
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    from qwenft.data import cache as cache_lib
+    from qwenft.data.loader import load_rows
+
+    def row(name, arguments):
+        schema = {"name": name, "parameters": {"type": "object", "properties": {k: {"type": "string"}
+                                                                               for k in arguments}}}
+        return {"tools": [schema], "messages": [
+            {"role": "user", "content": f"Use {name}."},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "content": "done"}, {"role": "assistant", "content": "Done."}]}
+
+    rows = [row("get_weather", {"city": "Paris"}), row("add", {"a": "1", "b": "2"})]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    want, _ = tokenize_rows(load_rows(jsonl), tool_tok, seq_len=1024)
+    assert '"arguments": {"city": "Paris"}' in labelled_text(want[0], tool_tok)
+    for path in (tmp_path / "rows.parquet", tmp_path / "ds"):
+        assert load_rows(path) == rows == cache_lib.head_rows(path)
+        assert [r for shard in cache_lib.plan_shards(path) for r in cache_lib.shard_rows(shard)] == rows
+        got, skipped = tokenize_rows(load_rows(path), tool_tok, seq_len=1024)
+        assert not skipped and got == want
+
+
+def test_a_utf8_bom_is_not_part_of_the_first_row(tok, tmp_path):
+    from qwenft.data import cache as cache_lib
+    from qwenft.data.loader import load_rows
+
+    rows = [SHAREGPT, {**SHAREGPT, "system": "Be terse."}]
+    bom = b"\xef\xbb\xbf"
+    jsonl, array = tmp_path / "bom.jsonl", tmp_path / "bom.json"
+    jsonl.write_bytes(bom + b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    array.write_bytes(bom + json.dumps(rows, indent=1).encode())
+    for path in (jsonl, array):
+        assert load_rows(path) == rows == cache_lib.head_rows(path)
+        assert [r for shard in cache_lib.plan_shards(path) for r in cache_lib.shard_rows(shard)] == rows
+        data = build_sft_data(path, tok, 128, 1, cache_dir=tmp_path / "cache", num_proc=1)
+        assert data.num_documents == 2 and not data.skipped

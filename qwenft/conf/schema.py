@@ -127,7 +127,7 @@ class DataOptions:
     tokenizer: Optional[str] = None  # tokenizer dir; default: model.path, else "tiny" (trained at first use)
     seq_len: int = 256
     packing: str = "pack"  # pack documents into rows, or pad one document per row
-    train_on: str = "assistant"  # labels on assistant turns, or on all tokens
+    train_on: str = "assistant"  # labels on assistant turns, those after the last user turn, or all tokens
     truncation: str = "truncate_right"  # documents longer than seq_len: cut, or drop them
     on_bad_row: str = "skip"  # skip (and count) bad rows, or error on the first
     format: str = "auto"  # rows as messages, sharegpt or alpaca; auto = the format of most rows, by their columns
@@ -301,7 +301,7 @@ CHOICES = {
     "model.kernels.weight_grad": ("auto", "in_matmul", "autograd"),
     "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective", "auto"),
     "data.packing": ("pack", "pad"),
-    "data.train_on": ("assistant", "all"),
+    "data.train_on": ("assistant", "last_turn", "all"),
     "data.truncation": ("truncate_right", "drop"),
     "data.on_bad_row": ("skip", "error"),
     "data.format": ("auto", "messages", "sharegpt", "alpaca"),

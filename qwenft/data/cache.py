@@ -39,12 +39,15 @@ from pathlib import Path
 import numpy as np
 
 from qwenft.constants import IGNORE_INDEX
-from qwenft.data.chat import TRAIN_ON, TRUNCATION, BadRow, Document, check_choice, row_tokens, shift_labels
-from qwenft.data.formats import resolve_format
+from qwenft.data.chat import (TRAIN_ON, TRUNCATION, BadRow, Document, SkipCounts, check_choice, row_tokens,
+                              shift_labels)
+from qwenft.data.formats import arrow_rows, resolve_format
 
 log = logging.getLogger("qwenft")
 
-CACHE_VERSION = 2  # 2: rows read by data.format (sharegpt, alpaca) with their `tools` column
+# 2: rows read by data.format (sharegpt, alpaca) with their `tools` column; 3: reasoning_content, rewritten
+# replies, Arrow's null keys dropped, `last_turn`
+CACHE_VERSION = 3
 STALE_LOCK_S = 600.0
 SHARD_BYTES = 8 << 20  # JSONL bytes per worker task: ~10k chat rows, a few seconds of tokenizing
 SHARD_ROWS = 10_000  # rows per task for Parquet row groups split further, JSON arrays and datasets dirs
@@ -80,10 +83,18 @@ def file_fingerprint(path: Path) -> dict:
             "head_tail_sha256": digest.hexdigest()}
 
 
-def data_fingerprint(path: Path) -> list[dict]:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and CACHE_DIRNAME not in p.parts) \
-        if path.is_dir() else [path]
-    return [file_fingerprint(p) for p in files]
+def data_files(path: Path, cache_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The data's files: `path` itself, or a directory's files but its token caches (`.qwenft-cache/`, and
+    `cache_dir` when it lies inside), which are not data."""
+    if not path.is_dir():
+        return [path]
+    caches = [Path(cache_dir).expanduser().resolve()] if cache_dir else []
+    return sorted(p for p in path.rglob("*") if p.is_file() and CACHE_DIRNAME not in p.relative_to(path).parts
+                  and not any(p.resolve().is_relative_to(c) for c in caches))
+
+
+def data_fingerprint(path: Path, cache_dir: str | os.PathLike | None = None) -> list[dict]:
+    return [file_fingerprint(p) for p in data_files(path, cache_dir)]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -100,9 +111,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def cache_key(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, fmt: str) -> dict:
+def cache_key(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, fmt: str,
+              cache_dir: str | os.PathLike | None = None) -> dict:
     """Everything that changes the cached tokens; its sha256 names the cache directory."""
-    return {"version": CACHE_VERSION, "files": data_fingerprint(path), "tokenizer": tokenizer_fingerprint(tokenizer),
+    return {"version": CACHE_VERSION, "files": data_fingerprint(path, cache_dir),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
             "seq_len": seq_len, "train_on": train_on, "truncation": truncation, "format": fmt}
 
 
@@ -123,12 +136,30 @@ class CachedDocuments:
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.meta = json.loads((directory / "meta.json").read_text())
-        self.offsets = np.load(directory / "offsets.npy")
+        self._files = {}
+        try:
+            self.meta = json.loads((directory / "meta.json").read_text())
+            self.offsets = np.load(directory / "offsets.npy")
+            for name in ("tokens", "targets"):
+                self._files[name] = _open_npy(directory / f"{name}.npy")
+                weakref.finalize(self, self._files[name][0].close)
+            self._check()
+        except (OSError, ValueError, KeyError, EOFError) as e:  # json's and numpy's errors are ValueErrors
+            raise ValueError(f"the token cache {directory} is damaged ({e}); delete that directory and the run "
+                             "builds it again") from None
         self.lengths = np.diff(self.offsets)
-        self._files = {name: _open_npy(directory / f"{name}.npy") for name in ("tokens", "targets")}
-        for file, _, _ in self._files.values():
-            weakref.finalize(self, file.close)
+
+    def _check(self) -> None:
+        """Raise when the files do not hold what meta.json says (a cache cut short by a full disk or a crash)."""
+        documents, tokens = self.meta["documents"], self.meta["tokens"]
+        if self.offsets.shape != (documents + 1,) or self.offsets[-1] != tokens:
+            raise ValueError(f"offsets.npy holds {self.offsets.shape[0]} offsets up to {int(self.offsets[-1])}, "
+                             f"meta.json {documents} documents of {tokens} tokens")
+        for name, (file, data_at, dtype) in self._files.items():
+            size = os.fstat(file.fileno()).st_size
+            if size != data_at + tokens * dtype.itemsize:
+                raise ValueError(f"{name}.npy has {size} bytes, not the {data_at + tokens * dtype.itemsize} of "
+                                 f"{tokens} tokens")
 
     @property
     def tokens(self) -> np.ndarray:
@@ -145,8 +176,8 @@ class CachedDocuments:
         return np.frombuffer(os.pread(file.fileno(), (end - start) * size, data_at + start * size), dtype=dtype)
 
     @property
-    def skipped(self) -> dict:
-        return self.meta["skipped"]
+    def skipped(self) -> SkipCounts:
+        return SkipCounts(self.meta["skipped"], self.meta["first_bad"])
 
     @property
     def format(self) -> str:
@@ -176,11 +207,16 @@ class CachedDocuments:
 def _open_npy(path: Path) -> tuple:
     """(open binary file, byte offset of the data, dtype) of a 1-d `.npy` file."""
     f = open(path, "rb")
-    version = np.lib.format.read_magic(f)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    _, fortran, dtype = read_header(f)
-    assert not fortran
-    return f, f.tell(), dtype
+    try:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        if fortran or len(shape) != 1:
+            raise ValueError(f"{path.name} is not a 1-d array")
+        return f, f.tell(), dtype
+    except BaseException:
+        f.close()
+        raise
 
 
 def _write_npy(path: Path, parts: list[str], dtype, n: int) -> None:
@@ -221,15 +257,13 @@ def plan_shards(path: Path) -> list[Shard]:
         meta = pyarrow.parquet.ParquetFile(path).metadata
         return [Shard("parquet", str(path), a, min(a + SHARD_ROWS, meta.row_group(g).num_rows), group=g)
                 for g in range(meta.num_row_groups) for a in range(0, meta.row_group(g).num_rows, SHARD_ROWS)]
-    with open(path, "rb") as f:
-        if path.suffix == ".json" and f.read(1024).lstrip()[:1] == b"[":
-            from qwenft.data.loader import load_rows
+    from qwenft.data.loader import is_json_array, load_rows
 
-            rows = load_rows(path)
-            return [Shard("rows", str(path), rows=tuple(rows[a:a + SHARD_ROWS]))
-                    for a in range(0, len(rows), SHARD_ROWS)]
+    if is_json_array(path):
+        rows = load_rows(path)
+        return [Shard("rows", str(path), rows=tuple(rows[a:a + SHARD_ROWS])) for a in range(0, len(rows), SHARD_ROWS)]
+    with open(path, "rb") as f:
         # one pass: cut at the first line end after every SHARD_BYTES, counting lines for the error messages
-        f.seek(0)
         shards, start, first_line, lines = [], 0, 1, 0
         while block := f.read(SHARD_BYTES):
             rest = f.readline()  # to the end of the line the cut falls in
@@ -246,12 +280,12 @@ def shard_rows(shard: Shard) -> list:
     if shard.kind == "dataset":
         from qwenft.data.loader import load_dataset_dir
 
-        return load_dataset_dir(Path(shard.path)).select(range(shard.start, shard.end)).to_list()
+        return arrow_rows(load_dataset_dir(Path(shard.path)).select(range(shard.start, shard.end)).to_list())
     if shard.kind == "parquet":
         import pyarrow.parquet
 
         table = pyarrow.parquet.ParquetFile(shard.path).read_row_group(shard.group)
-        return table.slice(shard.start, shard.end - shard.start).to_pylist()
+        return arrow_rows(table.slice(shard.start, shard.end - shard.start).to_pylist())
     from qwenft.data.loader import parse_json_lines
 
     with open(shard.path, "rb") as f:
@@ -261,24 +295,22 @@ def shard_rows(shard: Shard) -> list:
 
 
 def head_rows(path: Path, n: int = AUTO_SAMPLE_ROWS) -> list:
-    """The first `n` rows of the source, read without the rest (a `.json` array is parsed whole, as its
-    shards are)."""
+    """The first `n` rows of the source, read without the rest."""
     if path.is_dir():
         from qwenft.data.loader import load_dataset_dir
 
         ds = load_dataset_dir(path)
-        return ds.select(range(min(n, len(ds)))).to_list()
+        return arrow_rows(ds.select(range(min(n, len(ds)))).to_list())
     if path.suffix == ".parquet":
         import pyarrow.parquet
 
         first = next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=n), None)
-        return first.to_pylist() if first is not None else []
-    from qwenft.data.loader import load_rows, parse_json_lines
+        return arrow_rows(first.to_pylist()) if first is not None else []
+    from qwenft.data.loader import is_json_array, json_array_head, parse_json_lines
 
+    if is_json_array(path):
+        return json_array_head(path, n)
     with open(path, "rb") as f:
-        if path.suffix == ".json" and f.read(1024).lstrip()[:1] == b"[":
-            return load_rows(path)[:n]
-        f.seek(0)
         lines, rows = [], 0
         for line in f:
             lines.append(line)
@@ -373,6 +405,7 @@ def build(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, k
                 "first_bad": first_bad, "build_seconds": round(time.perf_counter() - start, 2),
                 "num_proc": workers, "key": key}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        _sync(tmp)  # on disk before the rename publishes it: a crash after leaves a whole cache, not empty files
         try:
             os.rename(tmp, final)
         except OSError:  # a builder that took over a stale lock finished first: its cache is as good
@@ -381,6 +414,21 @@ def build(path: Path, tokenizer, seq_len: int, train_on: str, truncation: str, k
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync(directory: Path) -> None:
+    """fsync every file of `directory`, then the directory itself."""
+    for f in directory.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_cache(path: str | os.PathLike, tokenizer, seq_len: int, train_on: str = "assistant",
@@ -399,7 +447,7 @@ def open_cache(path: str | os.PathLike, tokenizer, seq_len: int, train_on: str =
     if not path.exists():
         raise ValueError(f"data.path={str(path)!r} does not exist")
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_root(path)
-    key = cache_key(path, tokenizer, seq_len, train_on, truncation, source_format(path, fmt))
+    key = cache_key(path, tokenizer, seq_len, train_on, truncation, source_format(path, fmt), root)
     final = cache_dir_for(path, key, root)
     lock = final.with_name(final.name + ".lock")
     built, waited = False, False

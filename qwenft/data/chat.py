@@ -25,7 +25,7 @@ import numpy as np
 from qwenft.constants import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant", "tool")
-TRAIN_ON = ("assistant", "all")
+TRAIN_ON = ("assistant", "last_turn", "all")
 TRUNCATION = ("drop", "truncate_right")
 ON_BAD_ROW = ("skip", "error")
 
@@ -56,15 +56,21 @@ def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
 
 
 def normalize_messages(row) -> list[dict]:
-    """The row's messages as `[{"role", "content": str}]`, or BadRow saying what is wrong with it."""
+    """The row's messages as `[{"role", "content": str}]` (an assistant's `tool_calls` and `reasoning_content`
+    kept), or BadRow saying what is wrong with it."""
     if isinstance(row, UnreadableRow):
         raise BadRow("unreadable", row.problem)
-    if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+    if not isinstance(row, dict):
+        raise BadRow("no_messages", f"row is a {type(row).__name__}, not an object with a 'messages' list")
+    if not isinstance(row.get("messages"), list) or not row["messages"]:
         raise BadRow("no_messages", "row has no non-empty 'messages' list")
     messages = []
     for i, message in enumerate(row["messages"]):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
+        if not isinstance(message, dict):
+            raise BadRow("bad_role", f"message {i} is a {type(message).__name__}, not an object with 'role' and "
+                                     "'content'")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
             raise BadRow("bad_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
         calls = message.get("tool_calls") if role == "assistant" else None
         if calls is not None and not isinstance(calls, list):
@@ -76,9 +82,14 @@ def normalize_messages(row) -> list[dict]:
             content.encode("utf-8")
         except UnicodeEncodeError as e:
             raise BadRow("undecodable", f"message {i} content is not valid text ({e.reason})") from None
+        reasoning = message.get("reasoning_content") if role == "assistant" else None
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise BadRow("bad_content", f"message {i} reasoning_content is {type(reasoning).__name__}; expected "
+                                        "a string")
         if not content.strip() and not calls:
             raise BadRow("empty_content", f"message {i} ({role}) has empty content")
-        messages.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {})})
+        messages.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {}),
+                         **({"reasoning_content": reasoning} if reasoning and reasoning.strip() else {})})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant", "conversation has no assistant turn to learn from")
     return messages
@@ -153,45 +164,73 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools:
 def assistant_spans(tokenizer, messages: list[dict],
                     tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation (with `tools` listed, as the template does) and the [start, end) character
-    spans of its assistant replies."""
+    spans of its assistant replies.
+
+    A reply is taken as the template renders it, up to the turn's end: Qwen3-style templates move `<think>`
+    reasoning in the content into a block of their own, re-spaced, and drop it from turns before the last user
+    message. It must hold the message's answer (the content after any `</think>`), tool calls and, after the
+    last user message, reasoning (`_check_rendered`)."""
     text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     # Base Qwen checkpoints set eos_token to <|endoftext|>, yet chat turns still close with <|im_end|>.
     turn_ends = [m for m in ("<|im_end|>", tokenizer.eos_token) if m]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
         shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
-        content = message["content"]
-        at = text.find(content, max(cursor, shared))
-        if at < 0:  # templates may strip the reply
-            content = content.strip()
-            at = text.find(content, max(cursor, shared))
-        if at < 0:
-            raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
-        start = shared if i and cursor <= shared <= at else at
-        end = at + len(content)
-        if message.get("tool_calls"):  # rendered after the content, up to the turn's end
-            stop = min((e for e in (text.find(m, end) for m in turn_ends) if e >= 0), default=-1)
-            if stop < 0 or not all(c["function"]["name"] in text[end:stop] for c in message["tool_calls"]):
-                raise BadRow("template", f"the chat template does not render the tool calls of assistant "
-                                         f"message {i}")
-            end = stop
-        end += next((len(m) for m in turn_ends if text.startswith(m, end)), 0)
+        if i and cursor <= shared:
+            start = shared
+        else:  # the prompt disagrees before the previous reply ended: the reply starts with its content
+            content = message["content"]
+            start = text.find(content, cursor)
+            if start < 0:  # templates may strip the reply
+                start = text.find(content.strip(), cursor)
+            if start < 0:
+                raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
+        stop = min((e for e in (text.find(m, start) for m in turn_ends) if e >= 0), default=-1)
+        if stop < 0:
+            raise BadRow("template", f"the chat template does not close assistant message {i} with "
+                                     f"{' or '.join(turn_ends)}")
+        _check_rendered(text[start:stop], message, i, after_last_user=i > last_user)
+        end = stop + next(len(m) for m in turn_ends if text.startswith(m, stop))
         spans.append((start, end))
         cursor = end
     return text, spans
 
 
+def _check_rendered(reply: str, message: dict, i: int, after_last_user: bool) -> None:
+    """BadRow unless the rendered reply holds the message's answer, its tool calls and, for a turn after the last
+    user message (the turns Qwen's templates render with their reasoning), its reasoning."""
+    content = message["content"]
+    answer = content.rsplit("</think>", 1)[-1].strip()
+    if answer not in reply:
+        raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
+    calls = message.get("tool_calls") or []
+    if not all(c["function"]["name"] in reply for c in calls):
+        raise BadRow("template", f"the chat template does not render the tool calls of assistant message {i}")
+    reasoning = message.get("reasoning_content")
+    if reasoning is None and "</think>" in content:
+        reasoning = content.rsplit("</think>", 1)[0].split("<think>")[-1]
+    if after_last_user and reasoning and reasoning.strip() not in reply:
+        raise BadRow("template", f"the chat template does not render the reasoning of assistant message {i} "
+                                 "(reasoning_content, or <think> in its content)")
+
+
 def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant",
                       tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per token, whether it is a training target."""
+    """Token ids of the rendered conversation and, per token, whether it is a training target (`train_on`:
+    assistant = every reply, last_turn = the replies after the last user message, all = every token)."""
     text, spans = assistant_spans(tokenizer, messages, tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if train_on == "all":
         return ids, [True] * len(ids)
+    if train_on == "last_turn":
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        spans = [span for i, span in zip(replies, spans) if i > last_user]
     starts = np.array([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
     is_target = np.zeros(len(ids), dtype=bool)
     for s, e in spans:
@@ -213,9 +252,24 @@ def shift_labels(ids: list[int], is_target: list[bool]) -> list[int]:
     return [nxt if target else IGNORE_INDEX for nxt, target in zip(ids[1:], is_target[1:])] + [IGNORE_INDEX]
 
 
+class SkipCounts(Counter):
+    """Skipped rows per reason, and `first[reason]`: (index, message) of the first row skipped for it."""
+
+    def __init__(self, counts=(), first: dict | None = None):
+        super().__init__(counts)
+        self.first = {reason: tuple(bad) for reason, bad in (first or {}).items()}
+
+    def describe(self) -> str:
+        """The counts and the first skipped row of each reason, for an error that every row was skipped."""
+        firsts = "; ".join(f"data row {index} ({reason}): {detail}"
+                           for reason, (index, detail) in sorted(self.first.items(), key=lambda kv: kv[1][0]))
+        return f"skipped: {dict(self)}" + (f"; {firsts}" if firsts else "")
+
+
 def parse_rows(rows, parse, on_bad_row: str, skipped: Counter):
-    """Yield `parse(row)` for each row; a row whose parse raises BadRow is counted in `skipped[reason]`, or
-    with `on_bad_row=error` stops the run with a one-line ValueError naming the row's index."""
+    """Yield `parse(row)` for each row; a row whose parse raises BadRow is counted in `skipped[reason]` (and
+    remembered as its reason's first, given SkipCounts), or with `on_bad_row=error` stops the run with a
+    one-line ValueError naming the row's index."""
     for index, row in enumerate(rows):
         try:
             yield parse(row)
@@ -223,13 +277,15 @@ def parse_rows(rows, parse, on_bad_row: str, skipped: Counter):
             if on_bad_row == "error":
                 raise ValueError(f"data row {index}: {e} (set data.on_bad_row=skip to skip such rows)") from None
             skipped[e.reason] += 1
+            if isinstance(skipped, SkipCounts):
+                skipped.first.setdefault(e.reason, (index, str(e)))
 
 
 def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
                   truncation: str = "truncate_right", on_bad_row: str = "skip",
-                  data_format: str = "messages") -> tuple[list[Document], Counter]:
+                  data_format: str = "messages") -> tuple[list[Document], "SkipCounts"]:
     """Documents for every usable row, read as `data_format` (`formats.as_messages_row`), and how many rows
-    were skipped per reason.
+    were skipped per reason (with the first of each).
 
     Skip reasons: the `BadRow.reason` keys (`unreadable`, `format`, `no_messages`, `bad_role`, `bad_content`,
     `bad_tool_call`, `image_content`, `undecodable`, `empty_content`, `no_assistant`, `template`), `too_long`
@@ -240,7 +296,7 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     check_choice("data.train_on", train_on, TRAIN_ON)
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
-    docs, skipped = [], Counter()
+    docs, skipped = [], SkipCounts()
 
     def tokenize(row):
         return row_tokens(row, tokenizer, train_on, data_format)

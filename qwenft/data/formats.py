@@ -5,8 +5,8 @@
 
 messages:  {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
 sharegpt:  {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}],
-            "system": "..." (optional), "tools": "[{...tool schema...}]" (optional)}
-alpaca:    {"instruction": "...", "input": "..." (optional), "output": "...", "system": "..." (optional),
+            "system": "..." (optional; empty = none), "tools": "[{...tool schema...}]" (optional)}
+alpaca:    {"instruction": "...", "input": "..." (optional), "output": "...", "system": "..." (optional; empty = none),
             "history": [["earlier instruction", "earlier output"], ...] (optional)}
 
 Every format may have a `tools` column (JSON text or a list of tool schemas), which the chat template lists in
@@ -32,6 +32,21 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 def _has(row: dict, column: str) -> bool:
     return row.get(column) is not None
+
+
+def arrow_rows(rows: list) -> list:
+    """Rows read from Arrow (Parquet, a datasets dir) without their null-valued keys, at every depth. Arrow
+    gives every row of a table the same keys in each struct, filling the ones a row lacked with null: a tool
+    call's arguments would gain every other call's keys as nulls, rendered into the text the model learns."""
+    return [_without_nulls(row) for row in rows]
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def row_format(row) -> str | None:
@@ -65,14 +80,19 @@ def as_messages_row(row, data_format: str):
     if isinstance(row, UnreadableRow):
         return row
     columns = COLUMNS[data_format]
-    if not isinstance(row, dict) or not all(_has(row, c) for c in columns):
-        have = sorted(c for c in row if _has(row, c)) if isinstance(row, dict) else f"a {type(row).__name__}"
-        need = " and ".join(repr(c) for c in columns)
+    need = " and ".join(repr(c) for c in columns)
+    if not isinstance(row, dict):
+        raise BadRow("format", f"row is a {type(row).__name__}, not an object with the {need} of "
+                               f"data.format={data_format}")
+    if not all(_has(row, c) for c in columns):
+        have = sorted(c for c in row if _has(row, c))
         raise BadRow("format", f"row has columns {have}, not the {need} of data.format={data_format}")
     if data_format == "messages":
         return row
     messages = _sharegpt(row) if data_format == "sharegpt" else _alpaca(row)
     system = row.get("system")
+    if isinstance(system, str) and not system.strip():  # an empty system column is no system prompt
+        system = None
     if system is not None and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system})
     return {"messages": messages, **({"tools": row["tools"]} if _has(row, "tools") else {})}
@@ -85,7 +105,7 @@ def _sharegpt(row: dict) -> list[dict]:
     messages = []
     for i, turn in enumerate(turns):
         source = turn.get("from") if isinstance(turn, dict) else None
-        if source not in SHAREGPT_ROLES:
+        if not isinstance(source, str) or source not in SHAREGPT_ROLES:
             raise BadRow("bad_role", f"conversations turn {i} is from {source!r}; expected one of "
                                      f"{', '.join(SHAREGPT_ROLES)}")
         value = turn.get("value")

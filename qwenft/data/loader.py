@@ -54,9 +54,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from qwenft.data.cache import CACHE_DIRNAME, open_cache
-from qwenft.data.chat import ON_BAD_ROW, Document, UnreadableRow, check_choice, tokenize_rows
-from qwenft.data.formats import resolve_format
+from qwenft.data.cache import data_files, open_cache
+from qwenft.data.chat import ON_BAD_ROW, Document, SkipCounts, UnreadableRow, check_choice, tokenize_rows
+from qwenft.data.formats import arrow_rows, resolve_format
 from qwenft.data.packing import PACKING, Plan, build_row, collate, pack_plan, pad_plan
 from qwenft.data.workers import Prefetcher
 
@@ -69,13 +69,13 @@ def load_rows(path: str | os.PathLike) -> list:
     """
     p = Path(path)
     if p.is_dir():
-        return load_dataset_dir(p).to_list()
+        return arrow_rows(load_dataset_dir(p).to_list())
     if not p.is_file():
         raise ValueError(f"data.path={str(path)!r} does not exist")
     if p.suffix == ".parquet":
         import pyarrow.parquet
 
-        return pyarrow.parquet.read_table(p).to_pylist()
+        return arrow_rows(pyarrow.parquet.read_table(p).to_pylist())
     if p.suffix in (".jsonl", ".json"):
         return _read_json_lines(p)
     raise ValueError(f"data.path={str(path)!r} has an unknown format; expected a .jsonl, .json or .parquet "
@@ -85,18 +85,17 @@ def load_rows(path: str | os.PathLike) -> list:
 FINGERPRINT_BYTES = 1 << 16
 
 
-def fingerprint(path: str | os.PathLike) -> dict[str, dict]:
+def fingerprint(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> dict[str, dict]:
     """What a resume checks the data files against (qwenft.train.resume): each file's name (relative to the
     data dir, or its own for a file), size, and a SHA-256 of its first and last 64 KiB, which hold its first
-    and last rows; a token cache inside a data dir (`.qwenft-cache/`) is not data. Reads 128 KiB a file, so a
-    large set costs little; a change inside a file that keeps its size and both ends goes unseen."""
+    and last rows; a token cache inside a data dir (`.qwenft-cache/`, or `cache_dir` there) is not data. Reads
+    128 KiB a file, so a large set costs little; a change inside a file that keeps its size and both ends goes
+    unseen."""
     import hashlib
 
     p = Path(path)
-    files = sorted(f for f in p.rglob("*") if f.is_file() and CACHE_DIRNAME not in f.relative_to(p).parts) \
-        if p.is_dir() else [p]
     found = {}
-    for f in files:
+    for f in data_files(p, cache_dir):
         size = f.stat().st_size
         with open(f, "rb") as stream:
             ends = stream.read(FINGERPRINT_BYTES)
@@ -136,8 +135,70 @@ def load_dataset_dir(p: Path):
     return ds
 
 
+UTF8_BOM = b"\xef\xbb\xbf"  # some editors and exporters start a UTF-8 file with one
+
+
+def is_json_array(path: Path) -> bool:
+    """Whether `path` is a `.json` file holding one JSON array (else its lines are JSONL)."""
+    with open(path, "rb") as f:
+        return path.suffix == ".json" and f.read(1024).removeprefix(UTF8_BOM).lstrip()[:1] == b"["
+
+
+def json_array_head(path: Path, n: int, chunk: int = 1 << 20) -> list:
+    """The first `n` rows of a `.json` array, parsed as the file is read, not the whole file (every rank reads
+    them at every start, `cache.source_format`). A malformed head gives `load_rows`' one-line error."""
+    import codecs
+
+    decoder, text_of = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")()  # drops a BOM
+    rows, text, pos, eof = [], "", 0, False
+    with open(path, "rb") as f:
+        def more() -> None:
+            nonlocal text, pos, eof
+            data = f.read(chunk)
+            eof = not data
+            text = text[pos:] + text_of.decode(data, final=eof)
+            pos = 0
+
+        def skip_space() -> str:  # the next character that is not white space ("" at the end)
+            nonlocal pos
+            while True:
+                while pos < len(text) and text[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(text) or eof:
+                    return text[pos:pos + 1]
+                more()
+
+        try:
+            more()
+            if skip_space() != "[":
+                return load_rows(path)[:n]
+            pos += 1
+            while len(rows) < n:
+                if skip_space() == "]":
+                    break
+                if rows:
+                    if text[pos:pos + 1] != ",":
+                        return load_rows(path)[:n]
+                    pos += 1
+                    skip_space()
+                while True:  # a row, complete once something follows it (or the file ends)
+                    try:
+                        row, end = decoder.raw_decode(text, pos)
+                        if end < len(text) or eof:
+                            break
+                    except json.JSONDecodeError:
+                        if eof:
+                            return load_rows(path)[:n]
+                    more()
+                rows.append(row)
+                pos = end
+        except UnicodeDecodeError:
+            return load_rows(path)[:n]
+    return rows
+
+
 def _read_json_lines(path: Path) -> list:
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(UTF8_BOM)
     if path.suffix == ".json" and raw.lstrip()[:1] == b"[":
         try:
             return json.loads(raw)
@@ -148,6 +209,8 @@ def _read_json_lines(path: Path) -> list:
 
 def parse_json_lines(raw: bytes, name: str, first_line: int = 1) -> list:
     """The rows of JSONL bytes (blank lines skipped); `first_line` numbers the first line in messages."""
+    if first_line == 1:
+        raw = raw.removeprefix(UTF8_BOM)
     rows = []
     for number, line in enumerate(raw.splitlines(), start=first_line):
         if not line.strip():
@@ -185,8 +248,9 @@ class SFTData:
         check_choice("data.packing", packing, PACKING)
         check_num_workers(num_workers)
         if not docs:
-            raise ValueError(f"no usable documents (skipped: {dict(skipped or {})}); check data.path, "
-                             "data.seq_len and data.truncation")
+            described = skipped.describe() if isinstance(skipped, SkipCounts) else f"skipped: {dict(skipped or {})}"
+            raise ValueError(f"no usable documents ({described}); check data.path, data.seq_len and "
+                             "data.truncation")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         if micro_batch_size < 1:
@@ -373,7 +437,7 @@ def load_documents(path_or_rows, tokenizer, seq_len: int, train_on: str = "assis
     rows = load_rows(path_or_rows) if isinstance(path_or_rows, (str, os.PathLike)) else path_or_rows
     data_format, _ = resolve_format(rows, data_format)
     docs, skipped = tokenize_rows(rows, tokenizer, seq_len, train_on, truncation, on_bad_row, data_format)
-    return docs, dict(skipped), "tokenized in memory", data_format
+    return docs, skipped, "tokenized in memory", data_format
 
 
 def build_sft_data(path_or_rows, tokenizer, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
@@ -391,5 +455,5 @@ def build_sft_data(path_or_rows, tokenizer, seq_len: int, micro_batch_size: int,
                    skipped)
     data.cache_note, data.format = note, data_format
     if isinstance(path_or_rows, (str, os.PathLike)):
-        data.fingerprint = fingerprint(path_or_rows)
+        data.fingerprint = fingerprint(path_or_rows, cache_dir if cache else None)
     return data

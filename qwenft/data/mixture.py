@@ -136,8 +136,8 @@ def build_mixture_data(sources: list[Source], tokenizer, seq_len: int, micro_bat
         docs, part_skipped, note, fmt = load_documents(source.path, tokenizer, seq_len, train_on, truncation,
                                                        on_bad_row, cache, cache_dir, num_proc, source.format)
         if not len(docs):
-            raise ValueError(f"data.sources[{i}] ({source.path}) has no usable documents (skipped: "
-                             f"{part_skipped}); check its path, data.seq_len and data.truncation")
+            raise ValueError(f"data.sources[{i}] ({source.path}) has no usable documents "
+                             f"({part_skipped.describe()}); check its path, data.seq_len and data.truncation")
         lengths = getattr(docs, "lengths", None)
         tokens = int(lengths.sum()) if lengths is not None else sum(len(d.input_ids) for d in docs)
         summary[source.name] = {"path": source.path, "format": fmt, "weight": source.weight,
@@ -151,7 +151,7 @@ def build_mixture_data(sources: list[Source], tokenizer, seq_len: int, micro_bat
     data.source_summary = summary
     data.format = ", ".join(dict.fromkeys(s["format"] for s in summary.values()))
     data.fingerprint = {f"{source.name}/{name}": files for source in sources
-                        for name, files in fingerprint(source.path).items()}
+                        for name, files in fingerprint(source.path, cache_dir if cache else None).items()}
     data.cache_note = "; ".join(f"{name}: {s['from']}" for name, s in summary.items())
     return data
 

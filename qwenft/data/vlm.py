@@ -43,7 +43,8 @@ from PIL import Image
 
 from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
-                              UnreadableRow, check_choice, parse_rows, shift_labels, tokenize_messages)
+                              SkipCounts, UnreadableRow, check_choice, parse_rows, shift_labels,
+                              tokenize_messages)
 from qwenft.data.formats import as_messages_row, resolve_format
 from qwenft.data.images import DEFAULT_MAX_IMAGE_BYTES, ImageSource, image_source
 from qwenft.data.loader import SFTData, fingerprint, load_rows
@@ -337,7 +338,7 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
     check_choice("data.train_on", train_on, TRAIN_ON)
     check_choice("data.truncation", truncation, TRUNCATION)
     check_choice("data.on_bad_row", on_bad_row, ON_BAD_ROW)
-    docs, skipped = [], Counter()
+    docs, skipped = [], SkipCounts()
 
     def tokenize(row):
         return tokenize_vlm_row(as_messages_row(row, data_format), processor, base_dir, train_on, max_image_bytes)

@@ -227,6 +227,15 @@ def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> 
     return tokenizer, None, [tokenizer]
 
 
+def check_chat_template(tokenizer, cfg: Config) -> None:
+    """One line when the tokenizer has no chat template, which renders every data row."""
+    if tokenizer.chat_template is None:
+        key, value = ("data.tokenizer", cfg.data.tokenizer) if cfg.data.tokenizer else ("model.path", cfg.model.path)
+        raise ValueError(f"{key}={value!r}: its tokenizer has no chat template (chat_template.jinja, or chat_template "
+                         "in tokenizer_config.json), which renders every data row; set data.tokenizer to a tokenizer "
+                         "dir that has one (the instruct checkpoint's)")
+
+
 def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None,
                num_microbatches: int = 1):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
@@ -243,6 +252,7 @@ def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_si
                   truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
     caching = dict(cache=cfg.data.cache, cache_dir=cfg.data.cache_dir, num_proc=cfg.data.num_proc)
     tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
+    check_chat_template(tokenizer, cfg)
     if processor is not None:
         from qwenft.data.vlm import build_vlm_data
 

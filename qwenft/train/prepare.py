@@ -24,7 +24,7 @@ def prepare(cfg: Config) -> list[dict]:
     """Open (building where missing) the token cache of every source; per source its numbers."""
     from qwenft.data.cache import open_cache
     from qwenft.data.loader import check_source
-    from qwenft.train.build import load_preprocessors, model_config
+    from qwenft.train.build import check_chat_template, load_preprocessors, model_config
 
     if model_config(cfg).vision is not None:
         raise ValueError(f"model {cfg.model.path or cfg.model.name} has a vision tower: image rows are tokenized "
@@ -33,6 +33,7 @@ def prepare(cfg: Config) -> list[dict]:
         raise ValueError("data.cache=false: training tokenizes in memory and reads no cache; drop data.cache=false "
                          "to prepare one")
     tokenizer, _, _ = load_preprocessors(cfg, vision=False)
+    check_chat_template(tokenizer, cfg)
     report = []
     for source in data_sources(cfg):
         check_source(source.path)
