@@ -127,6 +127,73 @@ def test_reasoning_is_learned_as_the_template_renders_it(qwen_like_tok, template
         qwen_like_tok.chat_template = QWEN_LIKE_TEMPLATE
 
 
+# QWEN_LIKE_TEMPLATE with tools: calls as <tool_call> JSON after the content, tool results in a user turn, and
+# the last user query found past the tool results, as Qwen3's template does.
+QWEN_TOOLS_TEMPLATE = """
+{%- set ns = namespace(last_query=-1) %}
+{%- for m in messages %}{%- if m.role == 'user' and not m.content.startswith('<tool_response>') %}
+{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- set content = m.content %}
+{%- set reasoning = m.reasoning_content or '' %}
+{%- if '</think>' in content %}
+{%- set reasoning = reasoning or content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = content.split('</think>')[-1] %}
+{%- endif %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if loop.index0 > ns.last_query %}{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}
+{{- content.strip() }}
+{%- for call in m.tool_calls or [] %}
+{{- '\\n<tool_call>\\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson + '\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif m.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def test_tool_turns_with_reasoning_before_a_later_user_turn_are_learned_as_rendered(tmp_path):
+    """Turns with tool calls and reasoning, then a later user turn: the prompt for a tool turn renders the one
+    before it with reasoning (it follows that prompt's last query) while the full text renders it without; each
+    call is still learned as the full text renders it, and no tool result is."""
+    tok = load_tokenizer("tiny", tmp_path)
+    tok.chat_template = QWEN_TOOLS_TEMPLATE
+
+    def call(q):
+        return [{"function": {"name": "search", "arguments": {"q": q}}}]
+
+    messages = [{"role": "user", "content": "find X"},
+                {"role": "assistant", "content": "", "reasoning_content": "search first", "tool_calls": call("X")},
+                {"role": "tool", "content": "search: no results"},
+                {"role": "assistant", "content": "<think>retry</think>", "tool_calls": call("X*")},
+                {"role": "tool", "content": "found X in search"},
+                {"role": "assistant", "content": "X is here.", "reasoning_content": "done"},
+                {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "You're welcome."}]
+    (doc,), skipped = tokenize_rows([{"messages": messages}], tok, seq_len=512)
+    assert not skipped
+    calls = ['\n<tool_call>\n{"name": "search", "arguments": {"q": "%s"}}\n</tool_call><|im_end|>' % q for q in ("X", "X*")]
+    assert labelled_text(doc.labels, tok) == (
+        f"{calls[0]}{calls[1]}X is here.<|im_end|><think>\n\n</think>\n\nYou're welcome.<|im_end|>")
+    (doc,), _ = tokenize_rows([{"messages": messages[:6]}], tok, seq_len=512, train_on="last_turn")
+    assert labelled_text(doc.labels, tok) == (  # after the one user query: every turn, with its reasoning
+        '<think>\nsearch first\n</think>\n\n' + calls[0] + '<think>\nretry\n</think>\n\n' + calls[1]
+        + "<think>\ndone\n</think>\n\nX is here.<|im_end|>")
+
+
+def test_a_reply_that_writes_the_turn_marker_is_learned_whole(tok):
+    reply = "Each turn ends with <|im_end|> then a newline."
+    (doc,), skipped = tokenize_rows([{"messages": [{"role": "user", "content": "How do turns end?"},
+                                                   {"role": "assistant", "content": reply}]}], tok, seq_len=256)
+    assert not skipped and labelled_text(doc.labels, tok) == reply + "<|im_end|>"
+
+
 def test_reasoning_the_template_drops_from_the_final_turn_is_a_bad_row(tok):
     """The tiny template has no reasoning branch: the final turn's reasoning_content would be lost."""
     row = {"messages": THINKING + [{"role": "assistant", "content": "4.", "reasoning_content": "2 and 2 make 4."}]}

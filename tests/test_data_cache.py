@@ -403,6 +403,16 @@ def test_a_cache_dir_inside_a_datasets_dir_is_not_data(tok, tmp_path):
     assert first.fingerprint == second.fingerprint == before
 
 
+def test_a_cache_dir_at_or_above_the_data_dir_leaves_its_data_in_the_fingerprint(tmp_path):
+    import datasets
+
+    directory = tmp_path / "ds"
+    datasets.Dataset.from_list(load_rows(TRAIN_PATH)[:10]).save_to_disk(str(directory))
+    plain = fingerprint(directory)
+    assert plain and fingerprint(directory, directory) == fingerprint(directory, tmp_path) == plain
+    assert cache_lib.data_files(directory, tmp_path) == cache_lib.data_files(directory) != []
+
+
 def test_the_format_of_a_json_array_is_read_from_its_head(tmp_path, monkeypatch):
     """`auto` reads the first rows of a .json array without parsing the rest: here the rest is not even JSON."""
     rows = load_rows(TRAIN_PATH)[:12]
@@ -415,6 +425,12 @@ def test_the_format_of_a_json_array_is_read_from_its_head(tmp_path, monkeypatch)
         load_rows(path)
     with pytest.raises(ValueError, match="is not a valid JSON array"):
         cache_lib.head_rows(path, 13)
+    from qwenft.data.loader import json_array_head
+
+    scalars = tmp_path / "scalars.json"
+    scalars.write_text('[-0.0025, 1e-3, "a,]", [1, [2]], {"b": "]"}, true, null]')
+    for chunk in (1, 2, 3, 7, 1 << 20):
+        assert json_array_head(scalars, 100, chunk) == json.loads(scalars.read_text()), chunk
 
 
 def test_no_usable_documents_says_why_with_the_first_row_of_each_reason(tmp_path):

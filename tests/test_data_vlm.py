@@ -153,6 +153,19 @@ def test_labels_are_replies_only_never_image_tokens(proc, files):
     assert sum(label != IGNORE_INDEX for label in all_doc.labels) == len(all_doc.input_ids) - 1 - len(image_next)
 
 
+def test_reasoning_reaches_the_template_and_last_turn_learns_the_final_reply(proc, files):
+    """An image row's final reply with reasoning_content: the tiny VLM template has no thinking branch, so the row is
+    a `template` bad row rather than a reply trained without its reasoning; `last_turn` learns the final reply."""
+    row = conversation(text("Look: "), image("img/wide.png"))
+    row["messages"][-1]["reasoning_content"] = "Another dot."
+    docs, skipped = tokenize_vlm_rows([row], proc, 512, files)
+    assert not docs and skipped == {"template": 1} and "reasoning of assistant message 4" in skipped.describe()
+    del row["messages"][-1]["reasoning_content"]
+    (doc,), _ = tokenize_vlm_rows([row], proc, 512, files, train_on="last_turn")
+    labels = torch.tensor(doc.labels)
+    assert proc.tokenizer.decode(labels[labels != IGNORE_INDEX]) == "Also a picture.<|im_end|>"
+
+
 def small_vlm(seed):
     """tiny_vlm cut to one GatedDeltaNet + one attention layer: the same code paths at half the CPU time."""
     cfg = named_config("tiny_vlm")

@@ -88,9 +88,11 @@ def data_files(path: Path, cache_dir: str | os.PathLike | None = None) -> list[P
     `cache_dir` when it lies inside), which are not data."""
     if not path.is_dir():
         return [path]
-    caches = [Path(cache_dir).expanduser().resolve()] if cache_dir else []
+    inside = Path(cache_dir).expanduser().resolve() if cache_dir else None
+    if inside is not None and (inside == path.resolve() or not inside.is_relative_to(path.resolve())):
+        inside = None  # only a cache dir strictly inside the data dir holds files that are not data
     return sorted(p for p in path.rglob("*") if p.is_file() and CACHE_DIRNAME not in p.relative_to(path).parts
-                  and not any(p.resolve().is_relative_to(c) for c in caches))
+                  and not (inside and p.resolve().is_relative_to(inside)))
 
 
 def data_fingerprint(path: Path, cache_dir: str | os.PathLike | None = None) -> list[dict]:
@@ -153,8 +155,8 @@ class CachedDocuments:
         """Raise when the files do not hold what meta.json says (a cache cut short by a full disk or a crash)."""
         documents, tokens = self.meta["documents"], self.meta["tokens"]
         if self.offsets.shape != (documents + 1,) or self.offsets[-1] != tokens:
-            raise ValueError(f"offsets.npy holds {self.offsets.shape[0]} offsets up to {int(self.offsets[-1])}, "
-                             f"meta.json {documents} documents of {tokens} tokens")
+            raise ValueError(f"offsets.npy has shape {list(self.offsets.shape)}, meta.json {documents} documents of "
+                             f"{tokens} tokens")
         for name, (file, data_at, dtype) in self._files.items():
             size = os.fstat(file.fileno()).st_size
             if size != data_at + tokens * dtype.itemsize:

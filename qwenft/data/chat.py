@@ -82,17 +82,21 @@ def normalize_messages(row) -> list[dict]:
             content.encode("utf-8")
         except UnicodeEncodeError as e:
             raise BadRow("undecodable", f"message {i} content is not valid text ({e.reason})") from None
-        reasoning = message.get("reasoning_content") if role == "assistant" else None
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise BadRow("bad_content", f"message {i} reasoning_content is {type(reasoning).__name__}; expected "
-                                        "a string")
         if not content.strip() and not calls:
             raise BadRow("empty_content", f"message {i} ({role}) has empty content")
         messages.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {}),
-                         **({"reasoning_content": reasoning} if reasoning and reasoning.strip() else {})})
+                         **reasoning_of(message, i)})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant", "conversation has no assistant turn to learn from")
     return messages
+
+
+def reasoning_of(message: dict, i: int) -> dict:
+    """`{"reasoning_content": str}` of an assistant message that has one (not empty), else {}."""
+    reasoning = message.get("reasoning_content") if message.get("role") == "assistant" else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise BadRow("bad_content", f"message {i} reasoning_content is {type(reasoning).__name__}; expected a string")
+    return {"reasoning_content": reasoning} if reasoning and reasoning.strip() else {}
 
 
 def tool_calls(calls: list, where: str) -> list[dict]:
@@ -166,54 +170,83 @@ def assistant_spans(tokenizer, messages: list[dict],
     """The rendered conversation (with `tools` listed, as the template does) and the [start, end) character
     spans of its assistant replies.
 
-    A reply is taken as the template renders it, up to the turn's end: Qwen3-style templates move `<think>`
+    A reply is taken as the template renders it: from where `render(messages[:i], add_generation_prompt=True)`
+    stops agreeing with the full text (or, where the two disagree before the previous reply ended, after the
+    generation prompt's header), to the turn-closing marker after its answer. Qwen3-style templates move `<think>`
     reasoning in the content into a block of their own, re-spaced, and drop it from turns before the last user
-    message. It must hold the message's answer (the content after any `</think>`), tool calls and, after the
-    last user message, reasoning (`_check_rendered`)."""
+    query. The reply must hold the message's answer (the content after any `</think>`), tool calls and, after the
+    last user query, reasoning (`_check_rendered`)."""
     text = _render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     # Base Qwen checkpoints set eos_token to <|endoftext|>, yet chat turns still close with <|im_end|>.
     turn_ends = [m for m in ("<|im_end|>", tokenizer.eos_token) if m]
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    last_query = last_user_query(messages)
     spans, cursor = [], 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
-        shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
-        if i and cursor <= shared:
-            start = shared
-        else:  # the prompt disagrees before the previous reply ended: the reply starts with its content
-            content = message["content"]
-            start = text.find(content, cursor)
-            if start < 0:  # templates may strip the reply
-                start = text.find(content.strip(), cursor)
+        answer = reply_answer(message)
+        if i:
+            prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+            shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
+            start = shared if cursor <= shared else _after_header(tokenizer, messages[:i], prompt, text, cursor, i,
+                                                                  tools)
+        else:  # a conversation that opens with the assistant: there is no prompt to compare
+            start = text.find(answer) if answer else -1
             if start < 0:
                 raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
-        stop = min((e for e in (text.find(m, start) for m in turn_ends) if e >= 0), default=-1)
+        at = text.find(answer, start)
+        if at < 0:
+            raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
+        stop = min((e for e in (text.find(m, at + len(answer)) for m in turn_ends) if e >= 0), default=-1)
         if stop < 0:
             raise BadRow("template", f"the chat template does not close assistant message {i} with "
                                      f"{' or '.join(turn_ends)}")
-        _check_rendered(text[start:stop], message, i, after_last_user=i > last_user)
+        _check_rendered(text[start:stop], message, i, after_last_query=i > last_query)
         end = stop + next(len(m) for m in turn_ends if text.startswith(m, stop))
         spans.append((start, end))
         cursor = end
     return text, spans
 
 
-def _check_rendered(reply: str, message: dict, i: int, after_last_user: bool) -> None:
-    """BadRow unless the rendered reply holds the message's answer, its tool calls and, for a turn after the last
-    user message (the turns Qwen's templates render with their reasoning), its reasoning."""
+def last_user_query(messages: list[dict]) -> int:
+    """The index of the last user turn that is not a tool result wrapped as one (`<tool_response>...`), as Qwen's
+    templates find it; -1 without one. The replies after it are rendered with their reasoning."""
+    def is_tool_result(content) -> bool:
+        return isinstance(content, str) and content.startswith("<tool_response>") and content.endswith(
+            "</tool_response>")
+
+    return max((i for i, m in enumerate(messages) if m["role"] == "user" and not is_tool_result(m["content"])),
+               default=-1)
+
+
+def reply_answer(message: dict) -> str:
+    """An assistant message's answer: its content after any `</think>`, stripped."""
+    return message["content"].rsplit("</think>", 1)[-1].strip()
+
+
+def _after_header(tokenizer, before: list[dict], prompt: str, text: str, cursor: int, i: int, tools) -> int:
+    """Where reply i starts when the prompt renders the earlier turns otherwise than the full text does: after the
+    first header of the generation prompt (what `add_generation_prompt` appends, or its first line) past the
+    previous reply."""
+    header = prompt[len(os.path.commonprefix([prompt, _render(tokenizer, before, False, tools)])):]
+    for candidate in dict.fromkeys((header, header[:header.find("\n") + 1])):
+        at = text.find(candidate, cursor) if candidate else -1
+        if at >= 0:
+            return at + len(candidate)
+    raise BadRow("template", f"the chat template does not render assistant message {i} after its generation prompt")
+
+
+def _check_rendered(reply: str, message: dict, i: int, after_last_query: bool) -> None:
+    """BadRow unless the rendered reply holds the message's tool calls and, for a turn after the last user query
+    (the turns Qwen's templates render with their reasoning), its reasoning."""
     content = message["content"]
-    answer = content.rsplit("</think>", 1)[-1].strip()
-    if answer not in reply:
-        raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
     calls = message.get("tool_calls") or []
     if not all(c["function"]["name"] in reply for c in calls):
         raise BadRow("template", f"the chat template does not render the tool calls of assistant message {i}")
     reasoning = message.get("reasoning_content")
     if reasoning is None and "</think>" in content:
         reasoning = content.rsplit("</think>", 1)[0].split("<think>")[-1]
-    if after_last_user and reasoning and reasoning.strip() not in reply:
+    if after_last_query and reasoning and reasoning.strip() not in reply:
         raise BadRow("template", f"the chat template does not render the reasoning of assistant message {i} "
                                  "(reasoning_content, or <think> in its content)")
 
@@ -228,9 +261,9 @@ def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistan
     if train_on == "all":
         return ids, [True] * len(ids)
     if train_on == "last_turn":
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        last_query = last_user_query(messages)
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        spans = [span for i, span in zip(replies, spans) if i > last_user]
+        spans = [span for i, span in zip(replies, spans) if i > last_query]
     starts = np.array([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
     is_target = np.zeros(len(ids), dtype=bool)
     for s, e in spans:
@@ -259,6 +292,10 @@ class SkipCounts(Counter):
         super().__init__(counts)
         self.first = {reason: tuple(bad) for reason, bad in (first or {}).items()}
 
+    def add(self, reason: str, index: int, detail: str) -> None:
+        self[reason] += 1
+        self.first.setdefault(reason, (index, detail))
+
     def describe(self) -> str:
         """The counts and the first skipped row of each reason, for an error that every row was skipped."""
         firsts = "; ".join(f"data row {index} ({reason}): {detail}"
@@ -266,24 +303,21 @@ class SkipCounts(Counter):
         return f"skipped: {dict(self)}" + (f"; {firsts}" if firsts else "")
 
 
-def parse_rows(rows, parse, on_bad_row: str, skipped: Counter):
-    """Yield `parse(row)` for each row; a row whose parse raises BadRow is counted in `skipped[reason]` (and
-    remembered as its reason's first, given SkipCounts), or with `on_bad_row=error` stops the run with a
-    one-line ValueError naming the row's index."""
+def parse_rows(rows, parse, on_bad_row: str, skipped: SkipCounts):
+    """Yield (index, `parse(row)`) for each row; a row whose parse raises BadRow is counted in `skipped`, or with
+    `on_bad_row=error` stops the run with a one-line ValueError naming the row's index."""
     for index, row in enumerate(rows):
         try:
-            yield parse(row)
+            yield index, parse(row)
         except BadRow as e:
             if on_bad_row == "error":
                 raise ValueError(f"data row {index}: {e} (set data.on_bad_row=skip to skip such rows)") from None
-            skipped[e.reason] += 1
-            if isinstance(skipped, SkipCounts):
-                skipped.first.setdefault(e.reason, (index, str(e)))
+            skipped.add(e.reason, index, str(e))
 
 
 def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
                   truncation: str = "truncate_right", on_bad_row: str = "skip",
-                  data_format: str = "messages") -> tuple[list[Document], "SkipCounts"]:
+                  data_format: str = "messages") -> tuple[list[Document], SkipCounts]:
     """Documents for every usable row, read as `data_format` (`formats.as_messages_row`), and how many rows
     were skipped per reason (with the first of each).
 
@@ -301,15 +335,15 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     def tokenize(row):
         return row_tokens(row, tokenizer, train_on, data_format)
 
-    for ids, is_target in parse_rows(rows, tokenize, on_bad_row, skipped):
+    for index, (ids, is_target) in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":
-                skipped["too_long"] += 1
+                skipped.add("too_long", index, f"{len(ids)} tokens > data.seq_len={seq_len}")
                 continue
             ids, is_target = ids[:seq_len], is_target[:seq_len]
         labels = shift_labels(ids, is_target)
         if all(label == IGNORE_INDEX for label in labels):
-            skipped["no_target_left"] += 1
+            skipped.add("no_target_left", index, "truncation left no learned token")
             continue
         docs.append(Document(ids, labels))
     return docs, skipped

@@ -184,7 +184,7 @@ def json_array_head(path: Path, n: int, chunk: int = 1 << 20) -> list:
                 while True:  # a row, complete once something follows it (or the file ends)
                     try:
                         row, end = decoder.raw_decode(text, pos)
-                        if end < len(text) or eof:
+                        if (end < len(text) and text[end] in " \t\r\n,]") or eof:  # not a number cut short
                             break
                     except json.JSONDecodeError:
                         if eof:
@@ -421,7 +421,7 @@ class SFTData:
 def load_documents(path_or_rows, tokenizer, seq_len: int, train_on: str = "assistant",
                    truncation: str = "truncate_right", on_bad_row: str = "skip", cache: bool = True,
                    cache_dir: str | os.PathLike | None = None, num_proc: int | None = None,
-                   data_format: str = "auto") -> tuple[Sequence[Document], dict, str, str]:
+                   data_format: str = "auto") -> tuple[Sequence[Document], SkipCounts, str, str]:
     """(documents, skipped rows per reason, where they came from, the rows' format): a path's token cache
     (`qwenft.data.cache`, built on first use; `auto` decided from the first rows), or rows in memory (or a
     path with `cache=False`) tokenized in this process (`auto` decided from all rows)."""

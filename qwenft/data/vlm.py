@@ -43,7 +43,7 @@ from PIL import Image
 
 from qwenft.constants import IGNORE_INDEX
 from qwenft.data.chat import (ON_BAD_ROW, ROLES, TRAIN_ON, TRUNCATION, BadRow, Document,
-                              SkipCounts, UnreadableRow, check_choice, parse_rows, shift_labels,
+                              SkipCounts, UnreadableRow, check_choice, parse_rows, reasoning_of, shift_labels,
                               tokenize_messages)
 from qwenft.data.formats import as_messages_row, resolve_format
 from qwenft.data.images import DEFAULT_MAX_IMAGE_BYTES, ImageSource, image_source
@@ -245,7 +245,7 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
         if role == "assistant" and n_visual:
             raise BadRow("bad_content", f"message {i} is an assistant turn with an image or video; they belong "
                                         "in user or system turns")
-        messages.append({"role": role, "content": rendered if n_visual else text})
+        messages.append({"role": role, "content": rendered if n_visual else text, **reasoning_of(message, i)})
     for kind, column in columns.items():
         if taken[kind] < len(column):
             raise BadRow(f"{kind}_count", f"the row's '{kind}s' column has {len(column)} {kind}s but its messages "
@@ -343,17 +343,17 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
     def tokenize(row):
         return tokenize_vlm_row(as_messages_row(row, data_format), processor, base_dir, train_on, max_image_bytes)
 
-    for ids, is_target, images, grids, videos, spans in parse_rows(rows, tokenize, on_bad_row, skipped):
+    for index, (ids, is_target, images, grids, videos, spans) in parse_rows(rows, tokenize, on_bad_row, skipped):
         if len(ids) > seq_len:
             if truncation == "drop":
-                skipped["too_long"] += 1
+                skipped.add("too_long", index, f"{len(ids)} tokens > data.seq_len={seq_len}")
                 continue
             cut, n_images, n_videos = truncate_at(spans, seq_len)
             ids, is_target = ids[:cut], is_target[:cut]
             images, grids, videos = images[:n_images], grids[:n_images], videos[:n_videos]
         labels = shift_labels(ids, is_target)
         if all(label == IGNORE_INDEX for label in labels):
-            skipped["no_target_left"] += 1
+            skipped.add("no_target_left", index, "truncation left no learned token")
             continue
         docs.append(VLMDocument(ids, labels, images, grids, videos))
     return docs, skipped
