@@ -50,7 +50,7 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     cmd = [sys.executable, "-m", "qwenft.launch.torchrun", "--standalone",
            f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train", *args]
     signals.clear_marker(Path(run_dir))
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, preexec_fn=signals.stop_with_parent())
     # SIGTERM/SIGUSR1 here reach the workers as SIGTERM through torchrun (it forwards SIGTERM, not SIGUSR1). A
     # terminal's Ctrl-C reaches this process and torchrun (one process group), which passes it to the workers; this
     # one waits for them (a Python handler: SIG_IGN would be handed down to torchrun and its workers).
@@ -67,7 +67,8 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
 
 
 def _slurm(args: list[str]) -> int:
-    """`qwenft slurm`: run_dir/slurm.sh and run_dir/config.yaml, then sbatch; --dry-run only prints the script."""
+    """`qwenft slurm`: run_dir/slurm.sh, sbatch, then run_dir/config.yaml for a new run dir; --dry-run only prints the
+    script."""
     from qwenft.launch import slurm
     from qwenft.train.rundir import default_run_dir
 
@@ -86,8 +87,10 @@ def _slurm(args: list[str]) -> int:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     script_path = Path(run_dir) / "slurm.sh"
     script_path.write_text(script)
-    (Path(run_dir) / "config.yaml").write_text(to_yaml(cfg, run_dir=run_dir))
     job_id = slurm.submit(str(script_path))
+    config = Path(run_dir) / "config.yaml"
+    if not config.exists():  # a run dir's own config.yaml stays as its run wrote it: the job checks and rewrites it
+        config.write_text(to_yaml(cfg, run_dir=run_dir))
     print(f"submitted job {job_id}: {script_path}, log {run_dir}/slurm-{job_id}.out")
     return 0
 
@@ -123,7 +126,7 @@ def _export(args: list[str]) -> int:
     from qwenft.checkpoint import dcp, hf_export, mtp
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
     from qwenft.models.lora import in_adapter_dir
-    from qwenft.train.build import load_preprocessors, lora_config
+    from qwenft.train.build import checkpoint_lora, load_preprocessors
 
     opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None, "merged": "false"}
     for arg in args:
@@ -143,8 +146,13 @@ def _export(args: list[str]) -> int:
         raise ConfigError(f"merged={opts['merged']!r} is not valid; choose one of false, true")
     merged = opts["merged"] == "true"
     path = _export_checkpoint(run_dir / "checkpoints", opts["checkpoint"])
+    if not path.is_dir():  # verified a moment ago: a live run's rotation (checkpoint.keep) has deleted it since
+        raise ConfigError(f"checkpoint {path} was deleted while it was being exported: the run training in {run_dir} "
+                          f"rotated it away (checkpoint.keep); rerun the export, or export checkpoint=best or a "
+                          f"step-NNNNNN dir that run keeps")
     meta = dcp.read_meta(path)
-    lora = lora_config(cfg) if (meta.get("peft") or {}).get("method", "none") != "none" else None
+    saved_peft = meta.get("peft") or {"method": "none"}
+    lora = checkpoint_lora(saved_peft, cfg) if saved_peft["method"] != "none" else None
     if merged and lora is None:
         raise ConfigError(f"merged=true merges a LoRA run's adapters, but {path} is a full finetuning checkpoint; "
                           f"drop merged=true")

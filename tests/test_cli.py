@@ -46,7 +46,16 @@ def test_reset_override_returns_schema_default():
     ("recipe=nope", "recipe='nope' not found; available:"),
     ("data.packing=zip", "data.packing='zip' is not valid; choose one of pack, pad"),
     ("mesh=nope", "mesh='nope' is not a mesh option; choose one of default"),
-    ("optim.lr=fast", "optim.lr"),
+    ("optim.lr=fast", "optim.lr='fast' is not valid; expected a number"),
+    ("optim.betas=3", "optim.betas=3 is not valid; expected a list, e.g. [a,b]"),
+    ("train.max_steps=1.5", "train.max_steps=1.5 is not valid; expected an integer (or null)"),
+    ("model.compile=maybe", "model.compile='maybe' is not valid; expected true or false"),
+    ("~optim.lrr", "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+    ("+optim.lr=1", "+optim.lr=1: optim.lr is already in the config (+ adds a new key); set it with optim.lr=1"),
+    ("=3", "override '=3' is not of the form key=value"),
+    ("lr_scheduler.min_lr_ratio=-1", "lr_scheduler.min_lr_ratio=-1.0 must be in [0, 1]"),
+    ("lr_scheduler.min_lr_ratio=2", "lr_scheduler.min_lr_ratio=2.0 must be in [0, 1]"),
+    ("optim.max_grad_norm=-1", "optim.max_grad_norm=-1.0 must be >= 0 (0 = no clipping)"),
     ("mesh.tp=0", "mesh.tp=0 must be >= 1"),
     ("train.epochs=2", "train.epochs=2.0 has no effect while train.max_steps=150 is set; add train.max_steps=null"),
 ])
@@ -54,6 +63,12 @@ def test_bad_overrides_fail_with_one_line(override, message):
     with pytest.raises(ValueError) as e:  # ConfigError is a ValueError; schema checks raise ValueError
         compose([override])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_last_recipe_given_is_the_runs_name_and_contents():
+    for first, last in (("tiny", "tiny_lora"), ("tiny_lora", "tiny")):
+        cfg = compose([f"recipe={first}", f"recipe={last}"])
+        assert cfg.recipe == last and cfg.peft.method == ("lora" if last == "tiny_lora" else "none")
 
 
 @pytest.mark.parametrize("value", ["true", "false"])

@@ -95,3 +95,30 @@ def test_low_disk_warning_at_start_states_one_checkpoints_size(tmp_path, monkeyp
     estimate = float(re.search(r"less than one checkpoint \(about ([\d.]+) MiB\)", lines[0]).group(1)) * 2**20
     written = sum(p.stat().st_size for p in (run_dir / "checkpoints" / "step-000001").iterdir())
     assert abs(estimate - written) < 0.02 * written, (estimate, written)
+
+
+def test_a_launchers_children_stop_when_it_is_killed(tmp_path):
+    """`qwenft train launcher.nproc_per_node=N` starts torchrun with `signals.stop_with_parent()`: a SIGKILL of the
+    launcher (which no handler sees) reaches the child as SIGTERM, which torchrun passes to its workers."""
+    import subprocess
+    import sys
+
+    child = ("import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(tmp_path / 'stopped')!r}).touch(), "
+             "sys.exit(0)))\n"
+             f"pathlib.Path({str(tmp_path / 'ready')!r}).touch()\n"
+             "time.sleep(120)\n")
+    launcher = ("import subprocess, sys, time\n"
+                "from qwenft.launch import signals\n"
+                f"subprocess.Popen([sys.executable, '-c', {child!r}], preexec_fn=signals.stop_with_parent())\n"
+                "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ready").exists():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    while not (tmp_path / "stopped").exists():
+        assert time.monotonic() < deadline, "the child outlived its killed parent"
+        time.sleep(0.05)

@@ -347,6 +347,50 @@ def test_resume_across_full_and_lora_refused(tmp_path):
         assert isinstance(msg, str) and f"checkpoint.resume={ckpt}" in msg and there in msg and "\n" not in msg, msg
 
 
+def test_lora_resume_refuses_another_alpha_or_base_and_export_keeps_the_trained_alpha(tmp_path):
+    """The adapters' values fit the alpha and the frozen base they were trained with: a resume with another
+    peft.alpha, another model.path's weights (same shapes) or another random-init seed is refused in one line,
+    and an export after config.yaml's alpha changed writes the alpha the checkpoint was trained at."""
+    import json
+
+    from helpers import save_random_checkpoint
+    from qwenft.cli import main
+    from qwenft.train.build import model_config
+    from qwenft.train.runner import run
+
+    def train(rank, world_size, overrides):
+        try:
+            return run(compose(overrides)).losses
+        except ValueError as e:
+            return str(e)
+
+    cfg = model_config(compose(["recipe=tiny"]))
+    base, other = save_random_checkpoint(cfg, tmp_path / "base"), save_random_checkpoint(cfg, tmp_path / "other", 1)
+    common = ["recipe=tiny", "peft=lora", "train.max_steps=1", "data.seq_len=64", "train.global_batch_size=2",
+              "train.progress_bar=false", "model.kernels.gdn=torch", "checkpoint.export_hf=false", "data.tokenizer=tiny"]
+    for name, source in (("random", []), ("path", [f"model.path={base}"])):
+        run_distributed(train, 1, common + source + ["checkpoint.every_steps=1", f"run_dir={tmp_path / name}"])
+    random, path = (tmp_path / name / "checkpoints" / "step-000001" for name in ("random", "path"))
+    for ckpt, change, there in (
+            (path, ["peft.alpha=64", f"model.path={base}"], "peft.alpha=32.0"),
+            (path, [f"model.path={other}"], f"this run's base, model.path={other}, is not the one the adapters of "
+                                            f"{path} were trained on (other weights: model.safetensors: the same size"),
+            (path, [], "(a model.path's weights)"),
+            (random, ["seed=7"], "this run's base, a random init with seed=7, is not the one the adapters of "
+                                 f"{random} were trained on (a random-init base, seed=0)")):
+        (msg,) = run_distributed(train, 1, common + change + [f"checkpoint.resume={ckpt}", f"run_dir={tmp_path / 'x'}"])
+        assert isinstance(msg, str) and there in msg and "\n" not in msg, msg
+    moved = tmp_path / "moved"
+    base.rename(moved)  # the same weights elsewhere: resumed
+    (losses,) = run_distributed(train, 1, common + [f"model.path={moved}", "train.max_steps=2",
+                                                    f"checkpoint.resume={path}", f"run_dir={tmp_path / 'y'}"])
+    assert isinstance(losses, list) and len(losses) == 1, losses
+    config = tmp_path / "path" / "config.yaml"
+    config.write_text(config.read_text().replace("alpha: 32.0", "alpha: 64.0").replace(str(base), str(moved)))
+    assert main(["export", f"run_dir={tmp_path / 'path'}", f"out={tmp_path / 'adapter'}"]) == 0
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["lora_alpha"] == 32.0
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_checkpoint_trainable_only_and_resume_bit_identical(tmp_path):

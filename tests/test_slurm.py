@@ -115,6 +115,35 @@ def test_missing_sbatch(tmp_path, capsys, monkeypatch):
     assert err.strip().count("\n") == 0 and not (tmp_path / "run").exists()
 
 
+def _fake_sbatch(directory, script: str) -> None:
+    sbatch = directory / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\n{script}\n")
+    sbatch.chmod(0o755)
+
+
+def test_a_submission_leaves_a_run_dirs_config_as_its_run_wrote_it(tmp_path, capsys, monkeypatch):
+    """`qwenft slurm` into a run dir that holds a run: its config.yaml (which a resume compares against and an
+    export reads) stays as that run wrote it, whether sbatch fails or submits; a new run dir gets one after a
+    submission, none after a failed one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("written by the run\n")
+    args = ["slurm", "recipe=tiny", "launcher.gpus_per_node=0", "train.global_batch_size=4"]
+    _fake_sbatch(bin_dir, "echo 'sbatch: error: Invalid account' >&2; exit 1")
+    assert main([*args, f"run_dir={run_dir}"]) == 2 and "Invalid account" in capsys.readouterr().err
+    assert (run_dir / "config.yaml").read_text() == "written by the run\n"
+    assert main([*args, f"run_dir={tmp_path / 'new'}"]) == 2
+    assert not (tmp_path / "new" / "config.yaml").exists()
+    _fake_sbatch(bin_dir, "echo 123")
+    assert main([*args, f"run_dir={run_dir}"]) == 0 and "submitted job 123" in capsys.readouterr().out
+    assert (run_dir / "config.yaml").read_text() == "written by the run\n"
+    assert main([*args, f"run_dir={tmp_path / 'new'}"]) == 0
+    assert "global_batch_size: 4" in (tmp_path / "new" / "config.yaml").read_text()
+
+
 def test_first_host():
     assert first_host("gpu[003-010,012],cpu1") == "gpu003"
     assert first_host("n1,n2") == "n1" and first_host("n[1-2]") == "n1" and first_host("a[7]-ib") == "a7-ib"

@@ -20,6 +20,7 @@ or the seed on resume.
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -47,6 +48,7 @@ _TRAINABLE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_
 # run's own values win (a CPU checkpoint resumed on GPU runs fused AdamW; a fused GPU one resumes on CPU).
 # lr, betas, eps, weight_decay and the step counts come from the checkpoint.
 _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+log = logging.getLogger("qwenft")
 
 
 class _Stages(nn.Module):
@@ -84,6 +86,15 @@ def _write_pointer(root: Path, name: str, target: str) -> None:
     tmp = root / f".{name}.tmp"
     tmp.write_text(target + "\n")
     os.replace(tmp, root / name)
+
+
+def step_number(name: str) -> int:
+    return int(name.removeprefix("step-"))
+
+
+def step_dirs(root: Path) -> list[str]:
+    """The names of the step dirs under `root`, oldest first: by number, so step-1000000 sorts after step-999999."""
+    return sorted((p.name for p in root.glob("step-*") if p.name[5:].isdigit() and p.is_dir()), key=step_number)
 
 
 def read_pointer(root: Path, name: str) -> str | None:
@@ -130,6 +141,9 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
                              f"resume with the model.mtp it was trained with, or set checkpoint.resume=none")
     meta = read_meta(path)
     saved_peft, peft = meta.get("peft") or {"method": "none"}, peft or {"method": "none"}
+    # the frozen base is compared by train.resume.check_base (files fingerprint); alpha only where it was recorded
+    saved_peft = {k: v for k, v in saved_peft.items() if k != "base"}
+    peft = {k: v for k, v in peft.items() if k != "base" and (k != "alpha" or k in saved_peft)}
     if saved_peft != peft:
         there = ", ".join(f"peft.{k}={v}" for k, v in saved_peft.items())
         here = ", ".join(f"peft.{k}={v}" for k, v in peft.items())
@@ -208,8 +222,10 @@ def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
          valid: str = "auto or none") -> tuple[Path | None, list[str]]:
     """The checkpoint dir that `key=value` names, verified against its manifest before anything loads it;
     collective when a process group exists. `auto`: `latest`, or, when that one is damaged, the newest complete
-    step dir (None when the run has saved none yet); `none`: None; else that step dir. Also returns one line
-    for each damaged checkpoint passed over. Reads only files: it runs before anything is built or written."""
+    step dir older than it (None when the run has saved none yet); `none`: None; else that step dir. Also returns
+    one line for each damaged checkpoint passed over. A step dir numbered above `latest` is never taken: it is of a
+    timeline a resume from an older step abandoned (Checkpointer.load), or one a crash left unpublished. Reads only
+    files: it runs before anything is built or written."""
     if value == "none":
         return None, []
     if value != "auto":
@@ -222,8 +238,9 @@ def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
                              f"step-NNNNNN dir, or {valid}")
         return path, []
     latest = read_pointer(ckpt_root, "latest")
-    steps = sorted((p.name for p in ckpt_root.glob("step-*") if p.is_dir()), reverse=True)
-    candidates = ([latest] if latest else []) + [name for name in steps if name != latest]
+    older = [name for name in reversed(step_dirs(ckpt_root))
+             if latest is None or step_number(name) < step_number(latest)]
+    candidates = ([latest] if latest else []) + older
     passed_over = []
     for name in candidates:
         problems = _damage_on_all_ranks(ckpt_root / name)
@@ -405,7 +422,7 @@ class Checkpointer:
         """Finish the save in flight (collective): once this rank's shards are written (rank 0's future also
         covers `.metadata`, written after every rank reported its shards), the ranks checksum the files between
         them, rank 0 writes the manifest, renames the temp dir, then writes `latest`, then `best`, then deletes
-        checkpoints beyond `keep`."""
+        checkpoints beyond `keep` (and any of an abandoned timeline: `_publish`)."""
         if self.pending is None:
             return
         pending = self.pending
@@ -429,24 +446,47 @@ class Checkpointer:
         self.pending = None
 
     def _publish(self, name: str, val_loss: float | None) -> None:
+        """Rank 0: rename the temp dir to `name`, point `latest` (then `best`) at it, then rotate. A run's steps only
+        grow, so a step dir numbered at or above `name` that this save finds is not this run's: a resume from an
+        older step abandoned it (or a crash kept it from being published). It goes first, whatever `keep` says: it
+        would otherwise outlive this run's own newest checkpoints, and `best` could name a step this run then
+        overwrites."""
         tmp, final = self.root / f".{name}.tmp", self.root / name
-        if final.exists():  # the same step saved before a requeue: replace it whole
+        abandoned = [s for s in step_dirs(self.root) if step_number(s) >= step_number(name)]
+        best = read_pointer(self.root, "best")
+        if best in abandoned:
+            best = None
+            (self.root / "best").unlink()
+        if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         _write_pointer(self.root, "latest", name)
-        best = read_pointer(self.root, "best")
-        if self.keep_best and val_loss is not None:
-            if best is None or not (self.root / best).is_dir() or val_loss < read_meta(self.root / best)["val_loss"]:
-                _write_pointer(self.root, "best", name)
+        for old in abandoned:
+            if old != name:
+                shutil.rmtree(self.root / old)
+        if self.keep_best:
+            if best is None or not (self.root / best).is_dir():  # or rotated away while keep_best was off
+                best = self._lowest_val_loss()
+            elif val_loss is not None and val_loss < read_meta(self.root / best)["val_loss"]:
                 best = name
-        steps = sorted(p.name for p in self.root.glob("step-*") if p.is_dir())
-        for old in steps[:-self.keep]:
+            if best is not None:
+                _write_pointer(self.root, "best", best)
+        for old in step_dirs(self.root)[:-self.keep]:
             if old != best or not self.keep_best:
                 shutil.rmtree(self.root / old)
 
+    def _lowest_val_loss(self) -> str | None:
+        """The step dir with the lowest val_loss among those on disk (the newest of equals; None when none has one),
+        when `best` names none of them: the one just published, or an older one of this run's timeline."""
+        losses = {s: read_meta(self.root / s).get("val_loss") for s in step_dirs(self.root)
+                  if (self.root / s / META).is_file()}
+        found = [s for s, v in losses.items() if v is not None]
+        return min(found, key=lambda s: (losses[s], -step_number(s))) if found else None
+
     def load(self, path: Path) -> int:
         """Restore model, optimizer, scheduler, data position and RNG from `path` (collective); returns the
-        step the checkpoint was taken after."""
+        step the checkpoint was taken after. Checkpoints numbered above it in this run's dir are of the timeline
+        this resume abandons: see `_resumed_from`."""
         state = self._state()
         optim = state["optim"]
         own = {key: optim.pop(key) for key in list(optim)
@@ -461,7 +501,23 @@ class Checkpointer:
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
+        _on_rank0(lambda: self._resumed_from(path, extra["step"]))
         return extra["step"]
+
+    def _resumed_from(self, path: Path, step: int) -> None:
+        """Rank 0, after resuming from `path` (step `step`): `latest` names it, when it is in this run's dir and step
+        dirs numbered above it exist (a resume from an older step; `find`'s fallback never goes above `latest`), so
+        checkpoint.resume=auto continues this run, not the abandoned one, should it stop before its first save.
+        That save deletes them (`_publish`); until then they are left for a user to copy away."""
+        newer = [s for s in step_dirs(self.root) if step_number(s) > step]
+        if not newer:
+            return
+        if path.resolve().parent == self.root.resolve() and read_pointer(self.root, "latest") != path.name:
+            _write_pointer(self.root, "latest", path.name)
+        best = read_pointer(self.root, "best")
+        log.warning("resume: resuming from %s, older than %s in %s (the checkpoints of the run this one abandons): "
+                    "this run's first checkpoint deletes them%s; copy them elsewhere now to keep them", path.name,
+                    ", ".join(newer), self.root, f" (`best` among them: {best})" if best in newer else "")
 
 
 def _per_group(scheduler_state: dict, groups: int) -> dict:
@@ -492,7 +548,19 @@ def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None,
         apply_lora(meta_model, lora, adapter_dtype=dtype)
     state = {name: torch.empty(p.shape, dtype=param_dtype(name.rsplit(".", 1)[-1], dtype))
              for name, p in meta_model.named_parameters() if lora is None or p.requires_grad}
-    with warnings.catch_warnings():  # one process without a process group is what `qwenft export` means to do
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    try:
+        # read first: DCP's own read of a missing .metadata logs two tracebacks on the root logger before it fails
+        dcp.FileSystemReader(str(path)).read_metadata()
+        with warnings.catch_warnings():  # one process without a process group is what `qwenft export` means to do
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except (OSError, CheckpointException) as e:
+        problems = _damage(path)
+        if not problems:
+            raise
+        # `find` verified it before the export began: a live run's rotation (checkpoint.keep) has deleted it since
+        raise ValueError(f"checkpoint {path} was deleted while it was being exported ({_summary(problems)}): "
+                         f"the run training in {path.parent.parent} rotated it away (checkpoint.keep); rerun the "
+                         f"export (it takes the newest checkpoint then), or export checkpoint=best or a step-NNNNNN "
+                         f"dir that run keeps") from e
     return state

@@ -24,6 +24,8 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -102,6 +104,51 @@ def _umask() -> int:
         return mask
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _remove_dead_temps(out_dir: Path, any_host: bool) -> None:
+    """Remove what exports into `out_dir` that were killed left (a full-size model each): `<out>.tmp-<host>-<pid>`
+    dirs of this host whose process is gone, or is this one (a pid reused after a reboot or in a new container).
+    Another host's (a shared filesystem) and a live process's are left alone, as they may be being written, unless
+    `any_host`: the caller holds the run dir that `out_dir` is in (its lock), so no other export writes there."""
+    host, prefix = socket.gethostname(), f"{out_dir.name}.tmp-"
+    for tmp in out_dir.parent.iterdir():
+        where, _, pid = tmp.name.removeprefix(prefix).rpartition("-")
+        if not (tmp.name.startswith(prefix) and pid.isdigit()):
+            continue
+        # `where` "": the <out>.tmp-<pid> of an earlier qwenft
+        if any_host or (where in (host, "") and (int(pid) == os.getpid() or not _alive(int(pid)))):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _written_beside(out_dir: Path, own_run_dir: bool):
+    """A temp dir beside `out_dir` for the block to write an export into, renamed to `out_dir` (replacing an earlier
+    one) when the block ends and removed when it raises or is interrupted, so neither `out_dir` nor a temp dir is
+    ever left half written. Temp dirs of killed exports into `out_dir` are removed first (`_remove_dead_temps`;
+    `own_run_dir`: `out_dir` is in the run dir the caller has locked)."""
+    if out_dir.parent.is_dir():
+        _remove_dead_temps(out_dir, any_host=own_run_dir)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        yield tmp
+        same_file_modes(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def same_file_modes(directory: Path) -> None:
     """Give every file under `directory` the mode a plain `open` gives (0666 less the umask): safetensors
     writes its files through a private temp file (0600), the other writers get 0644 under the usual umask."""
@@ -120,9 +167,9 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
     config. A `state` whose HF names already hold `mtp.*` tensors (a head the run trained) replaces its tensors
     whole, so the two expert layouts never mix.
 
-    Written to a temp dir next to `out_dir` and renamed, so `out_dir` is never half written. `replace=True`
-    (the run's own <run_dir>/hf, e.g. after a requeue) swaps an earlier export out whole; otherwise an existing
-    non-empty `out_dir` is an error."""
+    Written to a temp dir next to `out_dir` and renamed (`_written_beside`), so `out_dir` is never half written.
+    `replace=True` (the run's own <run_dir>/hf, e.g. after a requeue, written under the run dir's lock) swaps an
+    earlier export out whole; otherwise an existing non-empty `out_dir` is an error."""
     from qwenft.models.qwen3_5 import adapter
 
     if not replace:
@@ -130,21 +177,17 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg, preprocessors: list, out
     tokenizer = preprocessors[0]
     generation = generation_config(tokenizer, source_dir)  # a bad source file fails before anything is written
     prefix = adapter.CAUSAL_LM_PREFIX if model_cfg.vision is None else adapter.VLM_PREFIX
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     hf_sd = adapter.to_hf_state_dict(state, model_cfg.text, prefix, tied=model_cfg.tie_word_embeddings)
     mtp_config = dict(mtp_head.config) if mtp_head is not None else {}
     if any(k.startswith(MTP_PREFIX) for k in hf_sd):  # a head the run trained (model.mtp=train|head)
         mtp_config["mtp_num_hidden_layers"] = model_cfg.text.mtp_num_hidden_layers
     elif mtp_head is not None:
         hf_sd.update(mtp_head.tensors)
-    write_hf_checkpoint(hf_sd, _with_token_ids(model_cfg, tokenizer), tmp, text_config_extra=mtp_config or None)
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    for item in preprocessors:
-        item.save_pretrained(str(tmp))
-    same_file_modes(tmp)
-    if out_dir.exists():  # replace=True, or an empty dir
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with _written_beside(out_dir, own_run_dir=replace) as tmp:
+        write_hf_checkpoint(hf_sd, _with_token_ids(model_cfg, tokenizer), tmp, text_config_extra=mtp_config or None)
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+        for item in preprocessors:
+            item.save_pretrained(str(tmp))
 
 
 def _gather_on_rank0(modules: list[torch.nn.Module], mesh, dtype: torch.dtype, keep=lambda name: True) -> dict:
@@ -209,16 +252,12 @@ def write_peft_adapter(state: dict[str, torch.Tensor], model_cfg, lora, base_mod
 
     if not replace:
         check_out_dir(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
     tensors = {k: t.contiguous() for k, t in to_peft_state_dict(state, model_cfg).items()}
-    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = peft_adapter_config(model_cfg, lora, base_model)
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    same_file_modes(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with _written_beside(out_dir, own_run_dir=replace) as tmp:
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def export_peft_adapter(modules: list[torch.nn.Module], model_cfg, lora, base_model: str, out_dir: Path, mesh,

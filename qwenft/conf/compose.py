@@ -62,6 +62,21 @@ def _unknown_key_error(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+def _expected(key: str) -> str:
+    """What the schema's key `key` takes, for a value of the wrong type."""
+    from omegaconf import OmegaConf
+
+    parent, _, leaf = key.rpartition(".")
+    schema = OmegaConf.structured(Config)
+    node = (OmegaConf.select(schema, parent) if parent else schema)._get_node(leaf)
+    kind = type(node).__name__
+    optional = " (or null)" if node._is_optional() else ""
+    expected = {"FloatNode": "expected a number", "IntegerNode": "expected an integer",
+                "BooleanNode": "expected true or false", "StringNode": "expected a string",
+                "ListConfig": "expected a list, e.g. [a,b]", "DictConfig": "expected a mapping, e.g. {a: 1}"}
+    return expected.get(kind, f"expected a {kind.removesuffix('Node').lower()}") + optional
+
+
 def _yaml_error(e) -> ConfigError:
     """A YAML syntax error (PyYAML's MarkedYAMLError) as one line: the file, line and column where the parser
     stopped, and what it found (with where the construct it was reading began)."""
@@ -124,7 +139,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         if o.startswith("recipe=") and o.split("=", 1)[1] not in recipes:
             name = o.split("=", 1)[1]
             raise ConfigError(f"recipe={name!r} not found; available: {', '.join(recipes)}")
-        if "=" not in o and not o.startswith("~"):
+        if ("=" not in o and not o.startswith("~")) or o.lstrip("+~").startswith("="):
             raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to reset it)")
     # the defaults list places the recipe at the top level (`recipe@_global_`), and Hydra names its choice so
     hydra_overrides = [f"recipe@_global_={o.split('=', 1)[1]}" if o.startswith("recipe=") else o for o in overrides]
@@ -146,6 +161,15 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             group, name = option.groups()
             valid = ", ".join(group_options()[group])
             raise ConfigError(f"{group}={name!r} is not a {group} option; choose one of {valid}") from None
+        missing = re.search(r"Could not delete from config\. '([^']+)' does not exist", str(e))
+        if missing:
+            raise _unknown_key_error(missing.group(1)) from None
+        present = re.search(r"Could not append to config\. An item is already at '([^']+)'", str(e))
+        if present:
+            key = present.group(1)
+            given = next((o for o in overrides if o.startswith(f"+{key}=")), f"+{key}=...")
+            raise ConfigError(f"{given}: {key} is already in the config (+ adds a new key); set it with "
+                              f"{given[1:]}") from None
         tilde = next((o for o in overrides if "=~" in o), None)
         if tilde is not None:  # Hydra's lexer takes a leading ~ for its reset syntax
             key, value = tilde.split("=", 1)
@@ -153,7 +177,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
                               f"{key}={os.path.expanduser(value)}") from None
         raise ConfigError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     # The recipe chosen is the `recipe` group's choice; record it as a plain key.
-    raw_recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "tiny")
+    # the last recipe= wins, as Hydra composes it (and as any key given twice)
+    raw_recipe = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("recipe=")), "tiny")
     OmegaConf.set_struct(raw, False)
     raw.recipe = raw_recipe
     _check_interpolations(raw)
@@ -164,6 +189,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         key = getattr(e, "full_key", None)
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise _unknown_key_error(key or str(e)) from None
+        if key and hasattr(e, "value"):
+            raise ConfigError(f"{key}={e.value!r} is not valid; {_expected(key)}") from None
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
     for key in OmegaConf.missing_keys(raw):  # merging ??? onto the schema's default keeps the default
         OmegaConf.update(merged, key, "???")

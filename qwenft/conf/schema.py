@@ -364,6 +364,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.max_steps={cfg.train.max_steps} must be >= 1 (or null with train.epochs)")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise ValueError(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
+    if not 0 <= cfg.lr_scheduler.min_lr_ratio <= 1:  # below 0 the lr turns negative: gradient ascent
+        raise ValueError(f"lr_scheduler.min_lr_ratio={cfg.lr_scheduler.min_lr_ratio} must be in [0, 1] (the final lr "
+                         "as a fraction of optim.lr)")
     if cfg.model.num_layers is not None and cfg.model.num_layers < 1:
         raise ValueError(f"model.num_layers={cfg.model.num_layers} must be >= 1 (or null for all layers)")
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
@@ -425,6 +428,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"optim.lr={cfg.optim.lr} must be > 0")
     if not 0 <= cfg.optim.betas[0] < 1 or not 0 <= cfg.optim.betas[1] < 1:
         raise ValueError(f"optim.betas={list(cfg.optim.betas)} must each be in [0, 1)")
+    if not cfg.optim.max_grad_norm >= 0:
+        raise ValueError(f"optim.max_grad_norm={cfg.optim.max_grad_norm} must be >= 0 (0 = no clipping)")
     if not cfg.optim.eps >= 0 or not cfg.optim.weight_decay >= 0:
         raise ValueError(f"optim.eps={cfg.optim.eps} and optim.weight_decay={cfg.optim.weight_decay} must be >= 0")
     if cfg.plan.gpu_memory_gib <= 0:

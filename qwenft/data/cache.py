@@ -353,7 +353,7 @@ def tokenize_shard(shard: Shard, tokenizer, seq_len: int, train_on: str, truncat
         targets = np.array(labels, dtype=np.int64) != IGNORE_INDEX
         if not targets.any():
             skipped["no_target_left"] += 1
-            first_bad.setdefault("no_target_left", (index, "truncation left no learned token"))
+            first_bad.setdefault("no_target_left", (index, f"truncation to data.seq_len={seq_len} left no learned token"))
             continue
         ids_parts.append(np.array(ids, dtype=np.int32))
         target_parts.append(targets.astype(np.uint8))

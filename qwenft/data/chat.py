@@ -343,7 +343,7 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
             ids, is_target = ids[:seq_len], is_target[:seq_len]
         labels = shift_labels(ids, is_target)
         if all(label == IGNORE_INDEX for label in labels):
-            skipped.add("no_target_left", index, "truncation left no learned token")
+            skipped.add("no_target_left", index, f"truncation to data.seq_len={seq_len} left no learned token")
             continue
         docs.append(Document(ids, labels))
     return docs, skipped

@@ -353,7 +353,7 @@ def tokenize_vlm_rows(rows, processor: VLMProcessor, seq_len: int, base_dir: Pat
             images, grids, videos = images[:n_images], grids[:n_images], videos[:n_videos]
         labels = shift_labels(ids, is_target)
         if all(label == IGNORE_INDEX for label in labels):
-            skipped.add("no_target_left", index, "truncation left no learned token")
+            skipped.add("no_target_left", index, f"truncation to data.seq_len={seq_len} left no learned token")
             continue
         docs.append(VLMDocument(ids, labels, images, grids, videos))
     return docs, skipped

@@ -137,6 +137,27 @@ def uninterruptible():
             raise Interrupted
 
 
+def stop_with_parent():
+    """A `subprocess.Popen` preexec_fn: on Linux, the child gets SIGTERM when the process that started it dies, so
+    a `qwenft train launcher.nproc_per_node=N` killed with SIGKILL (an OOM killer, a scheduler) takes torchrun
+    along, which stops its workers after a checkpoint, instead of leaving them training under init, holding the
+    run dir. None elsewhere."""
+    if os.uname().sysname != "Linux":
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def clear_marker(run_dir: Path) -> None:
     (run_dir / MARKER).unlink(missing_ok=True)
 

@@ -127,13 +127,36 @@ def lora_config(cfg: Config):
 
 
 def peft_meta(cfg: Config) -> dict | None:
-    """What a checkpoint records of peft.* (None: full finetuning): the keys that decide what is trained."""
+    """What a checkpoint records of peft.* (None: full finetuning): the keys that decide what is trained, alpha
+    (the adapters' scale, which their values were trained at) and the frozen base they fit (`base_fingerprint`)."""
     if cfg.peft.method == "none":
         return None
     targets = cfg.peft.target_modules
-    return {"method": cfg.peft.method, "rank": cfg.peft.rank,
+    return {"method": cfg.peft.method, "rank": cfg.peft.rank, "alpha": float(cfg.peft.alpha),
             "target_modules": [targets] if isinstance(targets, str) else list(targets), "vision": cfg.peft.vision,
-            "train_embeddings": cfg.peft.train_embeddings, "train_head": cfg.peft.train_head}
+            "train_embeddings": cfg.peft.train_embeddings, "train_head": cfg.peft.train_head,
+            "base": base_fingerprint(cfg)}
+
+
+def base_fingerprint(cfg: Config) -> dict:
+    """The frozen base of a LoRA run: its weight files' names, sizes and both ends (`data.loader.fingerprint`,
+    which stays the same when the checkpoint dir moves), or the seed of a random-init base."""
+    from qwenft.data.loader import fingerprint
+    from qwenft.models.loader import checkpoint_files
+
+    if not cfg.model.path:
+        return {"random_init_seed": cfg.seed}
+    files = sorted(set(checkpoint_files(Path(cfg.model.path)).values()))
+    return {name: ends for f in files for name, ends in fingerprint(f).items()}
+
+
+def checkpoint_lora(saved: dict, cfg: Config):
+    """The LoRA a checkpoint's adapters were trained with: its recorded peft.* (alpha: config.yaml's for a
+    checkpoint saved before alpha was recorded)."""
+    lora = lora_config(cfg)
+    return dataclasses.replace(lora, rank=saved["rank"], alpha=saved.get("alpha", lora.alpha),
+                               target_modules=tuple(saved["target_modules"]), vision=saved["vision"],
+                               train_embeddings=saved["train_embeddings"], train_head=saved["train_head"])
 
 
 def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
@@ -437,8 +460,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
 
         generation_config(tokenizer, cfg.model.path)
     if resume_from is not None:
+        peft = peft_meta(cfg)
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
-                                    peft=peft_meta(cfg), mtp=cfg.model.mtp)
+                                    peft=peft, mtp=cfg.model.mtp)
+        resume.check_base(resume_from, cfg, peft and peft["base"])
         resume.check_data_position(resume_from, cfg, data)
     if is_main and save_config is not None:
         save_config(run_dir)

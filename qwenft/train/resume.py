@@ -76,6 +76,26 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
                          f"checkpoint.resume=none")
 
 
+def check_base(path: Path, cfg: Config, base: dict | None) -> None:
+    """Refuse (ValueError, one line) to resume LoRA adapters onto a frozen base other than the one they were
+    trained on (`base`: this run's `build.base_fingerprint`; a checkpoint saved before bases were recorded is not
+    checked): the same shapes would load and train on, silently wrong."""
+    saved = (read_meta(path).get("peft") or {}).get("base")
+    if saved is None or base is None or saved == base:
+        return
+    seed = saved.get("random_init_seed")
+    if seed is not None:
+        then = f"a random-init base, seed={seed}"
+    elif "random_init_seed" in base:
+        then = "a model.path's weights"
+    else:
+        then = f"other weights: {_files_difference(saved, base)}"
+    now = f"model.path={cfg.model.path}" if cfg.model.path else f"a random init with seed={cfg.seed}"
+    raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume}: this run's base, {now}, is not the one the "
+                     f"adapters of {path} were trained on ({then}); resume on that base, or set "
+                     f"checkpoint.resume=none")
+
+
 def apply_optimizer_options(optimizer, scheduler, cfg: Config) -> None:
     """After a checkpoint has loaded: this run's optim.lr, betas, eps and weight_decay, in place of the values the
     checkpoint's parameter groups and scheduler were saved with, from the first resumed step on; the lr follows
