@@ -441,6 +441,7 @@ def test_export_says_when_model_path_has_moved(tmp_path, uninterrupted_run, caps
 
 EXPORT_ERRORS = {
     "out_not_empty": "out={out} exists and is not empty; give a new or empty directory",
+    "out_a_file": "out={out} is a file; give a new or empty directory",
     "no_tokenizer": "data.tokenizer={tokenizer} (from {run_dir}/config.yaml) has no tokenizer files (tokenizer.json, "
                     "tokenizer_config.json, vocab.json, tokenizer.model) to export with the model; pass tokenizer=DIR",
     "no_best": "checkpoint=best: there is no {run_dir}/checkpoints/best (the run saved no such checkpoint; train with "
@@ -458,6 +459,8 @@ def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, uninterrupted
     if case == "out_not_empty":
         out.mkdir()
         (out / "mine.txt").write_text("keep me")
+    if case == "out_a_file":
+        out.write_text("keep me")
     if case == "no_tokenizer":
         tokenizer.mkdir()
         run_dir = _fake_run(tmp_path, uninterrupted_run, **{"data.tokenizer": str(tokenizer)})
@@ -468,4 +471,4 @@ def test_export_bad_input_is_one_line_and_writes_nothing(tmp_path, uninterrupted
     message = EXPORT_ERRORS[case]
     assert err.count("\n") == 1 and message.format(out=out, tokenizer=tokenizer, run_dir=run_dir) in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
-    assert out.exists() == (case == "out_not_empty")
+    assert out.exists() == (case in ("out_not_empty", "out_a_file"))

@@ -71,6 +71,14 @@ def test_model_path_empty_dir(tmp_path):
     assert not (run / "config.yaml").exists()
 
 
+def test_model_path_a_file(tmp_path):
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file, not a directory"):
+        config_from_hf_dir(tmp_path / "model.safetensors")
+
+
 @pytest.mark.slow
 def test_model_path_bad_generation_config(tmp_path, hf_dir):
     """Refused at start, before training, when the run will export (the export carries the file over)."""

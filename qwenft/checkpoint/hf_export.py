@@ -47,8 +47,8 @@ def full_state_dict(modules: list[torch.nn.Module], pp_group=None) -> dict[str, 
 def check_out_dir(out_dir: Path, key: str = "out") -> None:
     """An export never writes over existing files: `out_dir` must be new or empty."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{key}={out_dir} exists and is not empty; give a new or empty directory "
-                         f"(an export never overwrites files)")
+        what = "is a file" if not out_dir.is_dir() else "exists and is not empty"
+        raise ValueError(f"{key}={out_dir} {what}; give a new or empty directory (an export never overwrites files)")
 
 
 END_OF_TURN, END_OF_TEXT = "<|im_end|>", "<|endoftext|>"

@@ -18,7 +18,7 @@ from torch import nn
 
 from qwenft.models.lora import is_adapter
 from qwenft.models.qwen3_5 import adapter
-from qwenft.models.qwen3_5.configs import ModelConfig, config_from_hf_dir
+from qwenft.models.qwen3_5.configs import ModelConfig, check_checkpoint_dir, config_from_hf_dir
 from qwenft.models.qwen3_5.gdn import param_dtype
 from qwenft.models.qwen3_5.model import Qwen3_5Model
 
@@ -143,8 +143,7 @@ def _init_adapters(model: nn.Module, seed: int, device) -> None:
 
 def checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
     """{hf_key: safetensors file} from the index, or from the single model.safetensors."""
-    if not ckpt_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(ckpt_dir)!r} does not exist")
+    check_checkpoint_dir(ckpt_dir)
     index = ckpt_dir / SAFETENSORS_INDEX
     if index.is_file():
         try:

@@ -258,11 +258,17 @@ TEXT_MODEL_TYPES = {"qwen3_5_text": False, "qwen3_5_moe_text": True}  # -> is Mo
 VLM_MODEL_TYPES = {"qwen3_5": False, "qwen3_5_moe": True}
 
 
+def check_checkpoint_dir(path: Path) -> None:
+    """FileNotFoundError naming `path` unless it is a directory."""
+    if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} {what}")
+
+
 def config_from_hf_dir(path) -> ModelConfig:
     """Read `config.json` of a transformers Qwen3.5 or Qwen3.5-MoE checkpoint (text-only or VLM)."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
+    check_checkpoint_dir(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {str(path)!r}")
