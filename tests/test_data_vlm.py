@@ -4,6 +4,7 @@ and vision activation checkpointing, and a short training run on the generated t
 
 import base64
 import dataclasses
+import functools
 import io
 import json
 
@@ -16,7 +17,7 @@ from qwenft.constants import IGNORE_INDEX
 from qwenft.data.loader import load_rows
 from qwenft.data.vlm import (VLMProcessor, build_vlm_data, load_processor, parse_row,
                              split_microbatches, tokenize_vlm_row, tokenize_vlm_rows)
-from qwenft.models.freeze import checkpoint_vision, freeze
+from qwenft.models.freeze import freeze
 from qwenft.models.loader import build_model, init_random_weights
 from qwenft.models.qwen3_5.configs import named_config
 from qwenft.train.evaluate import forward_batch
@@ -387,20 +388,33 @@ def video_batch(proc, cache):
     return next(build_vlm_data(picked, proc, seq_len=128, micro_batch_size=2, base_dir=data))
 
 
-def test_vision_activation_checkpointing_gives_the_same_grads(video_batch):
-    """The tower's blocks checkpointed: the same tower grads, on a micro batch with a picture and a video."""
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_vision_activation_checkpointing_gives_the_same_grads(video_batch, peft):
+    """The tower's blocks checkpointed (model.vision_activation_checkpointing, as the run builds a stage: after
+    LoRA's adapters, peft.vision=true): the same tower grads, on a micro batch with a picture and a video."""
+    from qwenft.conf import compose
+    from qwenft.models.lora import apply_lora
+    from qwenft.train.build import _freeze, lora_config
+
     assert len(video_batch["video_grid_thw"]) >= 1 and len(video_batch["image_grid_thw"]) >= 1
     grads = []
     for ac in (False, True):
+        cfg = compose(["recipe=tiny_vlm", f"peft={peft}", "peft.vision=true",
+                       f"model.vision_activation_checkpointing={str(ac).lower()}"])
         model = small_vlm(seed=2)
+        if peft == "lora":
+            torch.manual_seed(0)  # the adapters' init
+            apply_lora(model, lora_config(cfg), adapter_dtype=torch.float32)
         names = [n for n, _ in model.named_parameters()]
-        if ac:
-            assert checkpoint_vision(model) == 2
+        _freeze(model, cfg)
+        assert all(isinstance(b.forward, functools.partial) == ac for b in model.visual.blocks)
         assert [n for n, _ in model.named_parameters()] == names  # checkpoint keys unchanged
         b = video_batch
         logits = forward_batch(model, b)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten()).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("visual.")})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if n.startswith("visual.") and p.grad is not None})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
 

@@ -82,7 +82,15 @@ def test_every_steps_without_dataset_is_an_error():
         compose(["recipe=tiny", "eval.every_steps=2"])
 
 
-HUGE_LR = ["optim.lr=1e6", "optim.max_grad_norm=0", "train.max_steps=6", "eval.every_steps=0"]
+def test_a_validation_set_without_every_steps_is_an_error():
+    for key, value in (("eval.dataset", "tiny"), ("eval.max_batches", "2")):
+        with pytest.raises(ValueError) as e:
+            compose(["recipe=tiny", f"{key}={value}"])
+        assert str(e.value) == (f"{key}={value} has no effect while eval.every_steps=0 (never); set eval.every_steps=N "
+                                f"for a validation loss every N steps and at the end, or {key}=null")
+
+
+HUGE_LR = ["optim.lr=1e6", "optim.max_grad_norm=0", "train.max_steps=6", "eval.every_steps=0", "eval.dataset=null"]
 
 
 @pytest.mark.distributed

@@ -124,12 +124,18 @@ def test_tensor_parallel_fp8_follows_one_process(tmp_path):
      "and float8 GEMMs need a multiple of 16; change data.seq_len"),
 ])
 def test_bad_fp8_settings_fail_with_one_line(tmp_path, overrides, message):
-    from qwenft.conf.layout import resolve_layout
-    from qwenft.train.build import model_config
-    from qwenft.train.spec import resolve_spec
+    """Through `qwenft train`'s own checks, with activation checkpointing given (not `auto`, whose plan resolves the
+    whole spec) and leaving the run dir without a config."""
+    from distributed import run_distributed
 
-    cfg = compose(tiny_overrides(tmp_path, *overrides))
-    with pytest.raises(ValueError) as info:
-        layout = resolve_layout(cfg.mesh.tp, 1, 1, cfg.mesh.tp)
-        resolve_spec(cfg, layout, model_config(cfg), "cpu")
-    assert str(info.value) == message
+    def train(rank, world_size, overrides):
+        from qwenft.train.runner import run
+
+        try:
+            run(compose(overrides))
+        except ValueError as e:
+            return str(e)
+
+    assert run_distributed(train, 1, tiny_overrides(tmp_path, *overrides, "model.activation_checkpointing=false")) \
+        == [message]
+    assert not (tmp_path / "config.yaml").exists()

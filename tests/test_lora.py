@@ -297,6 +297,8 @@ def test_tiny_lora_recipe_loss_falls(tmp_path):
     ("peft.alpha=-2", "peft.alpha=-2.0 must be > 0"),
     ("peft.dropout=1.0", "peft.dropout=1.0 must be in [0, 1)"),
     ("peft.method=qlora", "peft.method='qlora' is not valid; choose one of none, lora"),
+    ("model.freeze_language=true", "model.freeze_language=true with peft=lora: LoRA freezes the whole base and trains "
+                                   "the adapters peft.* places (peft.vision for the vision tower's); drop model.freeze_*"),
     ("peft=qlora", "peft='qlora' is not a peft option; choose one of lora, none"),
 ])
 def test_bad_peft_values_one_line(override, message):

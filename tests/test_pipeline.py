@@ -270,6 +270,17 @@ def test_num_microbatches_must_agree(tmp_path):
         run_distributed(train_with_state, 1, _overrides(tmp_path, "nmb", "pipeline.num_microbatches=3"))
 
 
+def test_microbatch_size_is_one_setting_under_two_names():
+    from qwenft.train.spec import resolve_batching
+
+    assert resolve_batching(compose(["pipeline.microbatch_size=2", "train.micro_batch_size=2"]), 1).microbatch_size == 2
+    with pytest.raises(ValueError) as e:
+        resolve_batching(compose(["recipe=qwen3_5_27b_pp2dp4", "data.path=x.jsonl", "pipeline.microbatch_size=2"]), 4)
+    assert str(e.value) == ("pipeline.microbatch_size=2 and train.micro_batch_size=1 disagree; they are one setting "
+                            "(sequences per microbatch): set train.micro_batch_size=2 and leave "
+                            "pipeline.microbatch_size=null")
+
+
 @pytest.mark.distributed
 def test_stage_keys_without_pipeline_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match=r"pipeline.layers_per_stage=\[2, 2\] is set but mesh.pp=1"):

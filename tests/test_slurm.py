@@ -69,6 +69,13 @@ def test_dry_run_cpu_nodes_and_defaults(capsys):
     assert re.search(r"run_dir=/\S+/outputs/tiny/\d{8}-\d{6}", script)  # absolute: the job's dir is fixed
 
 
+def test_requeue_false_neither_asks_slurm_nor_requeues_itself(capsys):
+    script = _dry_run(capsys, "launcher.gpus_per_node=0", "launcher.requeue=false")
+    lines = script.splitlines()
+    assert "#SBATCH --no-requeue" in lines and "#SBATCH --requeue" not in lines and "scontrol requeue" not in script
+    assert '  echo "qwenft: preempted; not requeueing (launcher.requeue=false)"' in lines and "  exit 75" in lines
+
+
 def test_dry_run_resume_path_only_on_the_first_start(capsys):
     """checkpoint.resume=<dir> starts the job from that checkpoint; a requeued start continues from its own."""
     script = _dry_run(capsys, "launcher.gpus_per_node=0", "checkpoint.resume=/ckpt/run1/checkpoints/step-000100")

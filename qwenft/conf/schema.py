@@ -417,6 +417,11 @@ def validate(cfg: Config) -> None:
                          f"use auto, none or a path to a step-NNNNNN dir")
     if cfg.eval.every_steps < 0:
         raise ValueError(f"eval.every_steps={cfg.eval.every_steps} must be >= 0 (0 = never)")
+    if not cfg.eval.every_steps and (cfg.eval.dataset is not None or cfg.eval.max_batches is not None):
+        key, value = ("eval.dataset", cfg.eval.dataset) if cfg.eval.dataset is not None else \
+            ("eval.max_batches", cfg.eval.max_batches)
+        raise ValueError(f"{key}={value} has no effect while eval.every_steps=0 (never); set eval.every_steps=N for a "
+                         f"validation loss every N steps and at the end, or {key}=null")
     if cfg.eval.every_steps and cfg.eval.dataset is None:
         raise ValueError(f"eval.every_steps={cfg.eval.every_steps} needs a validation set; set eval.dataset "
                          f"(\"tiny\" or a path like data.path) or eval.every_steps=0")
@@ -444,6 +449,12 @@ def validate(cfg: Config) -> None:
 
 def _validate_peft(cfg: Config) -> None:
     peft = cfg.peft
+    frozen = [f"model.{key}={str(getattr(cfg.model, key)).lower()}" for key, default in (
+        ("freeze_vision", False), ("freeze_projector", None), ("freeze_language", False))
+        if getattr(cfg.model, key) != default]
+    if peft.method != "none" and frozen:
+        raise ValueError(f"{', '.join(frozen)} with peft={peft.method}: LoRA freezes the whole base and trains the "
+                         f"adapters peft.* places (peft.vision for the vision tower's); drop model.freeze_*")
     if peft.rank < 1:
         raise ValueError(f"peft.rank={peft.rank} must be >= 1")
     if peft.alpha <= 0:

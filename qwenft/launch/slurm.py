@@ -69,8 +69,7 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
             sbatch.append(f"--{key.replace('_', '-')}={value}")
     sbatch += [f"--chdir={workdir}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
                "--export=ALL", f"--signal=USR1@{launcher.signal_seconds}"]
-    if launcher.requeue:
-        sbatch.append("--requeue")
+    sbatch.append("--requeue" if launcher.requeue else "--no-requeue")
     sbatch += list(launcher.sbatch_extra)
 
     lines = ["#!/bin/bash",
@@ -124,13 +123,14 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
     lines += [
         "# torchrun exits 1 when its workers stopped on a signal; the marker they write tells it from a failure",
         f'if [ -f "$run_dir/{MARKER}" ]; then',
-        f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {launcher.max_requeues} ]; then',
-        f'    echo "qwenft: preempted ($(cat "$run_dir/{MARKER}")); requeueing job $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
-        "    exit 0",
-        "  fi",
-        f'  echo "qwenft: preempted; not requeueing after ${{SLURM_RESTART_COUNT:-0}} restarts '
-        f'(launcher.max_requeues={launcher.max_requeues})"',
+        *([f'  if [ "${{SLURM_RESTART_COUNT:-0}}" -lt {launcher.max_requeues} ]; then',
+           f'    echo "qwenft: preempted ($(cat "$run_dir/{MARKER}")); requeueing job $SLURM_JOB_ID"',
+           '    scontrol requeue "$SLURM_JOB_ID"',
+           "    exit 0",
+           "  fi",
+           f'  echo "qwenft: preempted; not requeueing after ${{SLURM_RESTART_COUNT:-0}} restarts '
+           f'(launcher.max_requeues={launcher.max_requeues})"'] if launcher.requeue else
+          ['  echo "qwenft: preempted; not requeueing (launcher.requeue=false)"']),
         f"  exit {EXIT_PREEMPTED}",
         "fi",
         'exit "$status"',

@@ -38,7 +38,7 @@ from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
                                  refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
                                  setup_logging)
-from qwenft.train.spec import RunSpec, check_mesh_keys, resolve_batching, resolve_dtypes, resolve_parallel
+from qwenft.train.spec import RunSpec, checked_batching, resolve_dtypes, resolve_parallel
 from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
                                token_loss)
 
@@ -106,10 +106,13 @@ def _fit_vocab(cfg: Config, model_cfg, tokenizer_size: int) -> None:
 
 
 def _freeze(module: nn.Module, cfg: Config) -> None:
+    """What trains of a full finetuning (model.freeze_*; LoRA freezes the base itself), and the vision tower's
+    activation checkpointing."""
     from qwenft.models.freeze import checkpoint_vision, freeze
 
-    freeze(module, vision=cfg.model.freeze_vision, language=cfg.model.freeze_language,
-           projector=cfg.model.freeze_projector)
+    if cfg.peft.method == "none":
+        freeze(module, vision=cfg.model.freeze_vision, language=cfg.model.freeze_language,
+               projector=cfg.model.freeze_projector)
     if cfg.model.vision_activation_checkpointing and getattr(module, "visual", None) is not None:
         checkpoint_vision(module)
 
@@ -202,12 +205,11 @@ def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple
         else:
             module = pp_stage.build_stage_model(model_cfg, list(layers[i]), embed=i == 0, head=i == len(layers) - 1,
                                                 **model_kwargs).to_dtype(dtype)
-        if lora is None:
-            _freeze(module, cfg)
-        else:
+        if lora is not None:
             from qwenft.models.lora import apply_lora
 
             apply_lora(module, lora, adapter_dtype=spec.dtypes.master)
+        _freeze(module, cfg)
         _parallelize(module, cfg, spec, mesh)
         if spec.parallel.weight_grad == "in_matmul":
             from qwenft.models import weight_grad
@@ -248,6 +250,29 @@ def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> 
 
     tokenizer = load_tokenizer(source)
     return tokenizer, None, [tokenizer]
+
+
+def moot_settings(cfg: Config, max_steps: int) -> list[str]:
+    """Settings that do nothing in this run (the run's start warns of each): a key whose switch is off, a schedule
+    too short for its own shape. Not errors: a recipe's defaults may meet an override that makes them moot."""
+    from qwenft.conf.schema import LoggerOptions, ModelOptions
+
+    notes = []
+    sched = cfg.lr_scheduler
+    if sched.min_lr_ratio and sched.decay == "constant":
+        notes.append(f"lr_scheduler.min_lr_ratio={sched.min_lr_ratio} has no effect with lr_scheduler.decay=constant")
+    if sched.warmup_steps >= max_steps:
+        notes.append(f"lr_scheduler.warmup_steps={sched.warmup_steps} is not below the run's {max_steps} steps: the lr "
+                     f"never reaches optim.lr={cfg.optim.lr}, and no decay follows")
+    if not cfg.logger.wandb:
+        for key in ("wandb_project", "wandb_mode"):
+            if getattr(cfg.logger, key) != getattr(LoggerOptions(), key):
+                notes.append(f"logger.{key}={getattr(cfg.logger, key)} has no effect without logger.wandb=true "
+                             f"(logger=wandb)")
+    if cfg.model.mtp == "keep" and cfg.model.mtp_loss_weight != ModelOptions().mtp_loss_weight:
+        notes.append(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} has no effect with model.mtp=keep (no MTP "
+                     f"head trains); set model.mtp=train")
+    return notes
 
 
 def check_chat_template(tokenizer, cfg: Config) -> None:
@@ -396,8 +421,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     init_process_group(cfg.mesh.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, world, ep=cfg.mesh.ep, cp=cfg.mesh.cp)
-    batching = resolve_batching(cfg, layout.dp)
-    check_mesh_keys(cfg, layout)
+    batching = checked_batching(cfg, layout)
     mesh = build_mesh(layout)
     dp_rank = mesh["dp"].get_local_rank()
     device = torch.device(device_type(), torch.cuda.current_device() if device_type() == "cuda" else None)
@@ -476,6 +500,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
+    for note in moot_settings(cfg, max_steps):
+        log.warning("config: %s", note)
     log.info("data: %s rows%s; %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s; %s",
              data.format, " (data.format=auto, found by their columns)" if cfg.data.format == "auto" else "",
              data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none",

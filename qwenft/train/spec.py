@@ -106,21 +106,34 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
                                  f"set mesh.pp > 1 or pipeline.{key}=null")
 
 
+def checked_batching(cfg: Config, layout: Layout) -> Batching:
+    """The batching of a run on `layout`, after the checks of the keys it depends on (the mesh's pipeline keys,
+    model.fp8): the first decisions of every run, before anything is built."""
+    check_mesh_keys(cfg, layout)
+    batching = resolve_batching(cfg, layout.dp)
+    check_fp8(cfg, layout, batching)
+    return batching
+
+
 def resolve_batching(cfg: Config, dp: int) -> Batching:
-    """train.global_batch_size split over `dp` ranks into microbatches of pipeline.microbatch_size (default
-    train.micro_batch_size)."""
-    key = "pipeline.microbatch_size" if cfg.pipeline.microbatch_size else "train.micro_batch_size"
-    size = cfg.pipeline.microbatch_size or cfg.train.micro_batch_size
+    """train.global_batch_size split over `dp` ranks into microbatches of train.micro_batch_size (which
+    pipeline.microbatch_size, when set, must equal)."""
+    size = cfg.train.micro_batch_size
+    if cfg.pipeline.microbatch_size is not None and cfg.pipeline.microbatch_size != size:
+        raise ValueError(f"pipeline.microbatch_size={cfg.pipeline.microbatch_size} and train.micro_batch_size={size} "
+                         f"disagree; they are one setting (sequences per microbatch): set train.micro_batch_size="
+                         f"{cfg.pipeline.microbatch_size} and leave pipeline.microbatch_size=null")
     per_step = size * dp
     if cfg.train.global_batch_size % per_step:
         raise ValueError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-            f"{key}={size} x dp={dp} = {per_step}")
+            f"train.micro_batch_size={size} x dp={dp} = {per_step}")
     count = cfg.train.global_batch_size // per_step
     if cfg.pipeline.num_microbatches is not None and cfg.pipeline.num_microbatches != count:
         raise ValueError(
             f"pipeline.num_microbatches={cfg.pipeline.num_microbatches} but train.global_batch_size="
-            f"{cfg.train.global_batch_size} / dp={dp} / {key}={size} = {count}; set it to {count} or null")
+            f"{cfg.train.global_batch_size} / dp={dp} / train.micro_batch_size={size} = {count}; set it to {count} "
+            f"or null")
     return Batching(size, count, cfg.train.global_batch_size, cfg.data.seq_len)
 
 
@@ -346,8 +359,6 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
 
 def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec:
     """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu")."""
-    check_mesh_keys(cfg, layout)
-    batching = resolve_batching(cfg, layout.dp)
-    check_fp8(cfg, layout, batching)
+    batching = checked_batching(cfg, layout)
     dtypes = resolve_dtypes(cfg, device)
     return RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device, dtypes))
