@@ -173,7 +173,7 @@ def test_close_stops_the_threads_and_next_starts_them_again(proc, files):
 @pytest.mark.parametrize("value, message", [
     ("-1", "data.num_workers=-1 must be an integer >= 0 (threads making micro batches ahead; 0 = make each in the "
            "training process when it is needed)"),
-    ("two", "data.num_workers: Value 'two' of type 'str' could not be converted to Integer"),
+    ("two", "data.num_workers='two' is not valid; expected an integer"),
 ])
 def test_bad_num_workers_is_one_line(proc, value, message):
     from qwenft.conf import compose
