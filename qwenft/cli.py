@@ -43,6 +43,7 @@ def _help() -> str:
 def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
     from qwenft.launch import signals
+    from qwenft.launch.slurm import SHUTDOWN_TIMEOUT
     from qwenft.train.rundir import default_run_dir
 
     run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
@@ -50,7 +51,10 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     cmd = [sys.executable, "-m", "qwenft.launch.torchrun", "--standalone",
            f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train", *args]
     signals.clear_marker(Path(run_dir))
-    proc = subprocess.Popen(cmd, preexec_fn=signals.stop_with_parent())
+    # how long torchrun lets its workers save after it passes a SIGTERM on (its default, 30 s, is short for a
+    # large model's checkpoint), as the SLURM script sets it
+    env = {SHUTDOWN_TIMEOUT: str(cfg.launcher.signal_seconds), **os.environ}
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=signals.stop_with_parent())
     # SIGTERM/SIGUSR1 here reach the workers as SIGTERM through torchrun (it forwards SIGTERM, not SIGUSR1). A
     # terminal's Ctrl-C reaches this process and torchrun (one process group), which passes it to the workers; this
     # one waits for them (a Python handler: SIG_IGN would be handed down to torchrun and its workers).

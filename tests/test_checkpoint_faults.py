@@ -9,12 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import REPO, read_metrics, tiny_overrides, train
+from helpers import REPO, compose, read_metrics, tiny_overrides, train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
 SMALL = ("data.seq_len=64", "train.global_batch_size=2", "train.micro_batch_size=1")
@@ -44,6 +45,27 @@ def four_steps(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- a resume from an older step
+
+
+@pytest.mark.distributed
+def test_a_resume_from_another_runs_checkpoint_into_a_run_dir_with_its_own_is_refused(tmp_path, four_steps):
+    """The two runs' checkpoints would mix, and checkpoint.resume=auto would later take this dir's own `latest`."""
+    def start(rank, world_size, overrides):
+        from qwenft.train.runner import run
+
+        try:
+            run(compose(overrides))
+        except ValueError as e:
+            return str(e)
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_steps, run_dir)
+    other = four_steps / "checkpoints" / "step-000002"
+    (msg,) = run_distributed(start, 1, tiny_overrides(run_dir, *SMALL, "train.max_steps=4",
+                                                      f"checkpoint.resume={other}"))
+    assert msg == (f"run_dir={run_dir} holds its own checkpoints (step-000002, step-000004) and checkpoint.resume="
+                   f"{other} is another run's: the two runs' checkpoints would mix; resume it in a new run_dir, or "
+                   f"resume this one from its own (checkpoint.resume=auto)"), msg
 
 
 @pytest.mark.distributed
@@ -188,8 +210,8 @@ def test_export_removes_what_a_killed_export_left(tmp_path, four_steps, capsys):
 @pytest.mark.distributed
 def test_end_of_training_export_removes_what_a_killed_one_left(tmp_path):
     """A `qwenft train` killed while its end-of-training export writes leaves `<run_dir>/hf.tmp-<host>-<pid>`; the
-    run's next export into <run_dir>/hf removes it, and also one from another host (a requeue on another node): the
-    run holds its run dir's lock, so no other export writes there."""
+    run's next export into <run_dir>/hf removes it, and also one from another host (a requeue on another node) that
+    nothing has written for an hour; another host's written since is left (a `qwenft export` there may be writing)."""
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(run_dir, *SMALL, "train.max_steps=1", "data.cache=false")
     killed = _qwenft_with_small_files("train", *overrides, killed=True)
@@ -197,9 +219,14 @@ def test_end_of_training_export_removes_what_a_killed_one_left(tmp_path):
     hf, host = run_dir / "hf", socket.gethostname()
     (left,) = _temps(hf)
     assert left.startswith(f"hf.tmp-{host}-") and not hf.exists()
-    shutil.copytree(run_dir / left, run_dir / f"hf.tmp-node-b-{left.rsplit('-', 1)[1]}")
+    idle, busy = (run_dir / f"hf.tmp-node-{n}-{left.rsplit('-', 1)[1]}" for n in "bc")
+    shutil.copytree(run_dir / left, idle)
+    shutil.copytree(run_dir / left, busy)
+    hour_ago = time.time() - 3700
+    for path in (idle, *idle.iterdir()):
+        os.utime(path, (hour_ago, hour_ago))
     run_distributed(train, 1, overrides)
-    assert _temps(hf) == [] and (hf / "model.safetensors").stat().st_size > LIMIT
+    assert _temps(hf) == [busy.name] and (hf / "model.safetensors").stat().st_size > LIMIT
 
 
 # ---------------------------------------------------------------- an export whose checkpoint is rotated away

@@ -236,7 +236,7 @@ def test_settings_that_do_nothing_are_named_at_the_start():
                    "logger.wandb_project=mine", "model.mtp_loss_weight=0.3"])
     assert moot_settings(cfg, max_steps=5) == [
         "lr_scheduler.min_lr_ratio=0.1 has no effect with lr_scheduler.decay=constant",
-        f"lr_scheduler.warmup_steps=10 is not below the run's 5 steps: the lr never reaches optim.lr={cfg.optim.lr}, "
-        "and no decay follows",
+        f"lr_scheduler.warmup_steps=10 is not below the run's 5 steps: the whole run warms up (the lr reaches "
+        f"optim.lr={cfg.optim.lr} at step 10) and no decay follows",
         "logger.wandb_project=mine has no effect without logger.wandb=true (logger=wandb)",
         "model.mtp_loss_weight=0.3 has no effect with model.mtp=keep (no MTP head trains); set model.mtp=train"]

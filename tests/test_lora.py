@@ -376,14 +376,27 @@ def test_lora_resume_refuses_another_alpha_or_base_and_export_keeps_the_trained_
     for ckpt, change, there in (
             (path, ["peft.alpha=64", f"model.path={base}"], "peft.alpha=32.0"),
             (path, [f"model.path={other}"], f"this run's base, model.path={other}, is not the one the adapters of "
-                                            f"{path} were trained on (other weights: model.safetensors: the same size"),
+                                            f"{path} were trained on (other weights: the same tensors' names and "
+                                            "shapes, other values)"),
             (path, [], "(a model.path's weights)"),
             (random, ["seed=7"], "this run's base, a random init with seed=7, is not the one the adapters of "
                                  f"{random} were trained on (a random-init base, seed=0)")):
         (msg,) = run_distributed(train, 1, common + change + [f"checkpoint.resume={ckpt}", f"run_dir={tmp_path / 'x'}"])
         assert isinstance(msg, str) and there in msg and "\n" not in msg, msg
-    moved = tmp_path / "moved"
-    base.rename(moved)  # the same weights elsewhere: resumed
+    moved = tmp_path / "moved"  # the same weights elsewhere, in two files: resumed
+    moved.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(base / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, moved / file, metadata={"format": "pt"})
+    (moved / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: file for file, part in shards.items() for k in part}}))
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (moved / f.name).write_bytes(f.read_bytes())
     (losses,) = run_distributed(train, 1, common + [f"model.path={moved}", "train.max_steps=2",
                                                     f"checkpoint.resume={path}", f"run_dir={tmp_path / 'y'}"])
     assert isinstance(losses, list) and len(losses) == 1, losses

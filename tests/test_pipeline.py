@@ -275,7 +275,7 @@ def test_microbatch_size_is_one_setting_under_two_names():
 
     assert resolve_batching(compose(["pipeline.microbatch_size=2", "train.micro_batch_size=2"]), 1).microbatch_size == 2
     with pytest.raises(ValueError) as e:
-        resolve_batching(compose(["recipe=qwen3_5_27b_pp2dp4", "data.path=x.jsonl", "pipeline.microbatch_size=2"]), 4)
+        compose(["recipe=qwen3_5_27b_pp2dp4", "data.path=x.jsonl", "pipeline.microbatch_size=2"])
     assert str(e.value) == ("pipeline.microbatch_size=2 and train.micro_batch_size=1 disagree; they are one setting "
                             "(sequences per microbatch): set train.micro_batch_size=2 and leave "
                             "pipeline.microbatch_size=null")

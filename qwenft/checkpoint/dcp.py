@@ -145,8 +145,9 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
     saved_peft = {k: v for k, v in saved_peft.items() if k != "base"}
     peft = {k: v for k, v in peft.items() if k != "base" and (k != "alpha" or k in saved_peft)}
     if saved_peft != peft:
-        there = ", ".join(f"peft.{k}={v}" for k, v in saved_peft.items())
-        here = ", ".join(f"peft.{k}={v}" for k, v in peft.items())
+        differ = [k for k in {**saved_peft, **peft} if saved_peft.get(k) != peft.get(k)]
+        there = ", ".join(f"peft.{k}={saved_peft.get(k)}" for k in differ)
+        here = ", ".join(f"peft.{k}={peft.get(k)}" for k in differ)
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
                          f"with the peft.* it was trained with, or set checkpoint.resume=none")
     saved_dtypes = meta.get("optim_dtypes")

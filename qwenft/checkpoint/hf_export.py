@@ -114,18 +114,28 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _idle(tmp: Path, seconds: float = 3600.0) -> bool:
+    """Nothing in `tmp` written for `seconds`: no export is writing it (a live one writes a file at least every
+    few minutes, a shard at a time)."""
+    import time
+
+    newest = max((p.stat().st_mtime for p in (tmp, *tmp.iterdir())), default=0.0)
+    return time.time() - newest > seconds
+
+
 def _remove_dead_temps(out_dir: Path, any_host: bool) -> None:
     """Remove what exports into `out_dir` that were killed left (a full-size model each): `<out>.tmp-<host>-<pid>`
     dirs of this host whose process is gone, or is this one (a pid reused after a reboot or in a new container).
     Another host's (a shared filesystem) and a live process's are left alone, as they may be being written, unless
-    `any_host`: the caller holds the run dir that `out_dir` is in (its lock), so no other export writes there."""
+    `any_host` (the caller holds the run dir that `out_dir` is in: a requeued run's export on another node) and it
+    has not been written for an hour (`qwenft export` takes no lock, and may write there from another host)."""
     host, prefix = socket.gethostname(), f"{out_dir.name}.tmp-"
     for tmp in out_dir.parent.iterdir():
         where, _, pid = tmp.name.removeprefix(prefix).rpartition("-")
         if not (tmp.name.startswith(prefix) and pid.isdigit()):
             continue
         # `where` "": the <out>.tmp-<pid> of an earlier qwenft
-        if any_host or (where in (host, "") and (int(pid) == os.getpid() or not _alive(int(pid)))):
+        if where in (host, "") and (int(pid) == os.getpid() or not _alive(int(pid))) or any_host and _idle(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
 

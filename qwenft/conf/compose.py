@@ -62,13 +62,17 @@ def _unknown_key_error(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
-def _expected(key: str) -> str:
-    """What the schema's key `key` takes, for a value of the wrong type."""
-    from omegaconf import OmegaConf
+def _expected(key: str) -> str | None:
+    """What the schema's key `key` takes, for a value of the wrong type; None for a key inside a list item (e.g. a
+    `data.sources` entry's, which OmegaConf names by its own key alone)."""
+    from omegaconf import DictConfig, OmegaConf
 
     parent, _, leaf = key.rpartition(".")
     schema = OmegaConf.structured(Config)
-    node = (OmegaConf.select(schema, parent) if parent else schema)._get_node(leaf)
+    holder = OmegaConf.select(schema, parent, default=None) if parent else schema
+    if not isinstance(holder, DictConfig) or leaf not in holder:
+        return None
+    node = holder._get_node(leaf)
     kind = type(node).__name__
     optional = " (or null)" if node._is_optional() else ""
     expected = {"FloatNode": "expected a number", "IntegerNode": "expected an integer",
@@ -189,8 +193,9 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         key = getattr(e, "full_key", None)
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise _unknown_key_error(key or str(e)) from None
-        if key and hasattr(e, "value"):
-            raise ConfigError(f"{key}={e.value!r} is not valid; {_expected(key)}") from None
+        expected = _expected(key) if key and hasattr(e, "value") else None
+        if expected:
+            raise ConfigError(f"{key}={e.value!r} is not valid; {expected}") from None
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
     for key in OmegaConf.missing_keys(raw):  # merging ??? onto the schema's default keeps the default
         OmegaConf.update(merged, key, "???")

@@ -427,8 +427,13 @@ def validate(cfg: Config) -> None:
                          f"(\"tiny\" or a path like data.path) or eval.every_steps=0")
     if cfg.eval.max_batches is not None and cfg.eval.max_batches < 1:
         raise ValueError(f"eval.max_batches={cfg.eval.max_batches} must be >= 1 (or null for the whole set)")
-    if len(cfg.optim.betas) != 2:
-        raise ValueError(f"optim.betas={list(cfg.optim.betas)} must have two values")
+    if len(cfg.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in cfg.optim.betas):
+        raise ValueError(f"optim.betas={list(cfg.optim.betas)} must be two numbers, e.g. [0.9,0.95]")
+    size = cfg.pipeline.microbatch_size
+    if size is not None and size != cfg.train.micro_batch_size:
+        raise ValueError(f"pipeline.microbatch_size={size} and train.micro_batch_size={cfg.train.micro_batch_size} "
+                         f"disagree; they are one setting (sequences per microbatch): set train.micro_batch_size={size} "
+                         f"and leave pipeline.microbatch_size=null")
     if not cfg.optim.lr > 0:  # torch refuses it only once the model is built, without naming the key
         raise ValueError(f"optim.lr={cfg.optim.lr} must be > 0")
     if not 0 <= cfg.optim.betas[0] < 1 or not 0 <= cfg.optim.betas[1] < 1:

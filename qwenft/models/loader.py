@@ -11,6 +11,7 @@ HF checkpoint is qwenft.checkpoint.hf_export's.
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -165,6 +166,30 @@ def checkpoint_files(ckpt_dir: Path) -> dict[str, Path]:
         return {k: single for k in _check_shard(single)}
     raise FileNotFoundError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {str(ckpt_dir)!r}; give a dir with "
                             f"the checkpoint's safetensors weights")
+
+
+def weights_fingerprint(ckpt_dir: Path, samples: int = 64) -> dict:
+    """A checkpoint's weights as {"tensors": count, "sha256": ...}: a hash of every tensor's name, dtype and shape
+    and of the first and last 4 KiB of `samples` tensors spread over the sorted names. The same for the same
+    weights however they are sharded into files or wherever the dir is, and read in a few dozen small reads."""
+    files = checkpoint_files(ckpt_dir)
+    headers = {}
+    for path in set(files.values()):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            headers[path] = (json.loads(f.read(size)), 8 + size)
+    names = sorted(files)
+    digest = hashlib.sha256()
+    for name in names:
+        entry = headers[files[name]][0][name]
+        digest.update(json.dumps([name, entry["dtype"], entry["shape"]]).encode())
+    for name in names[::max(1, len(names) // samples)]:
+        (header, data_at), path = headers[files[name]], files[name]
+        begin, end = header[name]["data_offsets"]
+        n = min(4096, end - begin)
+        with open(path, "rb") as f:
+            digest.update(os.pread(f.fileno(), n, data_at + begin) + os.pread(f.fileno(), n, data_at + end - n))
+    return {"tensors": len(names), "sha256": digest.hexdigest()}
 
 
 def _check_shard(path: Path) -> list[str]:

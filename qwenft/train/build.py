@@ -142,24 +142,23 @@ def peft_meta(cfg: Config) -> dict | None:
 
 
 def base_fingerprint(cfg: Config) -> dict:
-    """The frozen base of a LoRA run: its weight files' names, sizes and both ends (`data.loader.fingerprint`,
-    which stays the same when the checkpoint dir moves), or the seed of a random-init base."""
-    from qwenft.data.loader import fingerprint
-    from qwenft.models.loader import checkpoint_files
+    """The frozen base of a LoRA run: its weights' `models.loader.weights_fingerprint` (the same wherever the
+    checkpoint dir is and however it is sharded), or the seed of a random-init base."""
+    from qwenft.models.loader import weights_fingerprint
 
     if not cfg.model.path:
         return {"random_init_seed": cfg.seed}
-    files = sorted(set(checkpoint_files(Path(cfg.model.path)).values()))
-    return {name: ends for f in files for name, ends in fingerprint(f).items()}
+    return weights_fingerprint(Path(cfg.model.path))
 
 
 def checkpoint_lora(saved: dict, cfg: Config):
     """The LoRA a checkpoint's adapters were trained with: its recorded peft.* (alpha: config.yaml's for a
-    checkpoint saved before alpha was recorded)."""
-    lora = lora_config(cfg)
-    return dataclasses.replace(lora, rank=saved["rank"], alpha=saved.get("alpha", lora.alpha),
-                               target_modules=tuple(saved["target_modules"]), vision=saved["vision"],
-                               train_embeddings=saved["train_embeddings"], train_head=saved["train_head"])
+    checkpoint saved before alpha was recorded; dropout, which the adapters' values do not depend on, too)."""
+    from qwenft.models.lora import LoRAConfig
+
+    return LoRAConfig(rank=saved["rank"], alpha=saved.get("alpha", cfg.peft.alpha), dropout=cfg.peft.dropout,
+                      target_modules=tuple(saved["target_modules"]), vision=saved["vision"],
+                      train_embeddings=saved["train_embeddings"], train_head=saved["train_head"])
 
 
 def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
@@ -262,13 +261,17 @@ def moot_settings(cfg: Config, max_steps: int) -> list[str]:
     if sched.min_lr_ratio and sched.decay == "constant":
         notes.append(f"lr_scheduler.min_lr_ratio={sched.min_lr_ratio} has no effect with lr_scheduler.decay=constant")
     if sched.warmup_steps >= max_steps:
-        notes.append(f"lr_scheduler.warmup_steps={sched.warmup_steps} is not below the run's {max_steps} steps: the lr "
-                     f"never reaches optim.lr={cfg.optim.lr}, and no decay follows")
+        notes.append(f"lr_scheduler.warmup_steps={sched.warmup_steps} is not below the run's {max_steps} steps: the "
+                     f"whole run warms up (the lr reaches optim.lr={cfg.optim.lr} at step {sched.warmup_steps}) and no "
+                     f"decay follows")
     if not cfg.logger.wandb:
         for key in ("wandb_project", "wandb_mode"):
             if getattr(cfg.logger, key) != getattr(LoggerOptions(), key):
                 notes.append(f"logger.{key}={getattr(cfg.logger, key)} has no effect without logger.wandb=true "
                              f"(logger=wandb)")
+    if cfg.model.vision_activation_checkpointing and cfg.peft.method != "none" and not cfg.peft.vision:
+        notes.append("model.vision_activation_checkpointing=true has no effect with peft=lora and peft.vision=false "
+                     "(the frozen tower keeps nothing for the backward)")
     if cfg.model.mtp == "keep" and cfg.model.mtp_loss_weight != ModelOptions().mtp_loss_weight:
         notes.append(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} has no effect with model.mtp=keep (no MTP "
                      f"head trains); set model.mtp=train")
@@ -483,8 +486,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         from qwenft.checkpoint.hf_export import generation_config
 
         generation_config(tokenizer, cfg.model.path)
+    peft = peft_meta(cfg)
     if resume_from is not None:
-        peft = peft_meta(cfg)
         ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
                                     peft=peft, mtp=cfg.model.mtp)
         resume.check_base(resume_from, cfg, peft and peft["base"])
@@ -564,7 +567,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     checkpointer = ckpt_lib.Checkpointer(ckpt_root, modules, optimizer, scheduler, data, model_cfg,
                                          cfg.checkpoint.keep, keep_best=cfg.checkpoint.keep_best,
                                          async_save=cfg.checkpoint.async_save, optim_dtypes=spec.dtypes.optim_names,
-                                         peft=peft_meta(cfg), data_meta=resume.data_meta(cfg, data),
+                                         peft=peft, data_meta=resume.data_meta(cfg, data),
                                          guard=signals.uninterruptible)
     start_step = 1
     if resume_from is not None:

@@ -89,11 +89,12 @@ def check_base(path: Path, cfg: Config, base: dict | None) -> None:
     elif "random_init_seed" in base:
         then = "a model.path's weights"
     else:
-        then = f"other weights: {_files_difference(saved, base)}"
+        then = (f"other weights: {saved['tensors']} tensors then, {base['tensors']} now" if saved["tensors"] !=
+                base["tensors"] else "other weights: the same tensors' names and shapes, other values")
     now = f"model.path={cfg.model.path}" if cfg.model.path else f"a random init with seed={cfg.seed}"
     raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume}: this run's base, {now}, is not the one the "
-                     f"adapters of {path} were trained on ({then}); resume on that base, or set "
-                     f"checkpoint.resume=none")
+                     f"adapters of {path} were trained on ({then}); resume on that base, or start over in a new "
+                     f"run_dir")
 
 
 def apply_optimizer_options(optimizer, scheduler, cfg: Config) -> None:

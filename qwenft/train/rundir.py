@@ -129,11 +129,16 @@ def make_run_dir(run_dir: Path, cleanup: ExitStack | None) -> None:
 
 
 def refuse_fresh_start_over_checkpoints(run_dir: Path, resume_from: Path | None, resume: str) -> None:
-    """checkpoint.resume=none in a run dir with checkpoints is refused: the new run's checkpoints would join the
+    """checkpoint.resume=none in a run dir with checkpoints is refused, and so is a resume from another run dir's
+    checkpoint there: the new run's checkpoints would join the
     earlier run's in checkpoints/, and `checkpoint.keep` would rotate them against each other (a step-000010 of the
     new run goes before the earlier run's step-000100). An earlier run's metrics.jsonl alone is kept aside instead
     (MetricsLogger), and a resumed run cuts it back to its checkpoint's step."""
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
+    if resume_from is not None and checkpoints and resume_from.resolve().parent != (run_dir / "checkpoints").resolve():
+        raise ValueError(f"run_dir={run_dir} holds its own checkpoints ({', '.join(checkpoints)}) and "
+                         f"checkpoint.resume={resume} is another run's: the two runs' checkpoints would mix; resume "
+                         f"it in a new run_dir, or resume this one from its own (checkpoint.resume=auto)")
     if resume_from is None and checkpoints:
         raise ValueError(f"run_dir={run_dir} holds an earlier run's checkpoints ({', '.join(checkpoints)}) and "
                          f"checkpoint.resume={resume} starts afresh: the two runs' checkpoints would mix; resume with "

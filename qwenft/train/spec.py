@@ -117,12 +117,8 @@ def checked_batching(cfg: Config, layout: Layout) -> Batching:
 
 def resolve_batching(cfg: Config, dp: int) -> Batching:
     """train.global_batch_size split over `dp` ranks into microbatches of train.micro_batch_size (which
-    pipeline.microbatch_size, when set, must equal)."""
+    pipeline.microbatch_size, when set, equals: `schema.validate`)."""
     size = cfg.train.micro_batch_size
-    if cfg.pipeline.microbatch_size is not None and cfg.pipeline.microbatch_size != size:
-        raise ValueError(f"pipeline.microbatch_size={cfg.pipeline.microbatch_size} and train.micro_batch_size={size} "
-                         f"disagree; they are one setting (sequences per microbatch): set train.micro_batch_size="
-                         f"{cfg.pipeline.microbatch_size} and leave pipeline.microbatch_size=null")
     per_step = size * dp
     if cfg.train.global_batch_size % per_step:
         raise ValueError(
