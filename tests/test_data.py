@@ -14,6 +14,14 @@ from qwenft.data.loader import FINGERPRINT_BYTES, build_sft_data, fingerprint, l
 from qwenft.data.tiny_chat import TRAIN_PATH, VAL_PATH
 from qwenft.data.tokenizer import load_tokenizer
 
+# An assistant turn's `content` and `reasoning`: its reasoning_content, or the <think> block opening its content.
+REASONING_SPLIT = """{%- set content = m.content %}
+{%- set reasoning = m.reasoning_content or '' %}
+{%- if '</think>' in content %}
+{%- set reasoning = reasoning or content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = content.split('</think>')[-1] %}
+{%- endif %}
+"""
 # Qwen3's structure (trimmed of tools): an assistant turn's reasoning is its `reasoning_content`, or the
 # `<think>` block that opens its content, moved into a block of the template's own spacing; turns after the last
 # user query keep it (an empty block when there is none), earlier ones are rendered without it.
@@ -22,13 +30,7 @@ QWEN_LIKE_TEMPLATE = """
 {%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}
-{%- set content = m.content %}
-{%- set reasoning = m.reasoning_content or '' %}
-{%- if '</think>' in content %}
-{%- set reasoning = reasoning or content.split('</think>')[0].split('<think>')[-1] %}
-{%- set content = content.split('</think>')[-1] %}
-{%- endif %}
-{%- if loop.index0 > ns.last_query %}
+""" + REASONING_SPLIT + """{%- if loop.index0 > ns.last_query %}
 {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.strip() + '<|im_end|>\\n' }}
 {%- else %}
 {{- '<|im_start|>assistant\\n' + content.strip() + '<|im_end|>\\n' }}
@@ -135,13 +137,7 @@ QWEN_TOOLS_TEMPLATE = """
 {%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}
-{%- set content = m.content %}
-{%- set reasoning = m.reasoning_content or '' %}
-{%- if '</think>' in content %}
-{%- set reasoning = reasoning or content.split('</think>')[0].split('<think>')[-1] %}
-{%- set content = content.split('</think>')[-1] %}
-{%- endif %}
-{{- '<|im_start|>assistant\\n' }}
+""" + REASONING_SPLIT + """{{- '<|im_start|>assistant\\n' }}
 {%- if loop.index0 > ns.last_query %}{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}
 {{- content.strip() }}
 {%- for call in m.tool_calls or [] %}
