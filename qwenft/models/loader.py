@@ -183,12 +183,20 @@ def weights_fingerprint(ckpt_dir: Path, samples: int = 64) -> dict:
     for name in names:
         entry = headers[files[name]][0][name]
         digest.update(json.dumps([name, entry["dtype"], entry["shape"]]).encode())
-    for name in names[::max(1, len(names) // samples)]:
-        (header, data_at), path = headers[files[name]], files[name]
-        begin, end = header[name]["data_offsets"]
-        n = min(4096, end - begin)
-        with open(path, "rb") as f:
-            digest.update(os.pread(f.fileno(), n, data_at + begin) + os.pread(f.fileno(), n, data_at + end - n))
+    handles = {}
+    try:
+        for name in names[::max(1, len(names) // samples)]:
+            path = files[name]
+            header, data_at = headers[path]
+            begin, end = header[name]["data_offsets"]
+            n = min(4096, end - begin)
+            if path not in handles:
+                handles[path] = os.open(path, os.O_RDONLY)
+            fd = handles[path]
+            digest.update(os.pread(fd, n, data_at + begin) + os.pread(fd, n, data_at + end - n))
+    finally:
+        for fd in handles.values():
+            os.close(fd)
     return {"tensors": len(names), "sha256": digest.hexdigest()}
 
 
