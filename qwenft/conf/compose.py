@@ -81,6 +81,36 @@ def _expected(key: str) -> str | None:
     return expected.get(kind, f"expected a {kind.removesuffix('Node').lower()}") + optional
 
 
+def _container_mismatch(overrides: list[str]) -> ConfigError | None:
+    """The first override that gives a group a non-name, or a mapping or list key a value of the other kind (or a
+    scalar), as one line naming it; Hydra's and OmegaConf's own errors for these name neither key nor value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            override = parser.parse_override(o)
+        except HydraException:
+            continue
+        if override.is_delete() or o.startswith("recipe="):
+            continue
+        key, value = override.key_or_group, override.value()
+        if key in GROUPS:
+            if not isinstance(value, str):
+                valid = ", ".join(group_options()[key])
+                return ConfigError(f"{o}: {key} takes the name of one of its options: {valid}")
+            continue
+        expected = _expected(key)
+        if expected is None or value is None and "(or null)" in expected:
+            continue
+        if ("a mapping" in expected and not isinstance(value, dict)
+                or "a list" in expected and not isinstance(value, list)
+                or isinstance(value, (dict, list)) and "a mapping" not in expected and "a list" not in expected):
+            return ConfigError(f"{key}={value!r} is not valid; {expected}")
+    return None
+
+
 def _yaml_error(e) -> ConfigError:
     """A YAML syntax error (PyYAML's MarkedYAMLError) as one line: the file, line and column where the parser
     stopped, and what it found (with where the construct it was reading began)."""
@@ -156,11 +186,14 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             raw = hydra_compose("config", overrides=hydra_overrides)
     except yaml.YAMLError as e:
         raise _yaml_error(e) from None
+    except ValueError as e:  # Hydra's own, for a group given a number or a mapping
+        raise _container_mismatch(overrides) or e from None
     except HydraException as e:
         override = re.search(r"Could not override '([^']+)'\.\nTo append", str(e))
         if override:
-            raise _unknown_key_error(override.group(1)) from None
-        option = re.search(r"Could not find '(\w+)/([^']+)'", str(e))
+            raise (_container_mismatch(overrides) if override.group(1) in GROUPS else None) or \
+                _unknown_key_error(override.group(1)) from None
+        option = re.search(r"Could not (?:find|load) '(\w+)/([^']+)'", str(e))
         if option and option.group(1) in GROUPS:
             group, name = option.groups()
             valid = ", ".join(group_options()[group])
@@ -179,7 +212,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             key, value = tilde.split("=", 1)
             raise ConfigError(f"{tilde}: Hydra cannot read a value starting with ~; write the full path, e.g. "
                               f"{key}={os.path.expanduser(value)}") from None
-        raise ConfigError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise _container_mismatch(overrides) or ConfigError(str(e).splitlines()[0] if str(e) else
+                                                            type(e).__name__) from None
     # The recipe chosen is the `recipe` group's choice; record it as a plain key.
     # the last recipe= wins, as Hydra composes it (and as any key given twice)
     raw_recipe = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("recipe=")), "tiny")
@@ -196,7 +230,9 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         expected = _expected(key) if key and hasattr(e, "value") else None
         if expected:
             raise ConfigError(f"{key}={e.value!r} is not valid; {expected}") from None
-        raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]) from None
+        if key:
+            raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+        raise _container_mismatch(overrides) or ConfigError(str(e).splitlines()[0]) from None
     for key in OmegaConf.missing_keys(raw):  # merging ??? onto the schema's default keeps the default
         OmegaConf.update(merged, key, "???")
     missing = OmegaConf.missing_keys(merged)
