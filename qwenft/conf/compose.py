@@ -56,20 +56,39 @@ def _schema_keys(cls, prefix="") -> list[str]:
 
 
 def _unknown_key_error(key: str) -> ConfigError:
+    if re.fullmatch(r"data\.sources\[\d+\]\.\w+", key):
+        return ConfigError(f"unknown config key '{key}'; a data.sources entry takes path, weight and format")
     valid = _schema_keys(Config)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else "; `qwenft show` lists the valid keys"
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+def _source_key(raw, key: str) -> str | None:
+    """A `data.sources` entry's key as OmegaConf names it in an error (by its own name alone), with the entry's
+    place: `data.sources[i].key`, i the first entry that sets it; None if no entry does."""
+    sources = raw.get("data", {}).get("sources") if hasattr(raw, "get") else None
+    for i, source in enumerate(sources or ()):
+        if hasattr(source, "keys") and key in source:
+            return f"data.sources[{i}].{key}"
+    return None
+
+
 def _expected(key: str) -> str | None:
-    """What the schema's key `key` takes, for a value of the wrong type; None for a key inside a list item (e.g. a
-    `data.sources` entry's, which OmegaConf names by its own key alone)."""
+    """What the schema's key `key` takes, for a value of the wrong type (`data.sources[i].key`: a mixture entry's
+    key); None for a key the schema does not have."""
     from omegaconf import DictConfig, OmegaConf
 
+    from qwenft.conf.schema import SourceOptions
+
+    if re.fullmatch(r"data\.sources\[\d+\]", key):
+        return "expected a mapping, e.g. {path: a.jsonl, weight: 1.0}"
     parent, _, leaf = key.rpartition(".")
     schema = OmegaConf.structured(Config)
-    holder = OmegaConf.select(schema, parent, default=None) if parent else schema
+    if re.fullmatch(r"data\.sources\[\d+\]", parent):
+        holder = OmegaConf.structured(SourceOptions)
+    else:
+        holder = OmegaConf.select(schema, parent, default=None) if parent else schema
     if not isinstance(holder, DictConfig) or leaf not in holder:
         return None
     node = holder._get_node(leaf)
@@ -225,6 +244,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
+        if key and "." not in key and "[" not in key and key not in Config.__dataclass_fields__:
+            key = _source_key(raw, key) or key  # a mixture entry's key, named by OmegaConf alone
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise _unknown_key_error(key or str(e)) from None
         expected = _expected(key) if key and hasattr(e, "value") else None
