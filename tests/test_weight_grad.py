@@ -385,12 +385,11 @@ def test_vlm_training_equals_autograds(tmp_path):
     ([], (1, 1, 2, 2), "cuda", "in_matmul"),  # a tp rank's own shards
     ([], (1, 2, 2, 4), "cuda", "autograd"),  # tp2 x dp2: FSDP2
     ([], (2, 1, 1, 2), "cuda", "autograd"),
-    (["model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda", "autograd"),
+    (["model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda", "in_matmul"),
+    (["model.compile=true", "model.cuda_graphs=true"], (1, 1, 2, 2), "cuda", "in_matmul"),
     (["model.kernels.weight_grad=in_matmul"], (1, 2, 1, 2), "cuda", "FSDP2 reduces the gradients"),
     (["model.kernels.weight_grad=in_matmul"], (1, 2, 2, 4), "cuda", "FSDP2 reduces the gradients"),
     (["model.kernels.weight_grad=in_matmul"], (2, 1, 1, 2), "cuda", "mesh.pp=2: pipeline schedules"),
-    (["model.kernels.weight_grad=in_matmul", "model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda",
-     "model.cuda_graphs=true: a CUDA graph"),
 ])
 def test_where_it_runs(overrides, layout, device, expected):
     """auto: in_matmul on CUDA where each rank's weights are its own (one rank, or tp shards) in the compute dtype,

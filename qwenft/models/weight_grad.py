@@ -19,9 +19,11 @@ buffer, zeroed, and every microbatch adds. Each buffer lives with its module for
 allocation per step); `.grad` is set to it again at every step after `zero_grad(set_to_none=True)`.
 
 It needs each parameter's gradient to go from `.grad` straight to the optimizer: no FSDP2 (which reduce-scatters
-a gradient it takes from autograd), no pipeline parallelism (its schedules split the weight gradients off through
-autograd) and no CUDA graphs (a graph's mutation of a buffer outside it). Tensor parallelism without FSDP2 runs
-it: a tp-sharded weight (a DTensor whose rank multiplies its local shard, qwenft.distributed.tensor_parallel) gets
+a gradient it takes from autograd) and no pipeline parallelism (its schedules split the weight gradients off
+through autograd). Under CUDA graphs (`model.cuda_graphs`) a compiled layer's backward graph adds into the
+buffers at the addresses it was recorded with: the forward saves each buffer, so the backward takes it as a
+static input (as it takes the weights), which a replay may write in place; the buffers live for the run, at one
+address. Tensor parallelism without FSDP2 runs it: a tp-sharded weight (a DTensor whose rank multiplies its local shard, qwenft.distributed.tensor_parallel) gets
 a buffer the size of its shard, and `.grad` is a DTensor over that buffer with the weight's placements; each
 rank's shard gradient is whole on its rank, so nothing is summed over tp. `spec.resolve_weight_grad` says where it
 runs.

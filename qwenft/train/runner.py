@@ -147,14 +147,14 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         mtp_count = sum(count_label_tokens(mb["mtp_labels"]) for mb in micro_batches)
         job.loss_fn.mtp_tokens = copy_to_device(mtp_count, job.device, fresh=True)
         dist.all_reduce(job.loss_fn.mtp_tokens, group=job.loss_group)
-    if job.spec.parallel.cuda_graphs:
-        keep_grads(job.model_parts)
-    elif job.spec.parallel.weight_grad == "in_matmul":
+    if job.spec.parallel.weight_grad == "in_matmul":
         # one batch shard (no FSDP2: dp = cp = 1, nothing to sum the counts over): the loss's factors on the CE sums
         # are known on the host
         mtp_weight = job.spec.parallel.mtp_weight
         prepare_grads(job.model_parts, ce_scale=1.0 / max(int(label_count), 1),
                       mtp_scale=None if mtp_count is None else mtp_weight / max(int(mtp_count), 1))
+    if job.spec.parallel.cuda_graphs:
+        keep_grads(job.model_parts)  # the parameters that prepare_grads gave no buffer
     step_loss = job.step(micro_batches, label_tokens)
     moe, mtp_metrics = moe_step_metrics(job), mtp_step_metrics(job)
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
@@ -198,7 +198,9 @@ def keep_grads(model_parts) -> None:
     replay overwrites: autograd must add each into a buffer of the parameter's own, never keep it as `.grad`.
     (A DTensor parameter's gradient is copied into `.grad` by `attention.local_all`'s backward.) Every decoder
     layer parameter gets a gradient at every step (an MoE layer's experts are stacked tensors), so AdamW steps
-    the same parameters as without; with one microbatch a step the gradients exist during its forward too."""
+    the same parameters as without; with one microbatch a step the gradients exist during its forward too. A
+    weight whose backward matmul adds into its buffer (model.kernels.weight_grad=in_matmul) already has that buffer
+    as `.grad` (`weight_grad.prepare_grads`, called first): the graph adds into it at its fixed address."""
     from torch.distributed.tensor import DTensor
 
     from qwenft.models.qwen3_5.model import DecoderLayer

@@ -249,7 +249,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
     single_pass = layout.pp == 1 and batching.num_microbatches == 1
     fsdp = uses_fsdp(layout, dtypes, cfg.peft)
     cuda_graphs = check_cuda_graphs(cfg, layout, device, fsdp, dtypes)
-    weight_grad = resolve_weight_grad(cfg, layout, device, fsdp, dtypes, cuda_graphs)
+    weight_grad = resolve_weight_grad(cfg, layout, device, fsdp, dtypes)
     return ParallelSpec(
         schedule=name, virtual_stages=virtual, stage_layers=tuple(tuple(stage) for stage in layers),
         reduce_grad_per_microbatch=knob, single_pass=single_pass,
@@ -294,11 +294,11 @@ def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
     return cfg.model.mtp_loss_weight
 
 
-def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes,
-                        cuda_graphs: bool) -> str:
+def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, dtypes: Dtypes) -> str:
     """model.kernels.weight_grad: in_matmul needs each trained weight's `.grad` to go straight to the optimizer
-    (qwenft.models.weight_grad): no FSDP2, pipeline or CUDA graphs; a tensor-parallel rank's shards qualify. auto
-    takes it there on CUDA, else autograd. Raises where in_matmul was asked for and the layout cannot run it."""
+    (qwenft.models.weight_grad): no FSDP2 or pipeline; a tensor-parallel rank's shards and CUDA graphs qualify (a
+    graph adds into each buffer at the address it was recorded with: the buffers live for the run). auto takes it
+    there on CUDA, else autograd. Raises where in_matmul was asked for and the layout cannot run it."""
     mode = cfg.model.kernels.weight_grad
     if mode == "autograd":
         return mode
@@ -307,8 +307,6 @@ def resolve_weight_grad(cfg: Config, layout: Layout, device: str, fsdp: bool, dt
         why = f"FSDP2 reduces the gradients that autograd gives it, and {fsdp_cause(cfg, layout, dtypes)}"
     elif layout.pp > 1:
         why = f"mesh.pp={layout.pp}: pipeline schedules take the weight gradients from autograd"
-    elif cuda_graphs:
-        why = "model.cuda_graphs=true: a CUDA graph would add into a buffer outside its pool"
     if why is None:
         return "in_matmul" if mode == "in_matmul" or device == "cuda" else "autograd"
     if mode == "auto":

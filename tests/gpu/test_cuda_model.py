@@ -121,16 +121,18 @@ def test_compiled_layers_train_like_eager_on_cuda(tmp_path):
     assert_same_training(compiled, eager, rtol=1e-4)
 
 
-def test_cuda_graphs_train_like_compile_on_cuda(tmp_path):
+@pytest.mark.parametrize("weight_grad", ["in_matmul", "autograd"])
+def test_cuda_graphs_train_like_compile_on_cuda(tmp_path, weight_grad):
     """model.cuda_graphs=true (each compiled graph recorded once as a CUDA graph, then replayed) against
     model.compile=true alone, 3 steps of the tiny recipe in fp32 on CUDA (4 microbatches a step, so the graphs
     replay from the first step on), with validation passes after steps 2 and 3 (no-grad graphs of their own,
     then training's again): losses, the validation loss and every parameter within 1e-5. No graph was left out of
-    CUDA graphs (inductor counts each one it cannot record)."""
+    CUDA graphs (inductor counts each one it cannot record). in_matmul: the backward graphs add the weight
+    gradients into the buffers they were recorded with, at every replay (a lost add would change the weights)."""
     from torch._dynamo.utils import counters
 
     common = (*CUDA_FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
-              "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2")
+              "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2", f"model.kernels.weight_grad={weight_grad}")
     compiled = train_alone(parity_overrides(tmp_path / "compiled", *common), return_state=True)
     counters.clear()
     graphs = train_alone(parity_overrides(tmp_path / "graphs", *common, "model.cuda_graphs=true"), return_state=True)
