@@ -29,7 +29,7 @@ def model_config(cfg):
 
 
 def build_data(cfg, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int):
-    from qwenft.train.build import build_data
+    from qwenft.train.data_setup import build_data
 
     return build_data(cfg, model_cfg, microbatch_size, dp_rank, dp_size)
 

@@ -435,7 +435,8 @@ def test_the_format_of_a_json_array_is_read_from_its_head(tmp_path, monkeypatch)
 
 def test_no_usable_documents_says_why_with_the_first_row_of_each_reason(tmp_path):
     from qwenft.conf import compose
-    from qwenft.train.build import build_data, check_chat_template, model_config
+    from qwenft.train.build import model_config
+    from qwenft.train.data_setup import build_data, check_chat_template
 
     rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"role": "robot", "content": "x"}]}]
     path = tmp_path / "bad.jsonl"

@@ -137,7 +137,8 @@ def test_the_fingerprint_of_a_datasets_dir_leaves_its_token_cache_out(tok, tmp_p
 def test_build_data_reads_a_mixture_with_each_sources_format(tmp_path):
     """`data.sources` through the trainer's `build_data`: a source's `format` (null: data.format's) reaches it."""
     from qwenft.conf import compose
-    from qwenft.train.build import build_data, model_config
+    from qwenft.train.build import model_config
+    from qwenft.train.data_setup import build_data
 
     path = sharegpt_file(tmp_path, 100)
     cfg = compose(["recipe=tiny", f"data.cache_dir={tmp_path / 'c'}", "data.num_proc=1", "data.seq_len=128",

@@ -484,7 +484,7 @@ def test_runner_data_reads_videos_under_pipeline_parallel_and_exports_the_video_
 
     from qwenft.conf import compose
     from qwenft.models.qwen3_5.configs import named_config
-    from qwenft.train.build import build_data, load_preprocessors
+    from qwenft.train.data_setup import build_data, load_preprocessors
 
     path = tmp_path / "rows.jsonl"
     rows = [chat(video([str(files / p) for p in frame_paths("run", 4)]), text("?")), chat(text("no video"))]

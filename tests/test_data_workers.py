@@ -249,7 +249,7 @@ def test_bench_script_premade_stream_is_the_workers_stream(tmp_path):
 
     from helpers import REPO, compose
     from qwenft.models.qwen3_5.configs import named_config
-    from qwenft.train.build import build_data
+    from qwenft.train.data_setup import build_data
 
     spec = importlib.util.spec_from_file_location("bench_data_workers",
                                                   REPO / "scripts" / "bench_modes" / "data_workers.py")

@@ -21,10 +21,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import warnings
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-EXTRA = "extra.pt"
-META = "checkpoint.json"
-MANIFEST = "manifest.json"
+from qwenft.checkpoint.layout import (EXTRA, MANIFEST, META, damage, file_records, read_meta, read_pointer, step_dirs,
+                                     step_number, summary, write_pointer)
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position
 # peft runs: only the trained parameters (the frozen base comes from model.path or the seed, as at the start)
 _TRAINABLE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
@@ -80,178 +78,6 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def _write_pointer(root: Path, name: str, target: str) -> None:
-    tmp = root / f".{name}.tmp"
-    tmp.write_text(target + "\n")
-    os.replace(tmp, root / name)
-
-
-def step_number(name: str) -> int:
-    return int(name.removeprefix("step-"))
-
-
-def step_dirs(root: Path) -> list[str]:
-    """The names of the step dirs under `root`, oldest first: by number, so step-1000000 sorts after step-999999."""
-    return sorted((p.name for p in root.glob("step-*") if p.name[5:].isdigit() and p.is_dir()), key=step_number)
-
-
-def read_pointer(root: Path, name: str) -> str | None:
-    """The step dir name in `latest` or `best`, None when there is no such pointer."""
-    path = root / name
-    return path.read_text().strip() if path.is_file() else None
-
-
-def read_meta(path: Path) -> dict:
-    return json.loads((path / META).read_text())
-
-
-def model_config_from_meta(meta: dict):
-    """The qwenft ModelConfig a checkpoint was saved from."""
-    from qwenft.models.qwen3_5.configs import ModelConfig, TextConfig
-
-    d = meta["model_config"]
-    return ModelConfig(**{**d, "text": TextConfig(**d["text"])})
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict | None = None,
-                       peft: dict | None = None, mtp: str | None = None) -> None:
-    """Refuse (before anything is loaded) a checkpoint of another model: DCP would fail on the first shape that
-    disagrees, or load silently where none does (another layer_types, rope_theta, ...). Also one saved with
-    other `optim_dtypes` (optim.state_dtype / master_dtype: another optimizer class and state layout), or with
-    other trained parameters (`peft`: full finetuning against LoRA, or LoRA of another rank or targets; `mtp`,
-    model.mtp: a trained MTP head in the checkpoint and none in the run, or the other way round)."""
-    if mtp is not None:
-        saved_head = any(k.startswith("model.mtp.") for k in
-                         dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        if saved_head != (mtp != "keep"):
-            there = "a trained MTP head (model.mtp=train or head)" if saved_head else "no MTP head (model.mtp=keep)"
-            raise ValueError(f"checkpoint.resume={resume}: {path} holds {there}, this run has model.mtp={mtp}; "
-                             f"resume with the model.mtp it was trained with, or set checkpoint.resume=none")
-    meta = read_meta(path)
-    saved_peft, peft = meta.get("peft") or {"method": "none"}, peft or {"method": "none"}
-    # the frozen base is compared by train.resume.check_base (files fingerprint); alpha only where it was recorded
-    saved_peft = {k: v for k, v in saved_peft.items() if k != "base"}
-    peft = {k: v for k, v in peft.items() if k != "base" and (k != "alpha" or k in saved_peft)}
-    if saved_peft != peft:
-        differ = [k for k in {**saved_peft, **peft} if saved_peft.get(k) != peft.get(k)]
-        there = ", ".join(f"peft.{k}={saved_peft.get(k)}" for k in differ)
-        here = ", ".join(f"peft.{k}={peft.get(k)}" for k in differ)
-        raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
-                         f"with the peft.* it was trained with, or set checkpoint.resume=none")
-    saved_dtypes = meta.get("optim_dtypes")
-    if optim_dtypes is not None and saved_dtypes is not None and saved_dtypes != optim_dtypes:
-        there = ", ".join(f"optim.{k}={v}" for k, v in sorted(saved_dtypes.items()))
-        here = ", ".join(f"optim.{k}={v}" for k, v in sorted(optim_dtypes.items()))
-        raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
-                         f"with the same optim.state_dtype and optim.master_dtype, or set checkpoint.resume=none")
-    saved = _flat(meta["model_config"])
-    now = _flat(json.loads(json.dumps(dataclasses.asdict(model_config))))  # lists and tuples as JSON has them
-    diff = [f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
-    if diff:
-        more = f" (+{len(diff) - 3} more)" if len(diff) > 3 else ""
-        raise ValueError(f"checkpoint.resume={resume}: {path} was saved from another model ({'; '.join(diff[:3])}"
-                         f"{more}); resume with the model.* and data.tokenizer it was trained with, or set "
-                         f"checkpoint.resume=none")
-
-
-# ---------------------------------------------------------------- verification
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _file_records(path: Path, names: list[str]) -> dict[str, dict]:
-    return {name: {"bytes": (path / name).stat().st_size, "crc32": _crc32(path / name)} for name in names}
-
-
-def _damage(path: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """What is wrong with the step dir `path`, as short phrases (none: complete). Sizes and presence are checked
-    by every rank; the CRC-32s of the manifest's files are split over the `world` ranks (this one reads every
-    `world`-th from `rank`), so a large checkpoint is read once in all. A checkpoint saved before manifests
-    existed is checked for its three fixed files only."""
-    if not path.is_dir():
-        return ["the dir is missing"]
-    if not (path / MANIFEST).is_file():
-        return [f"no {f}" for f in (".metadata", EXTRA, META) if not (path / f).is_file()]
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (ValueError, KeyError):
-        return [f"{MANIFEST} is unreadable"]
-    problems = []
-    for i, (name, record) in enumerate(sorted(files.items())):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{name} is missing")
-        elif file.stat().st_size != record["bytes"]:
-            problems.append(f"{name} is {file.stat().st_size} bytes, {record['bytes']} when saved")
-        elif i % world == rank and _crc32(file) != record["crc32"]:
-            problems.append(f"{name} has another checksum than when saved")
-    return problems
-
-
-def _damage_on_all_ranks(path: Path) -> list[str]:
-    """`_damage` checked by every rank of the default process group together (each the same answer)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return _damage(path)
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, _damage(path, dist.get_rank(), dist.get_world_size()))
-    return sorted({p for problems in found for p in problems})
-
-
-def _summary(problems: list[str]) -> str:
-    return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
-
-
-def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
-         valid: str = "auto or none") -> tuple[Path | None, list[str]]:
-    """The checkpoint dir that `key=value` names, verified against its manifest before anything loads it;
-    collective when a process group exists. `auto`: `latest`, or, when that one is damaged, the newest complete
-    step dir older than it (None when the run has saved none yet); `none`: None; else that step dir. Also returns
-    one line for each damaged checkpoint passed over. A step dir numbered above `latest` is never taken: it is of a
-    timeline a resume from an older step abandoned (Checkpointer.load), or one a crash left unpublished. Reads only
-    files: it runs before anything is built or written."""
-    if value == "none":
-        return None, []
-    if value != "auto":
-        path = Path(value)
-        if not path.is_dir():
-            raise ValueError(f"{key}={value} does not exist; give a step-NNNNNN dir, or {valid}")
-        problems = _damage_on_all_ranks(path)
-        if problems:
-            raise ValueError(f"{key}={value}: {path} is incomplete or corrupt ({_summary(problems)}); give another "
-                             f"step-NNNNNN dir, or {valid}")
-        return path, []
-    latest = read_pointer(ckpt_root, "latest")
-    older = [name for name in reversed(step_dirs(ckpt_root))
-             if latest is None or step_number(name) < step_number(latest)]
-    candidates = ([latest] if latest else []) + older
-    passed_over = []
-    for name in candidates:
-        problems = _damage_on_all_ranks(ckpt_root / name)
-        if not problems:
-            return ckpt_root / name, passed_over
-        passed_over.append(f"{ckpt_root / name} is incomplete or corrupt ({_summary(problems)})")
-    if passed_over:
-        raise ValueError(f"{key}={value}: no complete checkpoint in {ckpt_root}: {' | '.join(passed_over)}; "
-                         f"delete {ckpt_root} to start afresh, or set {key}=none")
-    return None, []
 
 
 @dataclass
@@ -435,7 +261,7 @@ class Checkpointer:
             names = sorted(p.name for p in tmp.iterdir() if p.name != MANIFEST)
             rank, world = dist.get_rank(), dist.get_world_size()
             records = [None] * world
-            dist.all_gather_object(records, _file_records(tmp, names[rank::world]))
+            dist.all_gather_object(records, file_records(tmp, names[rank::world]))
             manifest = {"files": {k: v for r in records for k, v in r.items()}}
             _on_rank0(lambda: (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True)))
             with self.guard():
@@ -461,7 +287,7 @@ class Checkpointer:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        _write_pointer(self.root, "latest", name)
+        write_pointer(self.root, "latest", name)
         for old in abandoned:
             if old != name:
                 shutil.rmtree(self.root / old)
@@ -471,7 +297,7 @@ class Checkpointer:
             elif val_loss is not None and val_loss < read_meta(self.root / best)["val_loss"]:
                 best = name
             if best is not None:
-                _write_pointer(self.root, "best", best)
+                write_pointer(self.root, "best", best)
         for old in step_dirs(self.root)[:-self.keep]:
             if old != best or not self.keep_best:
                 shutil.rmtree(self.root / old)
@@ -514,7 +340,7 @@ class Checkpointer:
         if not newer:
             return
         if path.resolve().parent == self.root.resolve() and read_pointer(self.root, "latest") != path.name:
-            _write_pointer(self.root, "latest", path.name)
+            write_pointer(self.root, "latest", path.name)
         best = read_pointer(self.root, "best")
         log.warning("resume: resuming from %s, older than %s in %s (the checkpoints of the run this one abandons): "
                     "this run's first checkpoint deletes them%s; copy them elsewhere now to keep them", path.name,
@@ -556,11 +382,11 @@ def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None,
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except (OSError, CheckpointException) as e:
-        problems = _damage(path)
+        problems = damage(path)
         if not problems:
             raise
         # `find` verified it before the export began: a live run's rotation (checkpoint.keep) has deleted it since
-        raise ValueError(f"checkpoint {path} was deleted while it was being exported ({_summary(problems)}): "
+        raise ValueError(f"checkpoint {path} was deleted while it was being exported ({summary(problems)}): "
                          f"the run training in {path.parent.parent} rotated it away (checkpoint.keep); rerun the "
                          f"export (it takes the newest checkpoint then), or export checkpoint=best or a step-NNNNNN "
                          f"dir that run keeps") from e

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwenft.checkpoint import dcp as ckpt_lib, mtp
+from qwenft.checkpoint import dcp as ckpt_lib, layout as ckpt_layout, mtp
 from qwenft.conf.compose import as_written
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
@@ -38,6 +38,7 @@ from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
                                  refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
                                  setup_logging)
+from qwenft.train.data_setup import build_data
 from qwenft.train.spec import RunSpec, checked_batching, resolve_dtypes, resolve_parallel
 from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
                                token_loss)
@@ -232,25 +233,6 @@ def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype | None, devi
 
 # ---------------------------------------------------------------- data
 
-def load_preprocessors(cfg: Config, vision: bool, source: str | None = None) -> tuple:
-    """(tokenizer, VLM processor or None, what an HF export saves next to the weights) from `source`; default
-    data.tokenizer, else model.path, else the built-in tiny tokenizer (tiny_vlm's processor for a VLM)."""
-    source = source or cfg.data.tokenizer or cfg.model.path or ("tiny_vlm" if vision else "tiny")
-    if vision:
-        from qwenft.data.vlm import load_processor
-
-        video = {key: getattr(cfg.data.video, key)
-                 for key in ("min_pixels", "max_pixels", "fps", "min_frames", "max_frames", "max_video_bytes")}
-        processor = load_processor(source, min_pixels=cfg.data.image.min_pixels, max_pixels=cfg.data.image.max_pixels,
-                                   video=video)
-        exported = [processor.tokenizer, processor.image_processor, processor.video_processor]
-        return processor.tokenizer, processor, [p for p in exported if p is not None]
-    from qwenft.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(source)
-    return tokenizer, None, [tokenizer]
-
-
 def moot_settings(cfg: Config, max_steps: int) -> list[str]:
     """Settings that do nothing in this run (the run's start warns of each): a key whose switch is off, a schedule
     too short for its own shape. Not errors: a recipe's defaults may meet an override that makes them moot."""
@@ -276,67 +258,6 @@ def moot_settings(cfg: Config, max_steps: int) -> list[str]:
         notes.append(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} has no effect with model.mtp=keep (no MTP "
                      f"head trains); set model.mtp=train")
     return notes
-
-
-def check_chat_template(tokenizer, cfg: Config) -> None:
-    """One line when the tokenizer has no chat template, which renders every data row."""
-    if tokenizer.chat_template is None:
-        key, value = ("data.tokenizer", cfg.data.tokenizer) if cfg.data.tokenizer else ("model.path", cfg.model.path)
-        raise ValueError(f"{key}={value!r}: its tokenizer has no chat template (chat_template.jinja, or chat_template "
-                         "in tokenizer_config.json), which renders every data row; set data.tokenizer to a tokenizer "
-                         "dir that has one (the instruct checkpoint's)")
-
-
-def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None,
-               num_microbatches: int = 1):
-    """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the
-    model has a vision tower. `path` (default data.path) lets the validation set be read the same way. A VLM
-    stream's data.num_workers threads keep a step's micro batches (`num_microbatches`), and at least 2 per
-    worker, made ahead."""
-    from qwenft.data.tiny_chat import TRAIN_PATH
-
-    def resolve(p: str) -> str:
-        return TRAIN_PATH if p == "tiny" else p
-
-    common = dict(seq_len=cfg.data.seq_len, micro_batch_size=microbatch_size, dp_rank=dp_rank, dp_size=dp_size,
-                  seed=cfg.seed, packing=cfg.data.packing, train_on=cfg.data.train_on,
-                  truncation=cfg.data.truncation, on_bad_row=cfg.data.on_bad_row)
-    caching = dict(cache=cfg.data.cache, cache_dir=cfg.data.cache_dir, num_proc=cfg.data.num_proc)
-    tokenizer, processor, preprocessors = load_preprocessors(cfg, model_cfg.vision is not None)
-    check_chat_template(tokenizer, cfg)
-    if processor is not None:
-        from qwenft.data.vlm import build_vlm_data
-
-        if cfg.data.sources:
-            raise ValueError("data.sources (a mixture) is for text chat data; a model with a vision tower reads "
-                             "one data.path")
-        workers = cfg.data.num_workers
-        data = build_vlm_data(path or resolve(cfg.data.path), processor,
-                              max_image_bytes=cfg.data.image.max_image_bytes, data_format=cfg.data.format,
-                              num_workers=workers, prefetch=max(2 * workers, num_microbatches), **common)
-        data.cache_note = ("image rows tokenized in memory on every rank (no token cache for images); pixels made "
-                           + (f"ahead by {workers} worker thread{'s' if workers > 1 else ''} (data.num_workers)"
-                              if workers else "in the training loop (data.num_workers=0)"))
-    elif cfg.data.sources and path is None:
-        from qwenft.data.mixture import build_mixture_data
-
-        data = build_mixture_data(mixture_sources(cfg), tokenizer, **common, **caching)  # formats: per source
-    else:
-        from qwenft.data.loader import build_sft_data
-
-        data = build_sft_data(path or resolve(cfg.data.path), tokenizer, data_format=cfg.data.format, **common,
-                              **caching)
-    return tokenizer, data, preprocessors
-
-
-def mixture_sources(cfg: Config) -> list:
-    """data.sources as `qwenft.data.mixture.Source`s ("tiny" = the shipped set; format null = data.format)."""
-    from qwenft.data.mixture import Source, source_names
-    from qwenft.data.tiny_chat import TRAIN_PATH
-
-    paths = [TRAIN_PATH if s.path == "tiny" else s.path for s in cfg.data.sources]
-    return [Source(name, str(p), s.weight, s.format or cfg.data.format)
-            for name, p, s in zip(source_names([str(p) for p in paths]), paths, cfg.data.sources)]
 
 
 # ---------------------------------------------------------------- validation
@@ -440,7 +361,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
              run_dir, world, layout.pp, layout.dp, f" x cp {layout.cp}" if layout.cp > 1 else "", layout.tp,
              batching.num_microbatches, batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
-    resume_from, passed_over = ckpt_lib.find(cfg.checkpoint.resume, ckpt_root)
+    resume_from, passed_over = ckpt_layout.find(cfg.checkpoint.resume, ckpt_root)
     on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))
     if device.type == "cpu":
         set_cpu_threads()
@@ -488,7 +409,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         generation_config(tokenizer, cfg.model.path)
     peft = peft_meta(cfg)
     if resume_from is not None:
-        ckpt_lib.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
+        ckpt_layout.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
                                     peft=peft, mtp=cfg.model.mtp)
         resume.check_base(resume_from, cfg, peft and peft["base"])
         resume.check_data_position(resume_from, cfg, data)

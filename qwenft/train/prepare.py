@@ -11,7 +11,7 @@ def data_sources(cfg: Config) -> list:
     """The run's datasets as `qwenft.data.mixture.Source`s: data.sources, else data.path as one source."""
     from qwenft.data.mixture import Source
     from qwenft.data.tiny_chat import TRAIN_PATH
-    from qwenft.train.build import mixture_sources
+    from qwenft.train.data_setup import mixture_sources
 
     if cfg.data.sources:
         return mixture_sources(cfg)
@@ -24,7 +24,8 @@ def prepare(cfg: Config) -> list[dict]:
     """Open (building where missing) the token cache of every source; per source its numbers."""
     from qwenft.data.cache import open_cache
     from qwenft.data.loader import check_source
-    from qwenft.train.build import check_chat_template, load_preprocessors, model_config
+    from qwenft.train.build import model_config
+    from qwenft.train.data_setup import check_chat_template, load_preprocessors
 
     if model_config(cfg).vision is not None:
         raise ValueError(f"model {cfg.model.path or cfg.model.name} has a vision tower: image rows are tokenized "

@@ -216,7 +216,7 @@ def main(argv: list[str]) -> None:
 
 def measure(args, overrides: list[str], root: Path) -> dict:
     """Both runs on rows written under `root`; the report (module docstring)."""
-    from qwenft.train.build import load_preprocessors
+    from qwenft.train.data_setup import load_preprocessors
 
     height, width = args.size
     use_model(args.text, args.vision_depth)
