@@ -105,10 +105,10 @@ EXPORT_USAGE = ("qwenft export run_dir=DIR out=DIR [checkpoint=latest|best|STEP_
 
 def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
     """checkpoint=latest|best|STEP_DIR (a path, or a step dir name under the run's checkpoints/) -> its path."""
-    from qwenft.checkpoint import layout
+    from qwenft.checkpoint import files
 
     if value in ("latest", "best"):
-        name = layout.read_pointer(ckpt_root, value)
+        name = files.read_pointer(ckpt_root, value)
         if name is None:
             how = "checkpoint.keep_best=true" if value == "best" else "checkpoint.every_steps=N"
             raise ConfigError(f"checkpoint={value}: there is no {ckpt_root / value} (the run saved no such checkpoint; "
@@ -117,7 +117,7 @@ def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
     if value in ("auto", "none"):
         raise ConfigError(f"checkpoint={value} is not valid; choose latest, best or a step-NNNNNN dir")
     path = Path(value) if Path(value).is_dir() or not (ckpt_root / value).is_dir() else ckpt_root / value
-    return layout.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")[0]
+    return files.find(str(path), ckpt_root, key="checkpoint", valid="latest or best")[0]
 
 
 def _export(args: list[str]) -> int:
@@ -127,7 +127,7 @@ def _export(args: list[str]) -> int:
     Every input is checked before anything is read or written, and an existing non-empty `out` is refused."""
     import torch
 
-    from qwenft.checkpoint import dcp, hf_export, layout, mtp
+    from qwenft.checkpoint import dcp, files, hf_export, mtp
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
     from qwenft.models.lora import in_adapter_dir
     from qwenft.train.build import checkpoint_lora
@@ -155,7 +155,7 @@ def _export(args: list[str]) -> int:
         raise ConfigError(f"checkpoint {path} was deleted while it was being exported: the run training in {run_dir} "
                           f"rotated it away (checkpoint.keep); rerun the export, or export checkpoint=best or a "
                           f"step-NNNNNN dir that run keeps")
-    meta = layout.read_meta(path)
+    meta = files.read_meta(path)
     saved_peft = meta.get("peft") or {"method": "none"}
     lora = checkpoint_lora(saved_peft, cfg) if saved_peft["method"] != "none" else None
     if merged and lora is None:
@@ -167,7 +167,7 @@ def _export(args: list[str]) -> int:
                           f": merged=true needs the run's base model there; restore it, or export the adapters "
                           f"alone without merged=true")
     hf_export.check_out_dir(out)
-    model_cfg = layout.model_config_from_meta(meta)
+    model_cfg = files.model_config_from_meta(meta)
     if lora is not None and not merged:
         state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora, mtp=cfg.model.mtp)
         tied = model_cfg.tie_word_embeddings

@@ -183,17 +183,17 @@ for tp in ${FAKE_TPS:-2 4}; do
     train.on_nonfinite=skip
 done ;;
 tp_weight_grad)  # a tp rank's weight gradients added inside its shards' matmuls (model.kernels.weight_grad=in_matmul,
-# auto's choice at tp without CUDA graphs) against autograd's adds, rank 0 of a fake tp2 world with sequence
-# parallelism, compiled, bf16, AC off; then the same layout with CUDA graphs (which keep autograd's adds), then
+# auto's choice) against autograd's adds, rank 0 of a fake tp2 world with sequence parallelism, compiled, bf16, AC
+# off; then the same layout with CUDA graphs and autograd's adds (fake_tp_sp_graphs runs auto's in_matmul), then
 # autograd's adds without CUDA graphs (the first that DEADLINE cuts), and tp1 compiled first for the per-GPU ratio.
 # The limits allow a cold machine's compiles in the first two runs
 bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
 bench fake_tp2_sp_in_matmul 250 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
   model.activation_checkpointing=false model.compile=true mesh.tp=2 mesh.sequence_parallel=true \
   model.kernels.weight_grad=in_matmul train.on_nonfinite=skip
-bench fake_tp2_sp_graphs 200 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
+bench fake_tp2_sp_graphs_autograd 200 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
   model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=2 mesh.sequence_parallel=true \
-  train.on_nonfinite=skip
+  model.kernels.weight_grad=autograd train.on_nonfinite=skip
 bench fake_tp2_sp_autograd 150 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
   model.activation_checkpointing=false model.compile=true mesh.tp=2 mesh.sequence_parallel=true \
   model.kernels.weight_grad=autograd train.on_nonfinite=skip ;;

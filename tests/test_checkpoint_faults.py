@@ -237,7 +237,7 @@ def test_export_of_a_checkpoint_rotated_away_is_one_line(tmp_path, four_steps, c
     """An export of step-000002 whose run, resumed meanwhile with a checkpoint every step and keep=1, rotates it
     away before the export reads its weights: one ValueError naming the step and what to do, and nothing of DCP's
     on stderr. The same for a step dir the rotation has half deleted (its shard file gone, .metadata not yet)."""
-    from qwenft.checkpoint import dcp, layout
+    from qwenft.checkpoint import dcp, files
 
     run_dir = tmp_path / "run"
     shutil.copytree(four_steps, run_dir)
@@ -246,7 +246,7 @@ def test_export_of_a_checkpoint_rotated_away_is_one_line(tmp_path, four_steps, c
     half_deleted = tmp_path / "other" / "checkpoints" / "step-000002"
     shutil.copytree(step2, half_deleted)
     (half_deleted / "__0_0.distcp").unlink()
-    model_cfg = layout.model_config_from_meta(layout.read_meta(step2))  # as `qwenft export` reads it, before the weights
+    model_cfg = files.model_config_from_meta(files.read_meta(step2))  # as `qwenft export` reads it, before the weights
     _run(run_dir, "train.max_steps=5", "checkpoint.every_steps=1", "checkpoint.keep=1")
     assert _entries(ckpts) == ["latest", "step-000005"]
     capfd.readouterr()

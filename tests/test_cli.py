@@ -46,14 +46,25 @@ def test_reset_override_returns_schema_default():
     ("recipe=nope", "recipe='nope' not found; available:"),
     ("data.packing=zip", "data.packing='zip' is not valid; choose one of pack, pad"),
     ("mesh=nope", "mesh='nope' is not a mesh option; choose one of default"),
-    ("model=[nope]", "model='nope' is not a model option; choose one of"),
+    ("model=[nope]", "model=[nope]: model takes the name of one of its options: qwen3_5_0_8b,"),
     ("mesh=5", "mesh=5: mesh takes the name of one of its options: default"),
     ("optim={a:1}", "optim={a:1}: optim takes the name of one of its options: adamw"),
     ("model.kernels=5", "model.kernels=5 is not valid; expected a mapping, e.g. {a: 1}"),
-    ("launcher.env=[a]", "launcher.env=['a'] is not valid; expected a mapping, e.g. {a: 1} (or null)"),
-    ("launcher.sbatch_extra={a:1}", "launcher.sbatch_extra={'a': 1} is not valid; expected a list, e.g. [a,b]"),
+    ("launcher.env=[a]", "launcher.env=[a] is not valid; expected a mapping, e.g. {a: 1} (or null)"),
+    ("launcher.sbatch_extra={a:1}", "launcher.sbatch_extra={a:1} is not valid; expected a list, e.g. [a,b]"),
+    ("launcher.env=${oc.env:HOME}", "is not valid; expected a mapping, e.g. {A: 1} (or null)"),
+    ("optim=[5]", "optim=[5]: optim takes the name of one of its options: adamw"),
+    ("model=[tiny,qwen3_5_2b]", "model=[tiny,qwen3_5_2b]: model takes the name of one of its options:"),
+    ("mesh=default,default", "mesh=default,default: mesh takes the name of one of its options: default"),
+    ("optim.betas=0.9,0.95", "optim.betas=0.9,0.95: a comma makes a sweep, which a training run does not do; write a "
+                             "list as optim.betas=[0.9,0.95]"),
+    ("optim.lr=[1,", "optim.lr=[1,: cannot be read as key=value ("),
+    ("seed=${optim.lr}", "seed: While dereferencing interpolation '${optim.lr}'"),
+    ("model.kernels={bad:1}", "unknown config key 'model.kernels.bad'; did you mean 'model.kernels.gdn'?"),
+    ("~launcher.env", "~launcher.env: the recipe does not set launcher.env, so there is nothing to reset"),
     ("launcher.setup=module", "launcher.setup='module' is not valid; expected a list, e.g. [a,b]"),
     ("data.sources=[{path:a,weight:abc}]", "data.sources[0].weight='abc' is not valid; expected a number"),
+    ("data.sources=[{path:a,weight:1},{path:b,weight:x}]", "data.sources[1].weight='x' is not valid; expected a number"),
     ("data.sources=[{path:a},{path:b,format:[x]}]",
      "data.sources[1].format=['x'] is not valid; expected a string (or null)"),
     ("data.sources=[{path:a},{path:b,wieght:1}]",
@@ -76,6 +87,20 @@ def test_bad_overrides_fail_with_one_line(override, message):
     with pytest.raises(ValueError) as e:  # ConfigError is a ValueError; schema checks raise ValueError
         compose([override])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # a valid override given before the bad one is not blamed for it
+    (["peft.target_modules=[q_proj]", "mesh=5"], "mesh=5: mesh takes the name of one of its options: default"),
+    (["peft.target_modules=[q_proj]", "optim.lr=[1,"], "optim.lr=[1,: cannot be read as key=value"),
+    (["launcher.setup=${launcher.sbatch_extra}", "model.kernels=5"], "model.kernels=5 is not valid"),
+    # a top-level key named like a data.sources entry's is not taken for one
+    (["data.sources=[{path:a,weight:2}]", "+weight=1"], "unknown config key 'weight'"),
+])
+def test_the_bad_override_among_several_is_the_one_named(overrides, message):
+    with pytest.raises(ValueError) as e:
+        compose(overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
 def test_the_last_recipe_given_is_the_runs_name_and_contents():

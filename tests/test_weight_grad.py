@@ -387,6 +387,8 @@ def test_vlm_training_equals_autograds(tmp_path):
     ([], (2, 1, 1, 2), "cuda", "autograd"),
     (["model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda", "in_matmul"),
     (["model.compile=true", "model.cuda_graphs=true"], (1, 1, 2, 2), "cuda", "in_matmul"),
+    (["model.kernels.weight_grad=in_matmul", "model.compile=true", "model.cuda_graphs=true"], (1, 1, 1, 1), "cuda",
+     "in_matmul"),
     (["model.kernels.weight_grad=in_matmul"], (1, 2, 1, 2), "cuda", "FSDP2 reduces the gradients"),
     (["model.kernels.weight_grad=in_matmul"], (1, 2, 2, 4), "cuda", "FSDP2 reduces the gradients"),
     (["model.kernels.weight_grad=in_matmul"], (2, 1, 1, 2), "cuda", "mesh.pp=2: pipeline schedules"),

@@ -1,13 +1,6 @@
 """Sharded training checkpoints (torch.distributed.checkpoint) and exact resume, on any mesh.
 
-Layout under <run_dir>/checkpoints/:
-    step-000010/        model + optimizer: one DCP shard file per rank plus `.metadata`;
-                        extra.pt (rank 0): step, scheduler, data stream position, RNG state;
-                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export),
-                                         the global batch size, seq_len and data files' fingerprint (checked on resume);
-                        manifest.json: every other file's size and CRC-32, checked before a resume loads
-    latest              the name of the newest complete step dir, written last
-    best                checkpoint.keep_best: the step dir with the lowest val_loss, never rotated away
+The checkpoint dir's layout and its readers are in files.py.
 
 Every tensor is stored under the whole model's parameter name (`layers.17.mlp.up_proj.weight`, and
 `state.<name>.exp_avg` for AdamW) with its global shape, whatever the mesh: pipeline stages keep the
@@ -36,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from qwenft.checkpoint.layout import (EXTRA, MANIFEST, META, damage, file_records, read_meta, read_pointer, step_dirs,
+from qwenft.checkpoint.files import (EXTRA, MANIFEST, META, damage, file_records, read_meta, read_pointer, step_dirs,
                                      step_number, summary, write_pointer)
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from qwenft.conf.schema import CHOICES, Config, validate
+from qwenft.conf.schema import CHOICES, Config, SourceOptions, validate
 
 CONF_DIR = Path(__file__).resolve().parent
 GROUPS = ("mesh", "model", "data", "optim", "lr_scheduler", "train", "pipeline", "checkpoint", "eval", "logger", "launcher",
@@ -65,11 +65,15 @@ def _unknown_key_error(key: str) -> ConfigError:
 
 
 def _source_key(raw, key: str) -> str | None:
-    """A `data.sources` entry's key as OmegaConf names it in an error (by its own name alone), with the entry's
-    place: `data.sources[i].key`, i the first entry that sets it; None if no entry does."""
-    sources = raw.get("data", {}).get("sources") if hasattr(raw, "get") else None
-    for i, source in enumerate(sources or ()):
-        if hasattr(source, "keys") and key in source:
+    """A `data.sources` entry's key as OmegaConf names it in an error (by its own name alone), with the place of
+    the first entry that does not merge into the schema: `data.sources[i].key`; None if every entry merges."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for i, source in enumerate(raw.get("data", {}).get("sources") or ()):
+        try:
+            OmegaConf.merge(OmegaConf.structured(SourceOptions), source)
+        except OmegaConfBaseException:
             return f"data.sources[{i}].{key}"
     return None
 
@@ -79,7 +83,6 @@ def _expected(key: str) -> str | None:
     key); None for a key the schema does not have."""
     from omegaconf import DictConfig, OmegaConf
 
-    from qwenft.conf.schema import SourceOptions
 
     if re.fullmatch(r"data\.sources\[\d+\]", key):
         return "expected a mapping, e.g. {path: a.jsonl, weight: 1.0}"
@@ -93,6 +96,8 @@ def _expected(key: str) -> str | None:
         return None
     node = holder._get_node(leaf)
     kind = type(node).__name__
+    if kind == "AnyNode":  # takes any value
+        return None
     optional = " (or null)" if node._is_optional() else ""
     expected = {"FloatNode": "expected a number", "IntegerNode": "expected an integer",
                 "BooleanNode": "expected true or false", "StringNode": "expected a string",
@@ -100,33 +105,64 @@ def _expected(key: str) -> str | None:
     return expected.get(kind, f"expected a {kind.removesuffix('Node').lower()}") + optional
 
 
-def _container_mismatch(overrides: list[str]) -> ConfigError | None:
-    """The first override that gives a group a non-name, or a mapping or list key a value of the other kind (or a
-    scalar), as one line naming it; Hydra's and OmegaConf's own errors for these name neither key nor value."""
+def _parsed(overrides: list[str]) -> list | None:
+    """(override as typed, Hydra's parse of it) for each override; None if one does not parse (Hydra's own error
+    says where)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    try:
+        return [(o, parser.parse_override(o)) for o in overrides if not o.startswith("recipe=")]
+    except HydraException:
+        return None
+
+
+def _unparsable(overrides: list[str]) -> ConfigError | None:
+    """The first override Hydra's grammar cannot read, with the parser's words."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
     for o in overrides:
         try:
-            override = parser.parse_override(o)
-        except HydraException:
+            parser.parse_override(o)
+        except HydraException as e:
+            return ConfigError(f"{o}: cannot be read as key=value ({str(e).splitlines()[0]}); quote a value that "
+                               f"holds brackets, braces, commas or spaces")
+    return None
+
+
+def _check_override_forms(overrides: list[str]) -> None:
+    """Before Hydra composes: a comma-separated value (Hydra's sweep, which a training run does not do) and a
+    config group given anything but one option's name (a number, a mapping, or a list, which Hydra would merge
+    option by option) each raise one line naming the override and what to write instead."""
+    for o, override in _parsed(overrides) or ():
+        key = override.key_or_group
+        if override.is_delete():
             continue
-        if override.is_delete() or o.startswith("recipe="):
+        if key in GROUPS and (override.is_sweep_override() or not isinstance(override.value(), str)):
+            raise ConfigError(f"{o}: {key} takes the name of one of its options: {', '.join(group_options()[key])}")
+        if override.is_sweep_override():
+            raise ConfigError(f"{o}: a comma makes a sweep, which a training run does not do; write a list as "
+                              f"{key}=[{o.split('=', 1)[1]}], or quote a string that holds a comma")
+
+
+def _container_mismatch(overrides: list[str]) -> ConfigError | None:
+    """The first override that gives a mapping or list key a value of the other kind, or a scalar (or a scalar key
+    a mapping or list), as one line naming it: Hydra's and OmegaConf's own errors for these name neither key nor
+    value. None when every override parses and none is such (the caller then reports the error it has)."""
+    for o, override in _parsed(overrides) or ():
+        key, typed = override.key_or_group, o.split("=", 1)[1] if "=" in o else ""
+        if override.is_delete() or key in GROUPS or "${" in typed:
             continue
-        key, value = override.key_or_group, override.value()
-        if key in GROUPS:
-            if not isinstance(value, str):
-                valid = ", ".join(group_options()[key])
-                return ConfigError(f"{o}: {key} takes the name of one of its options: {valid}")
-            continue
-        expected = _expected(key)
+        value, expected = override.value(), _expected(key)
         if expected is None or value is None and "(or null)" in expected:
             continue
         if ("a mapping" in expected and not isinstance(value, dict)
                 or "a list" in expected and not isinstance(value, list)
                 or isinstance(value, (dict, list)) and "a mapping" not in expected and "a list" not in expected):
-            return ConfigError(f"{key}={value!r} is not valid; {expected}")
+            return ConfigError(f"{key}={typed} is not valid; {expected}")
     return None
 
 
@@ -199,19 +235,18 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     extra = os.environ.get(RECIPES_ENV)
     if extra:
         hydra_overrides.insert(0, _user_search_path(Path(extra).resolve()))
+    _check_override_forms(overrides)
     _store_schema_defaults()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             raw = hydra_compose("config", overrides=hydra_overrides)
     except yaml.YAMLError as e:
         raise _yaml_error(e) from None
-    except ValueError as e:  # Hydra's own, for a group given a number or a mapping
-        raise _container_mismatch(overrides) or e from None
     except HydraException as e:
         override = re.search(r"Could not override '([^']+)'\.\nTo append", str(e))
-        if override:
-            raise (_container_mismatch(overrides) if override.group(1) in GROUPS else None) or \
-                _unknown_key_error(override.group(1)) from None
+        if override:  # the key itself, or a key inside the mapping it was given (`model.kernels={bad: 1}`)
+            inner = getattr(e.__cause__, "full_key", None) if "not in struct" in str(e.__cause__) else None
+            raise _unknown_key_error(inner or override.group(1)) from None
         option = re.search(r"Could not (?:find|load) '(\w+)/([^']+)'", str(e))
         if option and option.group(1) in GROUPS:
             group, name = option.groups()
@@ -219,7 +254,11 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             raise ConfigError(f"{group}={name!r} is not a {group} option; choose one of {valid}") from None
         missing = re.search(r"Could not delete from config\. '([^']+)' does not exist", str(e))
         if missing:
-            raise _unknown_key_error(missing.group(1)) from None
+            key = missing.group(1)
+            if key in _schema_keys(Config):
+                raise ConfigError(f"~{key}: the recipe does not set {key}, so there is nothing to reset (its default "
+                                  f"applies)") from None
+            raise _unknown_key_error(key) from None
         present = re.search(r"Could not append to config\. An item is already at '([^']+)'", str(e))
         if present:
             key = present.group(1)
@@ -231,8 +270,8 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             key, value = tilde.split("=", 1)
             raise ConfigError(f"{tilde}: Hydra cannot read a value starting with ~; write the full path, e.g. "
                               f"{key}={os.path.expanduser(value)}") from None
-        raise _container_mismatch(overrides) or ConfigError(str(e).splitlines()[0] if str(e) else
-                                                            type(e).__name__) from None
+        raise _unparsable(overrides) or _container_mismatch(overrides) or ConfigError(
+            str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     # The recipe chosen is the `recipe` group's choice; record it as a plain key.
     # the last recipe= wins, as Hydra composes it (and as any key given twice)
     raw_recipe = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("recipe=")), "tiny")
@@ -244,7 +283,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        if key and "." not in key and "[" not in key and key not in Config.__dataclass_fields__:
+        if key and getattr(e, "object_type", None) is SourceOptions:
             key = _source_key(raw, key) or key  # a mixture entry's key, named by OmegaConf alone
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise _unknown_key_error(key or str(e)) from None
@@ -256,7 +295,10 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         raise _container_mismatch(overrides) or ConfigError(str(e).splitlines()[0]) from None
     for key in OmegaConf.missing_keys(raw):  # merging ??? onto the schema's default keeps the default
         OmegaConf.update(merged, key, "???")
-    missing = OmegaConf.missing_keys(merged)
+    try:
+        missing = OmegaConf.missing_keys(merged)  # resolves every interpolation
+    except OmegaConfBaseException as e:  # one whose value the key's type does not take
+        raise ConfigError(f"{getattr(e, 'full_key', '') or 'config'}: {str(e).splitlines()[0]}") from None
     required = missing - {"data.path"} if merged.data.sources else missing  # a mixture replaces data.path
     if required and not missing_ok:
         raise ConfigError(f"required key(s) not set: {', '.join(sorted(required))} (set them as key=value)")

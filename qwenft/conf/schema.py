@@ -48,8 +48,8 @@ class KernelsOptions:
     moe: str = "auto"
     # the weight gradients: in_matmul = each added into .grad by the matmul that forms it (cuBLAS's beta = 1; the
     # embedding's and the fused head's likewise), autograd = formed as new tensors, then added by autograd;
-    # auto = in_matmul on CUDA where each rank's weights (tp shards included) are its own: no FSDP2, pp or CUDA
-    # graphs; else autograd (qwenft.models.weight_grad)
+    # auto = in_matmul on CUDA where each rank's weights (tp shards included) are its own: no FSDP2 or pp (CUDA
+    # graphs included); else autograd (qwenft.models.weight_grad)
     weight_grad: str = "auto"
     # where compiled kernels persist between runs: torch.compile's (inductor/), Triton's, fla's among them
     # (triton/), TileLang's (tilelang/); null = each library's default (inductor's is under /tmp, which a SLURM
@@ -344,6 +344,8 @@ def validate(cfg: Config) -> None:
     for key in ("gpus_per_node", "signal_seconds", "max_requeues"):
         if getattr(cfg.launcher, key) < 0:
             raise ValueError(f"launcher.{key}={getattr(cfg.launcher, key)} must be >= 0")
+    if not isinstance(cfg.launcher.env, (dict, type(None))):  # an interpolation that resolved to a scalar
+        raise ValueError(f"launcher.env={cfg.launcher.env!r} is not valid; expected a mapping, e.g. {{A: 1}} (or null)")
     for name, value in (cfg.launcher.env or {}).items():
         if SECRET_NAME.search(str(name)) and value is not None:
             raise ValueError(f"launcher.env.{name} has a value; secrets are passed by name only: export {name} in "

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwenft.checkpoint import dcp as ckpt_lib, layout as ckpt_layout, mtp
+from qwenft.checkpoint import dcp as ckpt_lib, files as ckpt_files, mtp
 from qwenft.conf.compose import as_written
 from qwenft.conf.schema import Config
 from qwenft.conf.layout import resolve_layout
@@ -231,7 +231,7 @@ def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype | None, devi
         init_random_weights(module, seed=cfg.seed, device=device, dtype=dtype)
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- start notes
 
 def moot_settings(cfg: Config, max_steps: int) -> list[str]:
     """Settings that do nothing in this run (the run's start warns of each): a key whose switch is off, a schedule
@@ -361,7 +361,7 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
              run_dir, world, layout.pp, layout.dp, f" x cp {layout.cp}" if layout.cp > 1 else "", layout.tp,
              batching.num_microbatches, batching.microbatch_size)
     # verified before anything in the run dir is rewritten; a damaged `latest` gives way to an older complete one
-    resume_from, passed_over = ckpt_layout.find(cfg.checkpoint.resume, ckpt_root)
+    resume_from, passed_over = ckpt_files.find(cfg.checkpoint.resume, ckpt_root)
     on_rank0(is_main, lambda: refuse_fresh_start_over_checkpoints(run_dir, resume_from, cfg.checkpoint.resume))
     if device.type == "cpu":
         set_cpu_threads()
@@ -409,8 +409,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         generation_config(tokenizer, cfg.model.path)
     peft = peft_meta(cfg)
     if resume_from is not None:
-        ckpt_layout.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
-                                    peft=peft, mtp=cfg.model.mtp)
+        ckpt_files.check_model_config(resume_from, model_cfg, cfg.checkpoint.resume, spec.dtypes.optim_names,
+                                      peft=peft, mtp=cfg.model.mtp)
         resume.check_base(resume_from, cfg, peft and peft["base"])
         resume.check_data_position(resume_from, cfg, data)
     if is_main and save_config is not None:

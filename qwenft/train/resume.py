@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from qwenft.checkpoint.layout import EXTRA, read_meta
+from qwenft.checkpoint.files import EXTRA, read_meta
 from qwenft.conf import as_written, load_run_config
 from qwenft.conf.schema import Config
 

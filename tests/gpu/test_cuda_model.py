@@ -132,7 +132,8 @@ def test_cuda_graphs_train_like_compile_on_cuda(tmp_path, weight_grad):
     from torch._dynamo.utils import counters
 
     common = (*CUDA_FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
-              "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2", f"model.kernels.weight_grad={weight_grad}")
+              "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2",
+              f"model.kernels.weight_grad={weight_grad}")
     compiled = train_alone(parity_overrides(tmp_path / "compiled", *common), return_state=True)
     counters.clear()
     graphs = train_alone(parity_overrides(tmp_path / "graphs", *common, "model.cuda_graphs=true"), return_state=True)

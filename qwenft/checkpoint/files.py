@@ -1,6 +1,17 @@
 """A training checkpoint dir on disk: the step dirs and the `latest` / `best` pointers, checkpoint.json and the
 checks made on it before a resume, the manifest's verification, and which step dir a resume takes (`find`). Reads
-and small writes of files only: nothing here builds or loads a model (dcp.py saves and loads the train state)."""
+and small writes of files only (`find` and the manifest check are collective when a process group exists, each
+rank checking its share): nothing here builds or loads a model (dcp.py saves and loads the train state).
+
+Layout under <run_dir>/checkpoints/:
+    step-000010/        model + optimizer: one DCP shard file per rank plus `.metadata`;
+                        extra.pt (rank 0): step, scheduler, data stream position, RNG state;
+                        checkpoint.json: step, val_loss, the model config (checked on resume, read by export),
+                                         the global batch size, seq_len and data files' fingerprint (checked on resume);
+                        manifest.json: every other file's size and CRC-32, checked before a resume loads
+    latest              the name of the newest complete step dir, written last
+    best                checkpoint.keep_best: the step dir with the lowest val_loss, never rotated away
+"""
 
 import dataclasses
 import json
