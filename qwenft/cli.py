@@ -152,9 +152,7 @@ def _export(args: list[str]) -> int:
     merged = opts["merged"] == "true"
     path = _export_checkpoint(run_dir / "checkpoints", opts["checkpoint"])
     if not path.is_dir():  # verified a moment ago: a live run's rotation (checkpoint.keep) has deleted it since
-        raise ConfigError(f"checkpoint {path} was deleted while it was being exported: the run training in {run_dir} "
-                          f"rotated it away (checkpoint.keep); rerun the export, or export checkpoint=best or a "
-                          f"step-NNNNNN dir that run keeps")
+        raise files.rotated_away(path)
     meta = files.read_meta(path)
     saved_peft = meta.get("peft") or {"method": "none"}
     lora = checkpoint_lora(saved_peft, cfg) if saved_peft["method"] != "none" else None

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from qwenft.checkpoint.files import (EXTRA, MANIFEST, META, damage, file_records, read_meta, read_pointer, step_dirs,
-                                     step_number, summary, write_pointer)
+from qwenft.checkpoint.files import (EXTRA, MANIFEST, META, damage, file_records, read_meta, read_pointer,
+                                     rotated_away, step_dirs, step_number, write_pointer)
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name, not position
 # peft runs: only the trained parameters (the frozen base comes from model.path or the seed, as at the start)
@@ -378,9 +378,5 @@ def load_model_state(path: Path, model_config, dtype: torch.dtype, lora=None,
         problems = damage(path)
         if not problems:
             raise
-        # `find` verified it before the export began: a live run's rotation (checkpoint.keep) has deleted it since
-        raise ValueError(f"checkpoint {path} was deleted while it was being exported ({summary(problems)}): "
-                         f"the run training in {path.parent.parent} rotated it away (checkpoint.keep); rerun the "
-                         f"export (it takes the newest checkpoint then), or export checkpoint=best or a step-NNNNNN "
-                         f"dir that run keeps") from e
+        raise rotated_away(path, problems) from e
     return state

@@ -195,3 +195,12 @@ def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
         raise ValueError(f"{key}={value}: no complete checkpoint in {ckpt_root}: {' | '.join(passed_over)}; "
                          f"delete {ckpt_root} to start afresh, or set {key}=none")
     return None, []
+
+
+def rotated_away(path: Path, problems: list[str] | None = None) -> ValueError:
+    """The error of an export whose checkpoint, verified when the export began, is gone since: the rotation
+    (checkpoint.keep) of the run still training in its run dir deleted it (`problems`: what is missing now)."""
+    found = f" ({summary(problems)})" if problems else ""
+    return ValueError(f"checkpoint {path} was deleted while it was being exported{found}: the run training in "
+                      f"{path.parent.parent} rotated it away (checkpoint.keep); rerun the export (it takes the newest "
+                      f"checkpoint then), or export checkpoint=best or a step-NNNNNN dir that run keeps")
