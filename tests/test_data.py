@@ -190,6 +190,25 @@ def test_a_reply_that_writes_the_turn_marker_is_learned_whole(tok):
     assert not skipped and labelled_text(doc.labels, tok) == reply + "<|im_end|>"
 
 
+@pytest.mark.parametrize("code", ["print('<|im_end|>')", "end = '<|im_end|>'\nprint(end)"])
+def test_a_tool_call_whose_argument_writes_the_turn_marker_is_learned_whole(tmp_path, code):
+    """A tool call's argument holding `<|im_end|>` (verbatim, or JSON-escaped where it has a newline): the reply
+    ends at the marker after the call, not inside it."""
+    tok = load_tokenizer("tiny", tmp_path)
+    tok.chat_template = QWEN_TOOLS_TEMPLATE
+    call = {"function": {"name": "run", "arguments": {"code": code}}}
+    messages = [{"role": "user", "content": "print the marker"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "<|im_end|>"},
+                {"role": "assistant", "content": "Done."}]
+    (doc,), skipped = tokenize_rows([{"messages": messages}], tok, seq_len=512)
+    assert not skipped
+    rendered = json.dumps({"name": "run", "arguments": {"code": code}}, ensure_ascii=False)
+    empty_think = "<think>\n\n</think>\n\n"
+    assert labelled_text(doc.labels, tok) == (f"{empty_think}\n<tool_call>\n{rendered}\n</tool_call><|im_end|>"
+                                              f"{empty_think}Done.<|im_end|>")
+
+
 def test_reasoning_the_template_drops_from_the_final_turn_is_a_bad_row(tok):
     """The tiny template has no reasoning branch: the final turn's reasoning_content would be lost."""
     row = {"messages": THINKING + [{"role": "assistant", "content": "4.", "reasoning_content": "2 and 2 make 4."}]}

@@ -46,8 +46,8 @@ from qwenft.data.formats import arrow_rows, resolve_format
 log = logging.getLogger("qwenft")
 
 # 2: rows read by data.format (sharegpt, alpaca) with their `tools` column; 3: reasoning_content, rewritten
-# replies, Arrow's null keys dropped, `last_turn`
-CACHE_VERSION = 3
+# replies, Arrow's null keys dropped, `last_turn`; 4: a reply ends after its tool calls' arguments
+CACHE_VERSION = 4
 STALE_LOCK_S = 600.0
 SHARD_BYTES = 8 << 20  # JSONL bytes per worker task: ~10k chat rows, a few seconds of tokenizing
 SHARD_ROWS = 10_000  # rows per task for Parquet row groups split further, JSON arrays and datasets dirs

@@ -197,7 +197,8 @@ def assistant_spans(tokenizer, messages: list[dict],
         at = text.find(answer, start)
         if at < 0:
             raise BadRow("template", f"the chat template does not render assistant message {i} verbatim")
-        stop = min((e for e in (text.find(m, at + len(answer)) for m in turn_ends) if e >= 0), default=-1)
+        after = _past_marked_arguments(text, message, at + len(answer), turn_ends, i)
+        stop = min((e for e in (text.find(m, after) for m in turn_ends) if e >= 0), default=-1)
         if stop < 0:
             raise BadRow("template", f"the chat template does not close assistant message {i} with "
                                      f"{' or '.join(turn_ends)}")
@@ -206,6 +207,26 @@ def assistant_spans(tokenizer, messages: list[dict],
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _past_marked_arguments(text: str, message: dict, at: int, turn_ends: list[str], i: int) -> int:
+    """Where the search for reply i's closing marker starts: `at` (after its answer), or past the last tool call
+    argument that itself holds a marker (code that writes `<|im_end|>`), which would otherwise end the reply
+    inside the call. The argument is found as the template renders it: verbatim (XML-style parameters) or as a
+    JSON string (`tojson`); BadRow when it is neither."""
+    for call in message.get("tool_calls") or []:
+        arguments = call["function"].get("arguments")
+        for value in arguments.values() if isinstance(arguments, dict) else [arguments]:
+            raw = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            if not any(m in raw for m in turn_ends):
+                continue
+            found = [(f, len(form)) for form in dict.fromkeys((raw, json.dumps(raw, ensure_ascii=False)[1:-1]))
+                     if (f := text.find(form, at)) >= 0]
+            if not found:
+                raise BadRow("template", f"a tool call argument of assistant message {i} holds a turn marker "
+                                         f"({' or '.join(turn_ends)}) and the chat template renders it otherwise")
+            at = min(f + n for f, n in found)
+    return at
 
 
 def last_user_query(messages: list[dict]) -> int:
