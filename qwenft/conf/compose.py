@@ -55,8 +55,12 @@ def _schema_keys(cls, prefix="") -> list[str]:
     return keys
 
 
+# a data.sources entry's place, as an error names it: data.sources[2]
+_SOURCE_ENTRY = r"data\.sources\[\d+\]"
+
+
 def _unknown_key_error(key: str) -> ConfigError:
-    if re.fullmatch(r"data\.sources\[\d+\]\.\w+", key):
+    if re.fullmatch(_SOURCE_ENTRY + r"\.\w+", key):
         return ConfigError(f"unknown config key '{key}'; a data.sources entry takes path, weight and format")
     valid = _schema_keys(Config)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
@@ -83,12 +87,11 @@ def _expected(key: str) -> str | None:
     key); None for a key the schema does not have."""
     from omegaconf import DictConfig, OmegaConf
 
-
-    if re.fullmatch(r"data\.sources\[\d+\]", key):
+    if re.fullmatch(_SOURCE_ENTRY, key):
         return "expected a mapping, e.g. {path: a.jsonl, weight: 1.0}"
     parent, _, leaf = key.rpartition(".")
     schema = OmegaConf.structured(Config)
-    if re.fullmatch(r"data\.sources\[\d+\]", parent):
+    if re.fullmatch(_SOURCE_ENTRY, parent):
         holder = OmegaConf.structured(SourceOptions)
     else:
         holder = OmegaConf.select(schema, parent, default=None) if parent else schema
@@ -105,31 +108,35 @@ def _expected(key: str) -> str | None:
     return expected.get(kind, f"expected a {kind.removesuffix('Node').lower()}") + optional
 
 
-def _parsed(overrides: list[str]) -> list | None:
-    """(override as typed, Hydra's parse of it) for each override; None if one does not parse (Hydra's own error
-    says where)."""
+def _parsed(overrides: list[str]) -> list[tuple]:
+    """(override as typed, Hydra's parse of it or the HydraException its grammar raised), recipe= aside."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
-    try:
-        return [(o, parser.parse_override(o)) for o in overrides if not o.startswith("recipe=")]
-    except HydraException:
-        return None
+    parsed = []
+    for o in overrides:
+        if o.startswith("recipe="):
+            continue
+        try:
+            parsed.append((o, parser.parse_override(o)))
+        except HydraException as e:
+            parsed.append((o, e))
+    return parsed
+
+
+def _readable(overrides: list[str]) -> list[tuple]:
+    """`_parsed`'s pairs when every override parses; none otherwise (the error reported is then the parser's)."""
+    parsed = _parsed(overrides)
+    return [] if any(isinstance(override, Exception) for _, override in parsed) else parsed
 
 
 def _unparsable(overrides: list[str]) -> ConfigError | None:
     """The first override Hydra's grammar cannot read, with the parser's words."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    parser = OverridesParser.create()
-    for o in overrides:
-        try:
-            parser.parse_override(o)
-        except HydraException as e:
-            return ConfigError(f"{o}: cannot be read as key=value ({str(e).splitlines()[0]}); quote a value that "
-                               f"holds brackets, braces, commas or spaces")
+    for o, override in _parsed(overrides):
+        if isinstance(override, Exception):
+            return ConfigError(f"{o}: cannot be read as key=value ({str(override).splitlines()[0]}); quote a value "
+                               f"that holds brackets, braces, commas or spaces")
     return None
 
 
@@ -137,7 +144,7 @@ def _check_override_forms(overrides: list[str]) -> None:
     """Before Hydra composes: a comma-separated value (Hydra's sweep, which a training run does not do) and a
     config group given anything but one option's name (a number, a mapping, or a list, which Hydra would merge
     option by option) each raise one line naming the override and what to write instead."""
-    for o, override in _parsed(overrides) or ():
+    for o, override in _readable(overrides):
         key = override.key_or_group
         if override.is_delete():
             continue
@@ -152,7 +159,7 @@ def _container_mismatch(overrides: list[str]) -> ConfigError | None:
     """The first override that gives a mapping or list key a value of the other kind, or a scalar (or a scalar key
     a mapping or list), as one line naming it: Hydra's and OmegaConf's own errors for these name neither key nor
     value. None when every override parses and none is such (the caller then reports the error it has)."""
-    for o, override in _parsed(overrides) or ():
+    for o, override in _readable(overrides):
         key, typed = override.key_or_group, o.split("=", 1)[1] if "=" in o else ""
         if override.is_delete() or key in GROUPS or "${" in typed:
             continue

@@ -25,8 +25,8 @@ buffers at the addresses it was recorded with: the forward saves each buffer, so
 static input (as it takes the weights), which a replay may write in place; the buffers live for the run, at one
 address. Tensor parallelism without FSDP2 runs it: a tp-sharded weight (a DTensor whose rank multiplies its local
 shard, qwenft.distributed.tensor_parallel) gets a buffer the size of its shard, and `.grad` is a DTensor over that
-buffer with the weight's placements; each rank's shard gradient is whole on its rank, so nothing is summed over tp. `spec.resolve_weight_grad` says where it
-runs.
+buffer with the weight's placements; each rank's shard gradient is whole on its rank, so nothing is summed over tp.
+`spec.resolve_weight_grad` says where it runs.
 
 Only the text model's `nn.Linear` and `nn.Embedding` themselves are switched, and the modules whose class adds
 into the buffer itself (`takes_weight_grad`: the lm_head, tensor parallelism's sharded linears and vocab-parallel
