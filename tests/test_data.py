@@ -183,6 +183,57 @@ def test_tool_turns_with_reasoning_before_a_later_user_turn_are_learned_as_rende
         + "<think>\ndone\n</think>\n\nX is here.<|im_end|>")
 
 
+# QWEN_TOOLS_TEMPLATE as thinking-by-default templates write it: a generation prompt that opens the reasoning
+# block (`<think>\n`), and a call as XML-style text right after the header when the reply has no content.
+THINKING_TOOLS_TEMPLATE = QWEN_TOOLS_TEMPLATE.replace(
+    """{{- '\\n<tool_call>\\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson + '\\n</tool_call>' }}""",
+    """{{- ('\\n\\n' if content.strip() else '') + '<tool_call>\\n<function=' + call.function.name + '>\\n' }}
+{%- for k, v in call.function.arguments.items() %}{{- '<parameter=' + k + '>\\n' + v + '\\n</parameter>\\n' }}{%- endfor %}
+{{- '</function>\\n</tool_call>' }}""").replace("""{{- '<|im_start|>assistant\\n' }}{%- endif %}""",
+                                              """{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}""")
+assert THINKING_TOOLS_TEMPLATE.count("<function=") == 1 and THINKING_TOOLS_TEMPLATE.endswith("<think>\\n' }}{%- endif %}\n")
+
+
+def test_earlier_replies_under_a_thinking_prompt_are_learned_from_their_first_character(tmp_path):
+    """A thinking generation prompt (`<think>\\n`) with replies the template renders without reasoning (before the
+    last user query): a tool turn of an earlier query, which the prompts of later replies render with reasoning,
+    does not hide the replies after it, and a reply opening with `<` (a call, a table) starts at its `<`, not one
+    or two characters into it where it agrees with `<think>`."""
+    tok = load_tokenizer("tiny", tmp_path)
+    tok.chat_template = THINKING_TOOLS_TEMPLATE
+    messages = [{"role": "user", "content": "find X"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"function": {"name": "search", "arguments": {"q": "X"}}}]},
+                {"role": "tool", "content": "found X in the drawer"},
+                {"role": "assistant", "content": "X is in the drawer."},
+                {"role": "user", "content": "as a table"},
+                {"role": "assistant", "content": "<table>X</table>"},
+                {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "You're welcome."}]
+    (doc,), skipped = tokenize_rows([{"messages": messages}], tok, seq_len=512)
+    assert not skipped
+    assert labelled_text(doc.labels, tok) == (
+        "<tool_call>\n<function=search>\n<parameter=q>\nX\n</parameter>\n</function>\n</tool_call><|im_end|>"
+        "X is in the drawer.<|im_end|><table>X</table><|im_end|>\n</think>\n\nYou're welcome.<|im_end|>")
+
+
+def test_the_prompt_is_tokenized_as_at_inference(tmp_path):
+    """Where the tokenizer would merge the generation prompt's last characters with the reply's first (here a
+    `\\n\\n` token, as Qwen's BPE has, across `<think>\\n` and an empty reasoning block's `\\n`), the prompt keeps
+    the tokens it has when tokenized alone, as at inference, and the reply's first token is learned."""
+    tok = load_tokenizer("tiny", tmp_path)
+    tok.chat_template = THINKING_TOOLS_TEMPLATE
+    tok.add_tokens(["\n\n"])
+    messages = CONVERSATION[1:]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    assert "<think>\n\n</think>" in text and "\n\n" in tok.convert_ids_to_tokens(tok(text)["input_ids"])
+    (doc,), _ = tokenize_rows([{"messages": messages}], tok, seq_len=256)
+    prompt = tok(tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True))["input_ids"]
+    assert doc.input_ids[:len(prompt)] == prompt
+    assert tok.decode(doc.input_ids[len(prompt)]) == "\n" and doc.labels[len(prompt) - 1] == doc.input_ids[len(prompt)]
+    assert labelled_text(doc.labels, tok) == "3 plus 4 is 7.<|im_end|>\n</think>\n\ntac<|im_end|>"
+
+
 def test_a_reply_that_writes_the_turn_marker_is_learned_whole(tok):
     reply = "Each turn ends with <|im_end|> then a newline."
     (doc,), skipped = tokenize_rows([{"messages": [{"role": "user", "content": "How do turns end?"},
@@ -207,6 +258,15 @@ def test_a_tool_call_whose_argument_writes_the_turn_marker_is_learned_whole(tmp_
     empty_think = "<think>\n\n</think>\n\n"
     assert labelled_text(doc.labels, tok) == (f"{empty_think}\n<tool_call>\n{rendered}\n</tool_call><|im_end|>"
                                               f"{empty_think}Done.<|im_end|>")
+
+
+def test_last_turn_without_a_reply_after_the_last_user_turn_is_a_bad_row(tok):
+    row = {"messages": CONVERSATION[:3] + [{"role": "user", "content": "Thanks."}]}
+    docs, skipped = tokenize_rows([row], tok, seq_len=256, train_on="last_turn")
+    assert not docs and skipped == {"no_last_turn": 1}
+    with pytest.raises(ValueError, match="data row 0: data.train_on=last_turn: no assistant reply after the last "
+                                         "user turn"):
+        tokenize_rows([row], tok, seq_len=256, train_on="last_turn", on_bad_row="error")
 
 
 def test_reasoning_the_template_drops_from_the_final_turn_is_a_bad_row(tok):

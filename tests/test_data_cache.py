@@ -77,6 +77,16 @@ def test_cached_stream_equals_the_in_memory_pipeline(tok, tmp_path, small_shards
     assert cached.epoch >= 1
 
 
+def test_parquet_row_groups_cut_into_shards_give_the_rows_in_order(tmp_path, small_shards):
+    import pyarrow.parquet
+
+    path = tmp_path / "chat.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(load_rows(TRAIN_PATH)), path, row_group_size=150)
+    shards = cache_lib.plan_shards(path)
+    assert [s.group for s in shards] == [0] * 5 + [1] * 5 + [2] * 3  # 150, 150, 100 rows in shards of 37
+    assert [row for shard in shards for row in cache_lib.shard_rows(shard)] == load_rows(path)
+
+
 @pytest.mark.slow
 def test_parallel_build_equals_one_process(tok, tmp_path, small_shards):
     serial, _ = cache_lib.open_cache(TRAIN_PATH, tok, 128, cache_dir=tmp_path / "one", num_proc=1)
@@ -454,3 +464,11 @@ def test_no_usable_documents_says_why_with_the_first_row_of_each_reason(tmp_path
     cfg = compose(["recipe=tiny", f"data.tokenizer={tmp_path / 'tok'}"])
     with pytest.raises(ValueError, match=f"data.tokenizer='{tmp_path / 'tok'}': its tokenizer has no chat template"):
         check_chat_template(tok, cfg)
+
+
+def test_mixture_source_names_are_unique():
+    from qwenft.data.mixture import source_names
+
+    assert source_names(["/d/a.jsonl", "/d/b.parquet", "/d/dir"]) == ["a", "b", "dir"]
+    assert source_names(["/d/x/a.jsonl", "/d/y/a.jsonl"]) == ["a0", "a1"]
+    assert source_names(["/d/x/a.jsonl", "/d/y/a.jsonl", "/d/a1.jsonl"]) == ["a0", "a1_1", "a1_2"]

@@ -284,6 +284,25 @@ def test_sharegpt_rows_read_as_their_messages(proc):
     assert data.docs == reference.docs and reference.format == "messages"
 
 
+def test_image_placeholders_in_text_take_the_images_column(proc, files):
+    """LLaMA-Factory's layout: each `<image>` in a turn's text takes the next entry of the row's `images` column,
+    in sharegpt rows as in messages rows; the text pipeline counts such a row as `image_content`."""
+    from qwenft.data.chat import tokenize_rows
+
+    question = {"from": "human", "value": "<image>What is this? And <image>?"}
+    sharegpt = {"conversations": [question, {"from": "gpt", "value": "Two shapes."}],
+                "images": ["img/small.png", "img/wide.png"]}
+    parts = {"messages": [{"role": "user", "content": [image("img/small.png"), text("What is this? And "),
+                                                        image("img/wide.png"), text("?")]},
+                          {"role": "assistant", "content": "Two shapes."}]}
+    data = build_vlm_data([sharegpt], proc, seq_len=512, micro_batch_size=1, base_dir=files)
+    reference = build_vlm_data([parts], proc, seq_len=512, micro_batch_size=1, base_dir=files)
+    assert data.format == "sharegpt" and not data.skipped and data.num_documents == 1
+    assert data.docs == reference.docs
+    docs, skipped = tokenize_rows([sharegpt], proc.tokenizer, seq_len=512, data_format="sharegpt")
+    assert not docs and skipped == {"image_content": 1} and "'images'" in skipped.describe()
+
+
 def test_more_image_parts_than_placeholders(proc, files):
     """A template that drops image parts renders no placeholder: the row is bad, not silently misaligned."""
     tok = proc.tokenizer

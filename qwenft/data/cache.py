@@ -46,8 +46,9 @@ from qwenft.data.formats import arrow_rows, resolve_format
 log = logging.getLogger("qwenft")
 
 # 2: rows read by data.format (sharegpt, alpaca) with their `tools` column; 3: reasoning_content, rewritten
-# replies, Arrow's null keys dropped, `last_turn`; 4: a reply ends after its tool calls' arguments
-CACHE_VERSION = 4
+# replies, Arrow's null keys dropped, `last_turn`; 4: a reply ends after its tool calls' arguments; 5: a reply
+# starts after its whole generation prompt header, and the text is tokenized in pieces cut at each reply's start
+CACHE_VERSION = 5
 STALE_LOCK_S = 600.0
 SHARD_BYTES = 8 << 20  # JSONL bytes per worker task: ~10k chat rows, a few seconds of tokenizing
 SHARD_ROWS = 10_000  # rows per task for Parquet row groups split further, JSON arrays and datasets dirs
@@ -286,8 +287,18 @@ def shard_rows(shard: Shard) -> list:
     if shard.kind == "parquet":
         import pyarrow.parquet
 
-        table = pyarrow.parquet.ParquetFile(shard.path).read_row_group(shard.group)
-        return arrow_rows(table.slice(shard.start, shard.end - shard.start).to_pylist())
+        # Streamed in batches to the shard's rows, not the row group read whole: pandas writes up to a million
+        # rows as one group, which each of its shards' workers would otherwise decode and hold at once.
+        batches = pyarrow.parquet.ParquetFile(shard.path).iter_batches(batch_size=SHARD_ROWS, row_groups=[shard.group])
+        rows, at = [], 0
+        for batch in batches:
+            if at + batch.num_rows > shard.start:
+                first = max(shard.start - at, 0)
+                rows += batch.slice(first, shard.end - at - first).to_pylist()
+            at += batch.num_rows
+            if at >= shard.end:
+                break
+        return arrow_rows(rows)
     from qwenft.data.loader import parse_json_lines
 
     with open(shard.path, "rb") as f:

@@ -2,14 +2,15 @@
 
 Which tokens are the assistant's is found without `{% generation %}` tags (Qwen's templates have none):
 the conversation is rendered to text once, and each assistant turn's span is located in that text:
-it starts where `render(messages[:i], add_generation_prompt=True)` stops agreeing with the full text
-(so a template-inserted `<think>\n\n</think>\n\n` in front of the reply is learned, as the model must
-generate it; the generation prompt itself is not), or where the reply's content starts when the two
-disagree before the previous reply ended; it ends after
-the `<|im_end|>` (or `eos_token`) that closes the reply. The text is then tokenized once with offsets, and
-a token is a target when it starts inside a span. Working on characters, not on token-id diffs of
-prefixes, keeps it right when BPE merges across a turn boundary or the template renders earlier
-turns differently once later turns exist (Qwen3 drops reasoning from old assistant turns).
+it starts where the text has the whole of `render(messages[:i], add_generation_prompt=True)` (so a
+template-inserted `<think>\n\n</think>\n\n` in front of the reply is learned, as the model must generate it;
+the generation prompt itself is not), else after the lines of the generation prompt's header that the text
+renders whole (a thinking prompt's `<think>\n` is absent from turns rendered without reasoning); it ends after
+the `<|im_end|>` (or `eos_token`) that closes the reply. The text is then tokenized with offsets, in pieces cut
+at each reply's start (so no token spans a prompt's end and its reply, as at inference), and a token is a target
+when it starts inside a span. Working on characters, not on token-id diffs of prefixes, keeps it right when the
+template renders earlier turns differently once later turns exist (Qwen3 drops reasoning from old assistant
+turns).
 
 Labels come out pre-shifted: `labels[t]` is the target for the logits at position `t`, i.e. the id of
 token `t + 1` when that token is a target, else IGNORE_INDEX; a document's last position is always IGNORE_INDEX.
@@ -64,6 +65,10 @@ def normalize_messages(row) -> list[dict]:
         raise BadRow("no_messages", f"row is a {type(row).__name__}, not an object with a 'messages' list")
     if not isinstance(row.get("messages"), list) or not row["messages"]:
         raise BadRow("no_messages", "row has no non-empty 'messages' list")
+    for column in ("images", "videos"):
+        if row.get(column):
+            raise BadRow("image_content", f"row has {column!r} (image/video rows are not supported by the text SFT "
+                                          "pipeline)")
     messages = []
     for i, message in enumerate(row["messages"]):
         if not isinstance(message, dict):
@@ -188,8 +193,8 @@ def assistant_spans(tokenizer, messages: list[dict],
         if i:
             prompt = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
             shared = len(os.path.commonprefix([prompt, text]))  # where the rendering of the reply begins
-            start = shared if cursor <= shared else _after_header(tokenizer, messages[:i], prompt, text, cursor, i,
-                                                                  tools)
+            start = shared if shared == len(prompt) and cursor <= shared else _after_header(
+                tokenizer, messages[:i], prompt, text, cursor, shared, i, tools)
         else:  # a conversation that opens with the assistant: there is no prompt to compare
             start = text.find(answer) if answer else -1
             if start < 0:
@@ -245,16 +250,28 @@ def reply_answer(message: dict) -> str:
     return message["content"].rsplit("</think>", 1)[-1].strip()
 
 
-def _after_header(tokenizer, before: list[dict], prompt: str, text: str, cursor: int, i: int, tools) -> int:
-    """Where reply i starts when the prompt renders the earlier turns otherwise than the full text does: after the
-    first header of the generation prompt (what `add_generation_prompt` appends, or its first line) past the
-    previous reply."""
+def _after_header(tokenizer, before: list[dict], prompt: str, text: str, cursor: int, shared: int, i: int,
+                  tools) -> int:
+    """Where reply i starts when the text does not hold its whole prompt: after the generation prompt's header (what
+    `add_generation_prompt` appends: its first line, then each further line the text renders whole, such as a
+    thinking template's `<think>` for the turns it renders with reasoning). Never inside a line of it: a reply that
+    opens with `<tool_call>` or `<table>` agrees with `<think>` for a character or two. The header is the prompt's
+    own where the text agrees with the prompt that far, else the first one past the previous reply (the prompt
+    renders earlier turns otherwise, as thinking templates do with the tool turns of an earlier query)."""
     header = prompt[len(os.path.commonprefix([prompt, _render(tokenizer, before, False, tools)])):]
-    for candidate in dict.fromkeys((header, header[:header.find("\n") + 1])):
-        at = text.find(candidate, cursor) if candidate else -1
-        if at >= 0:
-            return at + len(candidate)
-    raise BadRow("template", f"the chat template does not render assistant message {i} after its generation prompt")
+    lines = header.splitlines(keepends=True) or [""]
+    at = len(prompt) - len(header)
+    if not (cursor <= at and shared >= at + len(lines[0])):
+        at = text.find(lines[0], cursor) if lines[0] else -1
+        if at < 0:
+            raise BadRow("template", f"the chat template does not render assistant message {i} after its "
+                                     "generation prompt")
+    at += len(lines[0])
+    for line in lines[1:]:
+        if not text.startswith(line, at):
+            break
+        at += len(line)
+    return at
 
 
 def _check_rendered(reply: str, message: dict, i: int, after_last_query: bool) -> None:
@@ -275,17 +292,27 @@ def _check_rendered(reply: str, message: dict, i: int, after_last_query: bool) -
 def tokenize_messages(tokenizer, messages: list[dict], train_on: str = "assistant",
                       tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it is a training target (`train_on`:
-    assistant = every reply, last_turn = the replies after the last user message, all = every token)."""
+    assistant = every reply, last_turn = the replies after the last user message, all = every token).
+
+    The text is tokenized in pieces cut where each reply starts, so that no token spans a prompt's end and its
+    reply's start: the prompt's tokens are those the model is given at inference, where the generation prompt is
+    tokenized alone (Qwen's BPE would otherwise merge a thinking prompt's `<think>\n` newline with the `\n` of an
+    empty reasoning block, a token the model never sees after its prompt)."""
     text, spans = assistant_spans(tokenizer, messages, tools)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"]
+    cuts = [0] + sorted({s for s, _ in spans} - {0}) + [len(text)]
+    pieces = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    enc = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True)
+    ids = [i for piece in enc["input_ids"] for i in piece]
     if train_on == "all":
         return ids, [True] * len(ids)
     if train_on == "last_turn":
         last_query = last_user_query(messages)
         replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         spans = [span for i, span in zip(replies, spans) if i > last_query]
-    starts = np.array([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
+        if not spans:
+            raise BadRow("no_last_turn", "data.train_on=last_turn: no assistant reply after the last user turn")
+    starts = np.array([cut + start for cut, offsets in zip(cuts, enc["offset_mapping"]) for start, _ in offsets],
+                      dtype=np.int64)
     is_target = np.zeros(len(ids), dtype=bool)
     for s, e in spans:
         is_target |= (starts >= s) & (starts < e)
@@ -343,9 +370,9 @@ def tokenize_rows(rows, tokenizer, seq_len: int, train_on: str = "assistant",
     were skipped per reason (with the first of each).
 
     Skip reasons: the `BadRow.reason` keys (`unreadable`, `format`, `no_messages`, `bad_role`, `bad_content`,
-    `bad_tool_call`, `image_content`, `undecodable`, `empty_content`, `no_assistant`, `template`), `too_long`
-    (dropped by `truncation=drop`) and `no_target_left` (truncation cut away every assistant token). With
-    `on_bad_row=error` the first bad row raises a one-line ValueError naming its index; overlong rows
+    `bad_tool_call`, `image_content`, `undecodable`, `empty_content`, `no_assistant`, `template`, `no_last_turn`),
+    `too_long` (dropped by `truncation=drop`) and `no_target_left` (truncation cut away every assistant token).
+    With `on_bad_row=error` the first bad row raises a one-line ValueError naming its index; overlong rows
     follow `truncation`, not `on_bad_row`.
     """
     check_choice("data.train_on", train_on, TRAIN_ON)

@@ -10,7 +10,8 @@ alpaca:    {"instruction": "...", "input": "..." (optional), "output": "...", "s
             "history": [["earlier instruction", "earlier output"], ...] (optional)}
 
 Every format may have a `tools` column (JSON text or a list of tool schemas), which the chat template lists in
-the prompt (`chat.row_tools`).
+the prompt (`chat.row_tools`), and `images` / `videos` columns, which the image pipeline reads (`vlm.parse_row`:
+an image part without a value, or an `<image>` in a turn's text, takes the column's next entry).
 
 A row is of a format when it has that format's columns (a column whose value is null, as Parquet writes a
 column a row lacks, is absent): `messages`; `conversations`; `instruction` and `output`. ShareGPT's `from`
@@ -26,6 +27,7 @@ from qwenft.data.chat import BadRow, UnreadableRow, tool_calls
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca")
 COLUMNS = {"messages": ("messages",), "sharegpt": ("conversations",), "alpaca": ("instruction", "output")}
+CARRIED = ("tools", "images", "videos")  # columns a converted row keeps
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "observation": "tool", "tool": "tool", "function_call": "assistant"}
 
@@ -95,7 +97,7 @@ def as_messages_row(row, data_format: str):
         system = None
     if system is not None and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system})
-    return {"messages": messages, **({"tools": row["tools"]} if _has(row, "tools") else {})}
+    return {"messages": messages, **{c: row[c] for c in CARRIED if _has(row, c)}}
 
 
 def _sharegpt(row: dict) -> list[dict]:

@@ -48,9 +48,13 @@ class ConcatDocuments:
 
 
 def source_names(paths: list[str]) -> list[str]:
-    """Each source's file stem, made unique with its index where two share one."""
+    """Each source's file stem, made unique with its index where two share one (and again with `_index` where
+    that meets another's stem: `a.jsonl`, `a.jsonl`, `a1.jsonl` -> a0, a1_1, a1_2)."""
     stems = [Path(p).stem if Path(p).suffix else Path(p).name for p in paths]
-    return [stem if stems.count(stem) == 1 else f"{stem}{i}" for i, stem in enumerate(stems)]
+    names = [stem if stems.count(stem) == 1 else f"{stem}{i}" for i, stem in enumerate(stems)]
+    while len(set(names)) < len(names):
+        names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+    return names
 
 
 def mixture_order(lengths: list[np.ndarray], weights: list[float], seed: int,

@@ -33,6 +33,7 @@ the order their tokens appear in the batch, by `num_workers` threads ahead of th
 
 import math
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,16 @@ def _column(row, name: str) -> list:
     return column if isinstance(column, list) else [column]
 
 
+def _placeholder_parts(text: str, columns: dict[str, list]) -> list[dict]:
+    """A turn's text as parts, each `<image>` (`<video>`) in it an image (video) part without a value when the row
+    has an `images` (`videos`) column: LLaMA-Factory's layout. Without the column the text is kept as it is."""
+    tags = [f"<{kind}>" for kind, column in columns.items() if column]
+    if not tags:
+        return [{"type": "text", "text": text}]
+    pieces = re.split(f"({'|'.join(tags)})", text)
+    return [{"type": piece[1:-1]} if piece in tags else {"type": "text", "text": piece} for piece in pieces if piece]
+
+
 def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
               ) -> tuple[list[dict], list[ImageSource], list[VideoSpec]]:
     """Messages for the chat template (assistant content as a string; a turn with images or videos as a list
@@ -203,7 +214,7 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
             raise BadRow("bad_tool_call", f"message {i} has tool_calls; the image pipeline trains text, image and "
                                           "video turns only")
         content = message.get("content")
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        parts = _placeholder_parts(content, columns) if isinstance(content, str) else content
         if not isinstance(parts, list):
             raise BadRow("bad_content", f"message {i} content is {type(content).__name__}; expected a string "
                                         "or a list of text/image/video parts")
