@@ -1,8 +1,11 @@
-"""LowPrecisionAdamW (optim.state_dtype / optim.master_dtype) against torch.optim.AdamW, on CPU."""
+"""LowPrecisionAdamW (optim.state_dtype / optim.master_dtype) against torch.optim.AdamW, and build_optimizer's weight
+decay against AdamW's formula in fp64, on CPU."""
 
 import pytest
 import torch
 
+from qwenft.models.loader import build_model, init_random_weights
+from qwenft.models.qwen3_5.configs import named_config
 from qwenft.train.optim import LowPrecisionAdamW, build_optimizer, stochastic_round_
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -125,6 +128,67 @@ def test_build_optimizer_picks_the_optimizer():
                       LowPrecisionAdamW)
     with pytest.raises(ValueError, match="optim.fused=true .* set optim.fused=auto"):
         build_optimizer(fp32, 1e-3, 0.0, (0.9, 0.95), 1e-8, "true", state_dtype="bfloat16")
+
+
+def _tiny_qwen3_5(gen):
+    """tiny_moe with attention biases: matrices, embeddings, conv kernels and experts (3 dims), norm weights,
+    biases, A_log and dt_bias, every value drawn from N(0, 1) (zero / one initialised norms and biases would
+    hide a decay)."""
+    cfg = named_config("tiny_moe")
+    cfg.text.attention_bias = True
+    model = init_random_weights(build_model(cfg, kernels="torch"), seed=0, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_weight_decay_only_on_parameters_of_two_or_more_dims(state_dtype):
+    """One step of build_optimizer's AdamW (torch's foreach one; LowPrecisionAdamW for bf16 moments, fused=false)
+    on the tiny Qwen3.5 against AdamW's first step written out in fp64, with weight_decay on every parameter but
+    norm weights, biases, A_log and dt_bias, named here, not by shape. The first step computes in fp32 whatever the
+    moments' dtype, so the gap is fp32 rounding (measured at 1% of atol 1e-6 + rtol 1e-5), while a decay given
+    to the wrong parameters moves them by lr x weight_decay x |p| = 5e-3 |p| (measured 490x the tolerance): the
+    same reference with the decay flipped must not match."""
+    lr, (beta1, beta2), eps, weight_decay = 1e-2, (0.9, 0.95), 1e-8, 0.5
+    gen = torch.Generator().manual_seed(0)
+    model = _tiny_qwen3_5(gen)
+    named = dict(model.named_parameters())
+    not_decayed = {n for n in named if n.endswith(("norm.weight", ".bias", ".A_log", ".dt_bias"))}
+    assert {n.rsplit(".", 1)[1] for n in not_decayed} == {"weight", "bias", "A_log", "dt_bias"}
+    start = {n: p.detach().double().clone() for n, p in named.items()}
+    for p in named.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+    grads = {n: p.grad.double() for n, p in named.items()}
+
+    opt = build_optimizer(model.parameters(), lr, weight_decay, (beta1, beta2), eps, "false", state_dtype=state_dtype)
+    assert type(opt) is (torch.optim.AdamW if state_dtype == "float32" else LowPrecisionAdamW)
+    assert [g["weight_decay"] for g in opt.param_groups] == [weight_decay, 0.0]  # plain parameters: 2 groups
+    assert {id(p) for p in opt.param_groups[1]["params"]} == {id(named[n]) for n in not_decayed}
+    opt.step()
+
+    def adamw_step(name, decay):
+        g = grads[name]
+        m, v = (1 - beta1) * g, (1 - beta2) * g * g
+        return start[name] * (1 - lr * decay) - lr / (1 - beta1) * m / ((v / (1 - beta2)).sqrt() + eps)
+
+    for name, p in named.items():
+        decayed = name not in not_decayed
+        want = adamw_step(name, weight_decay if decayed else 0.0)
+        torch.testing.assert_close(p.double(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert not torch.allclose(p.double(), adamw_step(name, 0.0 if decayed else weight_decay), rtol=1e-5,
+                                  atol=1e-6), name
+
+
+def test_build_optimizer_makes_no_empty_group():
+    """Only matrices (a LoRA run's adapters): one group, decaying; only 1-D: one group, weight_decay 0."""
+    matrices = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3, 4))]
+    vectors = [torch.nn.Parameter(torch.zeros(4))]
+    assert [g["weight_decay"] for g in build_optimizer(matrices, 1e-3, 0.1, (0.9, 0.95), 1e-8, "false")
+            .param_groups] == [0.1]
+    assert [g["weight_decay"] for g in build_optimizer(vectors, 1e-3, 0.1, (0.9, 0.95), 1e-8, "false",
+                                                       state_dtype="bfloat16").param_groups] == [0.0]
 
 
 def test_deferred_clip_scale_equals_scaling_the_gradients_first():

@@ -260,7 +260,7 @@ def test_tp2_dp2_fsdp(text_ckpt, sequence_parallel, ce_kernel):
     (True, False, "torch"), (True, True, "torch"), (False, False, "torch"), (False, False, "fused"),
     (True, True, "fused")])
 def test_tp2_three_adamw_steps_with_clipping(text_ckpt, fsdp, sequence_parallel, ce_kernel):
-    """Without FSDP2: DTensor and plain parameters in the optimizer's two groups, the plain ones' norms counted
+    """Without FSDP2: DTensor and plain parameters in optimizer groups of their own, the plain ones' norms counted
     once in the clip."""
     batches = text_batch(steps=3)
     ref = reference(text_ckpt, batches, max_norm=0.5, lr=5e-4)

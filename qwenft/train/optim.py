@@ -10,15 +10,21 @@ def build_optimizer(params, lr: float, weight_decay: float, betas, eps: float, f
     """torch's AdamW (fused on CUDA) for fp32 state and fp32 parameters; `LowPrecisionAdamW` when the moments
     are bf16 (`optim.state_dtype`) or a parameter is (`optim.master_dtype`).
 
-    DTensor and plain parameters (tensor parallelism without FSDP2) go in two parameter groups with the same
-    options: torch's foreach and fused steps run per group and refuse to mix the two kinds in one call.
-    Checkpoints name optimizer state per parameter, not per group, so they resume across layouts."""
+    `weight_decay` applies only where `decays` says (parameters of 2+ dims); the others are in groups of their
+    own with weight_decay 0.0. DTensor and plain parameters (tensor parallelism without FSDP2) are apart too:
+    torch's foreach and fused steps run per group and refuse to mix the two kinds in one call. So up to 4 groups,
+    none empty, each all-decaying or all-not. Checkpoints name optimizer state per parameter, not per group, so
+    they resume across layouts and across group splits (older qwenft's, which decayed every parameter, too)."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.requires_grad]
     on_cuda = any(p.device.type == "cuda" for p in params)
-    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    groups = [{"params": kind} for kind in kinds if kind]
+    groups = []
+    for is_dtensor in (True, False):
+        for decay in (True, False):
+            kind = [p for p in params if isinstance(p, DTensor) == is_dtensor and decays(p) == decay]
+            if kind:
+                groups.append({"params": kind} if decay else {"params": kind, "weight_decay": 0.0})
     if state_dtype != "float32" or any(p.dtype == torch.bfloat16 for p in params):
         kernel = fused_kernel_available() and on_cuda
         if fused == "true" and not kernel:
@@ -32,6 +38,13 @@ def build_optimizer(params, lr: float, weight_decay: float, betas, eps: float, f
         raise ValueError("optim.fused=true needs CUDA parameters; use optim.fused=auto or false on CPU")
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                              fused=use_fused or None, foreach=None if use_fused else True)
+
+
+def decays(p: torch.Tensor) -> bool:
+    """Whether optim.weight_decay applies to `p` (Megatron's and HF's rule): matrices, embeddings, conv kernels,
+    LoRA A/B and experts (2+ dims) decay; norm weights, biases and GatedDeltaNet's A_log / dt_bias (1 dim) do
+    not. A DTensor's `ndim` is its global one, and a shard keeps its tensor's dims, so every layout agrees."""
+    return p.ndim >= 2
 
 
 def fused_kernel_available() -> bool:

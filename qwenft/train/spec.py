@@ -183,7 +183,7 @@ def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
     and pipeline parallelism, unless it is needed to cast weights stored in optim.master_dtype to the compute
     dtype (without it autograd accumulates gradients in the weights' own dtype, the master dtype, as FSDP
     would). Tensor parallelism then leaves DTensor parameters next to plain ones (optim.build_optimizer keeps
-    them in two groups), each gradient with its parameter's placement.
+    them in groups of their own), each gradient with its parameter's placement.
 
     With peft=lora the frozen base is stored in the compute dtype and the adapters cast themselves
     (lora._add_adapter), so only trained embeddings or head (`peft` options) need FSDP's cast."""
