@@ -108,11 +108,20 @@ def _export_checkpoint(ckpt_root: Path, value: str) -> Path:
     from qwenft.checkpoint import files
 
     if value in ("latest", "best"):
-        name = files.read_pointer(ckpt_root, value)
-        if name is None:
+        name, text = files.read_pointer(ckpt_root, value), files.pointer_text(ckpt_root, value)
+        if text is None:
             how = "checkpoint.keep_best=true" if value == "best" else "checkpoint.every_steps=N"
             raise ConfigError(f"checkpoint={value}: there is no {ckpt_root / value} (the run saved no such checkpoint; "
                               f"train with {how}, or give checkpoint=STEP_DIR)")
+        if name is None:
+            raise ConfigError(f"checkpoint={value}: {ckpt_root / value} names no step dir ({text[:40]!r}); give "
+                              f"checkpoint=STEP_DIR")
+        problems = files.damage(ckpt_root / name)
+        if problems and not (ckpt_root / name).is_dir():  # named a moment ago: the run's rotation deleted it
+            raise ConfigError(str(files.rotated_away(ckpt_root / name, problems)))
+        if problems:
+            raise ConfigError(f"checkpoint={value}: {ckpt_root / name} is incomplete or corrupt "
+                              f"({files.summary(problems)}); give another checkpoint=STEP_DIR")
         return ckpt_root / name
     if value in ("auto", "none"):
         raise ConfigError(f"checkpoint={value} is not valid; choose latest, best or a step-NNNNNN dir")

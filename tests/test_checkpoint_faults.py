@@ -99,14 +99,41 @@ def test_resume_from_an_older_step_deletes_the_abandoned_steps_not_its_own(tmp_p
 
 
 @pytest.mark.distributed
+def test_resume_from_an_older_step_deletes_every_abandoned_step_at_its_first_checkpoint(tmp_path):
+    """Resumed from step-000001 of a run that saved every step to 4, saving every 3rd: the first save (step 3)
+    deletes the abandoned steps 2 to 4, not only those at or above 3, so the rotation (keep=2) keeps this run's own
+    step-000001 rather than the abandoned step-000002."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    _run(run_dir, "train.max_steps=4", "checkpoint.every_steps=1", "checkpoint.keep=5")
+    _run(run_dir, "train.max_steps=3", "checkpoint.every_steps=3", "checkpoint.keep=2",
+         f"checkpoint.resume={ckpts / 'step-000001'}")
+    assert _entries(ckpts) == ["latest", "step-000001", "step-000003"] and _pointer(ckpts, "latest") == "step-000003"
+
+
+@pytest.mark.distributed
 def test_resume_from_an_older_step_is_what_auto_continues_before_its_first_checkpoint(tmp_path, four_steps):
-    """Resumed from step-000002 and stopped before saving (no checkpoints this time): `latest` names step-000002,
-    so resume=auto trains step 3 again instead of jumping to the abandoned step-000004, which is still there (only a
-    checkpoint of this run deletes it)."""
+    """Resumed from step-000002 and failed before saving (a resumed run saves after its last step): `latest` names
+    step-000002, so resume=auto trains step 3 again instead of jumping to the abandoned step-000004, which is still
+    there (only a checkpoint of this run deletes it)."""
+    def fail_at_step_3(rank, world_size, overrides):
+        from qwenft.train.runner import run
+
+        def fail(step):
+            raise RuntimeError(f"the node failed at step {step}")
+
+        try:
+            run(compose(overrides), on_step=fail)
+        except RuntimeError as e:
+            return str(e)
+
     run_dir = tmp_path / "run"
     shutil.copytree(four_steps, run_dir)
     ckpts = run_dir / "checkpoints"
-    _run(run_dir, "train.max_steps=3", f"checkpoint.resume={ckpts / 'step-000002'}")
+    failed = run_distributed(fail_at_step_3, 1, tiny_overrides(run_dir, *SMALL, "checkpoint.export_hf=false",
+                                                               "train.max_steps=3",
+                                                               f"checkpoint.resume={ckpts / 'step-000002'}"))
+    assert failed == ["the node failed at step 3"]
     assert _pointer(ckpts, "latest") == "step-000002"
     assert _entries(ckpts) == ["latest", "step-000002", "step-000004"]
     result = _run(run_dir, "train.max_steps=3")  # checkpoint.resume=auto

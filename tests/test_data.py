@@ -260,6 +260,15 @@ def test_a_tool_call_whose_argument_writes_the_turn_marker_is_learned_whole(tmp_
                                               f"{empty_think}Done.<|im_end|>")
 
 
+def test_a_tool_result_sent_as_a_user_turn_is_no_query_with_spaces_around_it():
+    """Qwen's templates trim a user turn before testing for `<tool_response>`: so does the last query's search."""
+    from qwenft.data.chat import last_user_query
+
+    messages = [{"role": "user", "content": "find X"}, {"role": "assistant", "content": "searching"},
+                {"role": "user", "content": "\n<tool_response>\nX\n</tool_response> "}]
+    assert last_user_query(messages) == 0
+
+
 def test_last_turn_without_a_reply_after_the_last_user_turn_is_a_bad_row(tok):
     row = {"messages": CONVERSATION[:3] + [{"role": "user", "content": "Thanks."}]}
     docs, skipped = tokenize_rows([row], tok, seq_len=256, train_on="last_turn")

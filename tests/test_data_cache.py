@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -472,3 +473,15 @@ def test_mixture_source_names_are_unique():
     assert source_names(["/d/a.jsonl", "/d/b.parquet", "/d/dir"]) == ["a", "b", "dir"]
     assert source_names(["/d/x/a.jsonl", "/d/y/a.jsonl"]) == ["a0", "a1"]
     assert source_names(["/d/x/a.jsonl", "/d/y/a.jsonl", "/d/a1.jsonl"]) == ["a0", "a1_1", "a1_2"]
+
+
+def test_a_builders_lock_stays_fresh_through_a_long_build_step(tmp_path, monkeypatch):
+    """The lock is touched on a clock while the cache builds, not between shards only: a step of the build that
+    outlasts STALE_LOCK_S (the shards' concatenation on a slow disk) is not taken for a dead builder."""
+    monkeypatch.setattr(cache_lib, "STALE_LOCK_S", 0.4)
+    lock = tmp_path / "cache.lock"
+    lock.write_text("host 1\n")
+    os.utime(lock, (0, 0))
+    with cache_lib._touched(lock):
+        time.sleep(0.5)
+        assert time.time() - lock.stat().st_mtime < cache_lib.STALE_LOCK_S

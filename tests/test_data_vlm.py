@@ -480,3 +480,18 @@ def test_tiny_vlm_loss_falls(proc, cache):
         opt.zero_grad()
         losses.append(loss.item())
     assert sum(losses[-3:]) / 3 < 0.6 * losses[0], losses  # measured: 6.28 -> 2.22
+
+
+def test_a_photo_with_an_exif_orientation_is_read_upright(tmp_path):
+    """As transformers' load_image reads it: a 40x20 picture stored with orientation 6 (rotate 90) is 20x40."""
+    from transformers.image_utils import load_image
+
+    from qwenft.data.images import ImageSource
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    picture(20, 40).save(tmp_path / "photo.jpg", exif=exif)
+    mine = ImageSource(path=str(tmp_path / "photo.jpg")).open()
+    assert mine.size == (20, 40)
+    assert np.array_equal(np.asarray(mine), np.asarray(load_image(str(tmp_path / "photo.jpg"))))
+    assert ImageSource(data=(tmp_path / "photo.jpg").read_bytes()).open().size == (20, 40)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from distributed import run_distributed
 from helpers import save_random_checkpoint, tiny_overrides, train
@@ -26,6 +27,10 @@ def _assert_export_files(out, tokenizer):
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == tokenizer.eos_token_id == im_end
     assert config["pad_token_id"] == tokenizer.pad_token_id == end_of_text
+    weights = load_file(out / "model.safetensors")
+    elements = {dtype: sum(t.numel() for t in weights.values() if t.dtype == dtype) for dtype in
+                {t.dtype for t in weights.values()}}
+    assert config["dtype"] == str(max(elements, key=elements.get)).removeprefix("torch.")  # what vLLM's auto takes
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
             "chat_template.jinja"} <= set(modes)
@@ -117,3 +122,19 @@ def test_bad_source_generation_config_is_one_line_and_writes_nothing(tmp_path):
     assert message.startswith(f"model.path={tmp_path / 'base'}: generation_config.json is not valid JSON (")
     assert message.endswith("); fix or remove it")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
+def test_an_export_finished_first_into_the_same_out_is_kept(tmp_path):
+    """Two exports into one new `out`: the one that renames its temp dir second finds `out` written and removes its
+    own, instead of deleting the other's."""
+    from qwenft.checkpoint.hf_export import _written_beside
+
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=f"out={out} was written by another export meanwhile; this export is removed"):
+        with _written_beside(out, own_run_dir=False) as tmp:
+            tmp.mkdir()
+            (tmp / "model.safetensors").write_text("this export's")
+            out.mkdir()
+            (out / "model.safetensors").write_text("the other's")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (out / "model.safetensors").read_text() == "the other's"

@@ -307,6 +307,14 @@ def test_bad_peft_values_one_line(override, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_dropout_on_the_vision_tower_under_context_parallel_is_refused():
+    with pytest.raises(ValueError) as e:
+        compose(["recipe=tiny_lora", "model.name=tiny_vlm", "peft.vision=true", "peft.dropout=0.1", "mesh.cp=2"])
+    assert str(e.value) == ("peft.dropout=0.1 with peft.vision=true and mesh.cp=2: each cp rank runs the vision tower "
+                            "on every image, and would drop other inputs of it; set peft.dropout=0, peft.vision=false "
+                            "or mesh.cp=1")
+
+
 @pytest.mark.parametrize("targets", [("qkv_proj",), ("q_proj", r"layers\.9\..*")])
 def test_target_matching_nothing_lists_modules(targets):
     from qwenft.models.lora import LoRAConfig, check_targets
@@ -551,3 +559,42 @@ def test_all_linear_on_moe_adapts_everything_but_the_router_and_every_adapter_le
     model(input_ids=ids).float().square().mean().backward()
     silent = [n for n, p in model.named_parameters() if ".lora_" in n and (p.grad is None or not p.grad.any())]
     assert not silent, silent
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropout_masks_follow_seed_step_and_rank_so_a_pp2_resume_is_bit_identical(tmp_path):
+    """peft.dropout draws each step's masks from (seed, step, tp group): a pipeline run resumed on its mesh continues
+    bit for bit, every stage's masks included (not only those of rank 0, whose generator a checkpoint could hold)."""
+    common = _overrides(tmp_path, "whole", "peft.dropout=0.2", "mesh.pp=2", "checkpoint.every_steps=2",
+                        "lr_scheduler.decay=constant")
+    whole = _merge(run_distributed(_train, 2, common + ["train.max_steps=4"]))
+    split = [f"run_dir={tmp_path / 'split'}"]
+    run_distributed(_train, 2, common + ["train.max_steps=2", *split])
+    resumed = _merge(run_distributed(_train, 2, common + ["train.max_steps=4", *split]))
+    assert resumed[0] == whole[0][2:]
+    assert resumed[2].keys() == whole[2].keys() and all(torch.equal(resumed[2][k], v) for k, v in whole[2].items())
+    without = _merge(run_distributed(_train, 2, common + ["peft.dropout=0", "train.max_steps=2",
+                                                          f"run_dir={tmp_path / 'without'}"]))
+    assert without[0][1] != whole[0][1]  # the masks are drawn: step 2's loss differs (step 1's adapters are zero)
+
+
+def _draws_after_seed_step(rank, world_size):
+    """This rank's torch.rand after `runner.seed_step` on a (pp 2, dp 2, cp 1, tp 2) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwenft.train.runner import seed_step, seed_stream
+
+    mesh = init_device_mesh("cpu", (2, 2, 1, 2), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    seed_step(seed=7, step=3, stream=seed_stream(mesh))
+    return torch.rand(4)
+
+
+@pytest.mark.distributed
+def test_dropouts_draws_are_one_per_tensor_parallel_group():
+    """The ranks of a tp group draw alike (what tp replicates stays equal on them); every other rank its own."""
+    draws = run_distributed(_draws_after_seed_step, 8)
+    groups = [(0, 1), (2, 3), (4, 5), (6, 7)]  # tp is the innermost mesh dim
+    assert all(torch.equal(draws[a], draws[b]) for a, b in groups)
+    firsts = [draws[a] for a, _ in groups]
+    assert all(not torch.equal(x, y) for i, x in enumerate(firsts) for y in firsts[i + 1:])

@@ -98,10 +98,15 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    run_distributed(train, 1, ["logger=wandb", "train.max_steps=2", "data.seq_len=64", "train.progress_bar=false",
-                               f"run_dir={run_dir}"])
+    common = ["logger=wandb", "data.seq_len=64", "train.progress_bar=false", "checkpoint.every_steps=2",
+              "checkpoint.export_hf=false", f"run_dir={run_dir}"]
+    run_distributed(train, 1, common + ["train.max_steps=2"])
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list((run_dir / "wandb").iterdir())
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert runs[0].name.endswith(f"-{run_id}")
+    run_distributed(train, 1, common + ["train.max_steps=3"])  # resumed: logs on into the same W&B run
+    assert {r.name.rsplit("-", 1)[1] for r in (run_dir / "wandb").glob("offline-run-*")} == {run_id}
 
 
 def _train_without_wandb(rank, world_size, overrides):

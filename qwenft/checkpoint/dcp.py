@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
+import os
 import shutil
 import warnings
 from collections.abc import Callable
@@ -149,6 +151,9 @@ class Checkpointer:
         self.options = _OPTIONS if peft is None else _TRAINABLE_OPTIONS
         self.keep, self.keep_best, self.guard = keep, keep_best, guard
         self.pending: _Pending | None = None
+        self.resumed_step: int | None = None  # `load` from this run's dir: the first save deletes every step above
+        self.resumed_here = False  # `load` from a step dir of this run's dir
+        self.skipped_steps = 0  # train.on_nonfinite=skip's count up to the checkpoint loaded (`load`)
         self._bytes: int | None = None
         # DCP's background writer runs collectives; on the training group they would interleave with the
         # training step's. A CPU group of its own also serves NCCL runs (async_save needs gloo).
@@ -203,7 +208,7 @@ class Checkpointer:
             f"removed and " + (f"`latest` still names {latest}" if latest else "there is no earlier checkpoint")
             + "; free space (or use a run_dir on a disk with room) and rerun to resume") from e
 
-    def save(self, step: int, val_loss: float | None = None) -> Path:
+    def save(self, step: int, val_loss: float | None = None, skipped_steps: int = 0) -> Path:
         """Write step-<step> (collective) to a temp dir; `wait` renames it and updates the pointers. Synchronous
         saves wait here; async ones at the next save or `wait()`. Returns the final path. A write that fails on
         any rank raises SaveError on every rank, with the temp dir removed and the pointers untouched."""
@@ -212,7 +217,7 @@ class Checkpointer:
         tmp = self.root / f".{name}.tmp"
         self.bytes_needed()  # collective: done now, not once a rank has failed
         try:
-            _on_rank0(lambda: self._begin(tmp, step, val_loss))
+            _on_rank0(lambda: self._begin(tmp, step, val_loss, skipped_steps))
             state = self._state()
             self.pending = _Pending(name, val_loss)
             if self.async_group is not None:
@@ -227,13 +232,13 @@ class Checkpointer:
             self.wait()
         return self.root / name
 
-    def _begin(self, tmp: Path, step: int, val_loss: float | None) -> None:
+    def _begin(self, tmp: Path, step: int, val_loss: float | None, skipped_steps: int) -> None:
         """Rank 0: a fresh temp dir with extra.pt and checkpoint.json."""
         if tmp.exists():  # left by a crash mid-save
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         torch.save({"step": step, "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
-                    "rng": _rng_state()}, tmp / EXTRA)
+                    "rng": _rng_state(), "skipped_steps": skipped_steps}, tmp / EXTRA)
         meta = {"step": step, "val_loss": val_loss, "model_config": dataclasses.asdict(self.model_config),
                 "optim_dtypes": self.optim_dtypes, "peft": self.peft, "data": self.data_meta}
         (tmp / META).write_text(json.dumps(meta, indent=1))
@@ -257,6 +262,7 @@ class Checkpointer:
             dist.all_gather_object(records, file_records(tmp, names[rank::world]))
             manifest = {"files": {k: v for r in records for k, v in r.items()}}
             _on_rank0(lambda: (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True)))
+            _on_rank0(lambda: _sync(tmp, (EXTRA, META, MANIFEST)))  # DCP syncs its own files
             with self.guard():
                 _on_rank0(lambda: self._publish(pending.name, pending.val_loss))
         except _WRITE_ERRORS as e:
@@ -268,11 +274,14 @@ class Checkpointer:
     def _publish(self, name: str, val_loss: float | None) -> None:
         """Rank 0: rename the temp dir to `name`, point `latest` (then `best`) at it, then rotate. A run's steps only
         grow, so a step dir numbered at or above `name` that this save finds is not this run's: a resume from an
-        older step abandoned it (or a crash kept it from being published). It goes first, whatever `keep` says: it
-        would otherwise outlive this run's own newest checkpoints, and `best` could name a step this run then
-        overwrites."""
+        older step abandoned it (or a crash kept it from being published), and so is, at the first save after such
+        a resume, every step dir above the one resumed from. They go first, whatever `keep` says: they would
+        otherwise outlive this run's own newest checkpoints (or be taken for them by the rotation and by `best`),
+        and `best` could name a step this run then overwrites. A val_loss that is not finite never makes `best`."""
         tmp, final = self.root / f".{name}.tmp", self.root / name
-        abandoned = [s for s in step_dirs(self.root) if step_number(s) >= step_number(name)]
+        above = step_number(name) - 1 if self.resumed_step is None else min(self.resumed_step, step_number(name) - 1)
+        abandoned = [s for s in step_dirs(self.root) if step_number(s) > above]
+        self.resumed_step = None
         best = read_pointer(self.root, "best")
         if best in abandoned:
             best = None
@@ -287,20 +296,23 @@ class Checkpointer:
         if self.keep_best:
             if best is None or not (self.root / best).is_dir():  # or rotated away while keep_best was off
                 best = self._lowest_val_loss()
-            elif val_loss is not None and val_loss < read_meta(self.root / best)["val_loss"]:
-                best = name
+            elif _finite(val_loss):
+                held = read_meta(self.root / best)["val_loss"]
+                best = name if not _finite(held) or val_loss < held else best
             if best is not None:
                 write_pointer(self.root, "best", best)
         for old in step_dirs(self.root)[:-self.keep]:
             if old != best or not self.keep_best:
                 shutil.rmtree(self.root / old)
+                if old == best:  # keep_best off now: the pointer goes with the dir it names
+                    (self.root / "best").unlink(missing_ok=True)
 
     def _lowest_val_loss(self) -> str | None:
         """The step dir with the lowest val_loss among those on disk (the newest of equals; None when none has one),
         when `best` names none of them: the one just published, or an older one of this run's timeline."""
         losses = {s: read_meta(self.root / s).get("val_loss") for s in step_dirs(self.root)
                   if (self.root / s / META).is_file()}
-        found = [s for s, v in losses.items() if v is not None]
+        found = [s for s, v in losses.items() if _finite(v)]
         return min(found, key=lambda s: (losses[s], -step_number(s))) if found else None
 
     def load(self, path: Path) -> int:
@@ -321,6 +333,9 @@ class Checkpointer:
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
+        self.skipped_steps = extra.get("skipped_steps", 0)
+        if path.resolve().parent == self.root.resolve():
+            self.resumed_step, self.resumed_here = extra["step"], True
         _on_rank0(lambda: self._resumed_from(path, extra["step"]))
         return extra["step"]
 
@@ -340,10 +355,25 @@ class Checkpointer:
                     ", ".join(newer), self.root, f" (`best` among them: {best})" if best in newer else "")
 
 
+def _sync(directory: Path, names: tuple[str, ...]) -> None:
+    """fsync the files `names` of `directory`, then the directory: on disk before a rename publishes it, so that a
+    power loss after leaves `latest` naming whole files."""
+    for path in [directory / name for name in names] + [directory]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _per_group(scheduler_state: dict, groups: int) -> dict:
     """The lr scheduler's (a LambdaLR's) state with its per-group lists sized for `groups` parameter groups. How
-    many groups an optimizer has depends on the layout (DTensor and plain parameters apart without FSDP2:
-    optim.build_optimizer), and all of them share one learning rate, so a checkpoint's first entry stands for
+    many groups an optimizer has depends on the layout (DTensor and plain parameters apart without FSDP2, and
+    decaying and not: optim.build_optimizer), and all of them share one learning rate, so a checkpoint's first entry stands for
     every group."""
     return {key: value[:1] * groups if key in _PER_GROUP_KEYS and len(value) != groups else value
             for key, value in scheduler_state.items()}

@@ -5,7 +5,7 @@ rank checking its share): nothing here builds or loads a model (dcp.py saves and
 
 Layout under <run_dir>/checkpoints/:
     step-000010/        model + optimizer: one DCP shard file per rank plus `.metadata`;
-                        extra.pt (rank 0): step, scheduler, data stream position, RNG state;
+                        extra.pt (rank 0): step, scheduler, data stream position, RNG state, skipped steps;
                         checkpoint.json: step, val_loss, the model config (checked on resume, read by export),
                                          the global batch size, seq_len and data files' fingerprint (checked on resume);
                         manifest.json: every other file's size and CRC-32, checked before a resume loads
@@ -16,6 +16,7 @@ Layout under <run_dir>/checkpoints/:
 import dataclasses
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -28,9 +29,20 @@ MANIFEST = "manifest.json"
 
 
 def write_pointer(root: Path, name: str, target: str) -> None:
+    """Point `latest` or `best` at the step dir `target`: written to disk before it replaces the old pointer, and
+    the replacement synced too, so a node that crashes meanwhile leaves the old pointer or the new, never an empty
+    file."""
     tmp = root / f".{name}.tmp"
-    tmp.write_text(target + "\n")
+    with open(tmp, "w") as f:
+        f.write(target + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, root / name)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def step_number(name: str) -> int:
@@ -43,9 +55,15 @@ def step_dirs(root: Path) -> list[str]:
 
 
 def read_pointer(root: Path, name: str) -> str | None:
-    """The step dir name in `latest` or `best`, None when there is no such pointer."""
+    """The step dir name in `latest` or `best`; None when there is no such pointer, or when it holds no step dir name
+    (a file cut short by a crash: `pointer_text` has what it holds)."""
+    text = pointer_text(root, name)
+    return text if text is not None and re.fullmatch(r"step-\d+", text) else None
+
+
+def pointer_text(root: Path, name: str) -> str | None:
     path = root / name
-    return path.read_text().strip() if path.is_file() else None
+    return path.read_text(errors="replace").strip() if path.is_file() else None
 
 
 def read_meta(path: Path) -> dict:
@@ -140,12 +158,13 @@ def damage(path: Path, rank: int = 0, world: int = 1) -> list[str]:
     problems = []
     for i, (name, record) in enumerate(sorted(files.items())):
         file = path / name
-        if not file.is_file():
+        try:
+            if file.stat().st_size != record["bytes"]:
+                problems.append(f"{name} is {file.stat().st_size} bytes, {record['bytes']} when saved")
+            elif i % world == rank and _crc32(file) != record["crc32"]:
+                problems.append(f"{name} has another checksum than when saved")
+        except FileNotFoundError:  # or deleted while this reads it: a run's rotation
             problems.append(f"{name} is missing")
-        elif file.stat().st_size != record["bytes"]:
-            problems.append(f"{name} is {file.stat().st_size} bytes, {record['bytes']} when saved")
-        elif i % world == rank and _crc32(file) != record["crc32"]:
-            problems.append(f"{name} has another checksum than when saved")
     return problems
 
 
@@ -186,6 +205,8 @@ def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
              if latest is None or step_number(name) < step_number(latest)]
     candidates = ([latest] if latest else []) + older
     passed_over = []
+    if latest is None and pointer_text(ckpt_root, "latest") is not None:
+        passed_over.append(f"{ckpt_root / 'latest'} names no step dir ({pointer_text(ckpt_root, 'latest')[:40]!r})")
     for name in candidates:
         problems = damage_on_all_ranks(ckpt_root / name)
         if not problems:

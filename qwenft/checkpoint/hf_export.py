@@ -21,10 +21,12 @@ keys (the recommended sampling) are kept as written.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import socket
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,9 +143,10 @@ def _remove_dead_temps(out_dir: Path, any_host: bool) -> None:
 
 @contextmanager
 def _written_beside(out_dir: Path, own_run_dir: bool):
-    """A temp dir beside `out_dir` for the block to write an export into, renamed to `out_dir` (replacing an earlier
-    one) when the block ends and removed when it raises or is interrupted, so neither `out_dir` nor a temp dir is
-    ever left half written. Temp dirs of killed exports into `out_dir` are removed first (`_remove_dead_temps`;
+    """A temp dir beside `out_dir` for the block to write an export into, renamed to `out_dir` when the block ends
+    (replacing an earlier export only in the caller's own run dir; elsewhere `out_dir` must still be absent or
+    empty then) and removed when it raises or is interrupted, so neither `out_dir` nor a temp dir is ever left
+    half written. Temp dirs of killed exports into `out_dir` are removed first (`_remove_dead_temps`;
     `own_run_dir`: `out_dir` is in the run dir the caller has locked)."""
     if out_dir.parent.is_dir():
         _remove_dead_temps(out_dir, any_host=own_run_dir)
@@ -151,9 +154,17 @@ def _written_beside(out_dir: Path, own_run_dir: bool):
     try:
         yield tmp
         same_file_modes(tmp)
-        if out_dir.exists():
+        if own_run_dir and out_dir.exists():
             shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        elif out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        try:
+            tmp.rename(out_dir)  # fails onto a dir another export into the same `out` filled first: it stays
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            raise ValueError(f"out={out_dir} was written by another export meanwhile; this export is removed "
+                             "(an export never overwrites files)") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -353,7 +364,15 @@ def write_hf_checkpoint(hf_sd: dict[str, torch.Tensor], cfg, out_dir, max_shard_
         total = sum(t.numel() * t.element_size() for t in hf_sd.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    to_hf_config(cfg, text_config_extra).save_pretrained(str(out_dir))
+    config = to_hf_config(cfg, text_config_extra)
+    # the weights' dtype, by element count (GDN's A_log and dt_bias stay fp32 in a bf16 export): the one loaders
+    # such as vLLM take for dtype=auto, as from Qwen's own config.json
+    counts = Counter()
+    for t in hf_sd.values():
+        counts[t.dtype] += t.numel()
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        part.dtype = counts.most_common(1)[0][0]
+    config.save_pretrained(str(out_dir))
 
 
 def save_hf(model: torch.nn.Module, cfg, out_dir, max_shard_size="5GB") -> None:

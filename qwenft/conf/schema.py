@@ -468,6 +468,11 @@ def _validate_peft(cfg: Config) -> None:
         raise ValueError(f"peft.alpha={peft.alpha} must be > 0")
     if not 0 <= peft.dropout < 1:
         raise ValueError(f"peft.dropout={peft.dropout} must be in [0, 1)")
+    if peft.method != "none" and peft.dropout and peft.vision and cfg.mesh.cp > 1:
+        # dropout's masks are drawn per cp rank, and each cp rank runs the vision tower on all of a row's images
+        raise ValueError(f"peft.dropout={peft.dropout} with peft.vision=true and mesh.cp={cfg.mesh.cp}: each cp rank "
+                         f"runs the vision tower on every image, and would drop other inputs of it; set "
+                         f"peft.dropout=0, peft.vision=false or mesh.cp=1")
     targets = [peft.target_modules] if isinstance(peft.target_modules, str) else peft.target_modules
     if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"peft.target_modules={peft.target_modules!r} must be all-linear or a list of module names "

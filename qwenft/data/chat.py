@@ -238,8 +238,8 @@ def last_user_query(messages: list[dict]) -> int:
     """The index of the last user turn that is not a tool result wrapped as one (`<tool_response>...`), as Qwen's
     templates find it; -1 without one. The replies after it are rendered with their reasoning."""
     def is_tool_result(content) -> bool:
-        return isinstance(content, str) and content.startswith("<tool_response>") and content.endswith(
-            "</tool_response>")
+        content = content.strip() if isinstance(content, str) else ""  # trimmed, as the templates test it
+        return content.startswith("<tool_response>") and content.endswith("</tool_response>")
 
     return max((i for i, m in enumerate(messages) if m["role"] == "user" and not is_tool_result(m["content"])),
                default=-1)

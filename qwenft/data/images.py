@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from qwenft.data.chat import BadRow
 
@@ -29,6 +29,8 @@ class ImageSource:
                 image = self.image
             else:
                 image = Image.open(self.path if self.path is not None else io.BytesIO(self.data))
+                # upright as the EXIF orientation of a phone's photo says, as transformers' load_image turns it
+                ImageOps.exif_transpose(image, in_place=True)
             image.load()
             return image.convert("RGB")
         except Image.DecompressionBombError as e:

@@ -181,8 +181,9 @@ def _column(row, name: str) -> list:
 
 
 def _placeholder_parts(text: str, columns: dict[str, list]) -> list[dict]:
-    """A turn's text as parts, each `<image>` (`<video>`) in it an image (video) part without a value when the row
-    has an `images` (`videos`) column: LLaMA-Factory's layout. Without the column the text is kept as it is."""
+    """A user or system turn's text as parts, each `<image>` (`<video>`) in it an image (video) part without a value
+    when the row has an `images` (`videos`) column: LLaMA-Factory's layout. Without the column the text is kept as
+    it is."""
     tags = [f"<{kind}>" for kind, column in columns.items() if column]
     if not tags:
         return [{"type": "text", "text": text}]
@@ -214,7 +215,8 @@ def parse_row(row, base_dir: Path, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTE
             raise BadRow("bad_tool_call", f"message {i} has tool_calls; the image pipeline trains text, image and "
                                           "video turns only")
         content = message.get("content")
-        parts = _placeholder_parts(content, columns) if isinstance(content, str) else content
+        parts = ([{"type": "text", "text": content}] if role == "assistant" else _placeholder_parts(content, columns)
+                 ) if isinstance(content, str) else content
         if not isinstance(parts, list):
             raise BadRow("bad_content", f"message {i} content is {type(content).__name__}; expected a string "
                                         "or a list of text/image/video parts")

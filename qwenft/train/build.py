@@ -370,8 +370,6 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         log.warning("checkpoint.resume=auto: %s; resuming from %s instead", damaged, resume_from)
     if resume_from is not None:
         resume.log_config_changes(resume_from, cfg, run_dir)
-    if is_main:
-        signals.clear_marker(run_dir)
 
     from qwenft.models.loader import checkpoint_files
     from qwenft.models.qwen3_5.attention import LONG_PIECES, cudnn_ok, resolve_attention_kernel
@@ -413,8 +411,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
                                       peft=peft, mtp=cfg.model.mtp)
         resume.check_base(resume_from, cfg, peft and peft["base"])
         resume.check_data_position(resume_from, cfg, data)
-    if is_main and save_config is not None:
-        save_config(run_dir)
+    if is_main:  # the run dir is rewritten only past every check: a refused resume leaves it as it was
+        signals.clear_marker(run_dir)
+        if save_config is not None:
+            save_config(run_dir)
     # the source's MTP head, copied now so that every export has it even once model.path is gone (a trained head,
     # model.mtp=train|head, replaces its tensors in the exports; its config keys stay)
     kept = []

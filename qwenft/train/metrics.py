@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import resource
+import secrets
 import sys
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def keep_aside(path: Path) -> Path | None:
     return aside
 
 
+WANDB_ID = "wandb_run_id"
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step; rank 0 only (the runner passes enabled=False elsewhere)."""
 
@@ -59,8 +63,14 @@ class MetricsLogger:
         if enabled and wandb_config is not None:
             import wandb
 
+            # a resumed run logs on into the W&B run of its run dir (its id kept in WANDB_ID); the steps it trains
+            # again after the checkpoint, which W&B drops as already logged, have the values logged before
+            id_file = run_dir / WANDB_ID
+            run_id = id_file.read_text().strip() if not fresh and id_file.is_file() else ""
+            run_id = run_id or secrets.token_hex(8)
+            id_file.write_text(run_id + "\n")
             self.wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=wandb_config,
-                                    mode=wandb_mode, name=run_name)
+                                    mode=wandb_mode, name=run_name, id=run_id, resume="allow")
 
     def log(self, record: dict) -> None:
         if not self.enabled:

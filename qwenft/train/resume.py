@@ -10,6 +10,7 @@ import torch
 from qwenft.checkpoint.files import EXTRA, read_meta
 from qwenft.conf import as_written, load_run_config
 from qwenft.conf.schema import Config
+from qwenft.train.optim import decays
 
 log = logging.getLogger("qwenft")
 
@@ -50,9 +51,9 @@ def log_config_changes(path: Path, cfg: Config, run_dir: Path) -> None:
 
 def check_data_position(path: Path, cfg: Config, data) -> None:
     """Refuse (ValueError, one line) a resume from `path` whose data position would not continue the same stream:
-    other data files, another train.global_batch_size, data.seq_len, data.packing or seed, or another number
-    of documents from the same files (data.truncation, data.on_bad_row, the tokenizer). A checkpoint saved
-    before checkpoints held the files' fingerprint and batch size is checked for the rest."""
+    other data files, another train.global_batch_size, data.seq_len, data.packing, seed or data.sources weights,
+    or another number of documents from the same files (data.truncation, data.on_bad_row, the tokenizer). A
+    checkpoint saved before checkpoints held the files' fingerprint and batch size is checked for the rest."""
     saved = read_meta(path).get("data") or {}
     now = data_meta(cfg, data)
     prefix = f"checkpoint.resume={cfg.checkpoint.resume}"
@@ -69,6 +70,11 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
         if then is not None and then != current:
             raise ValueError(f"{prefix}: {key}={current}, but {path} was saved with {key}={then} "
                              f"({_POSITION_KEYS[key]}); resume with {key}={then}, or set checkpoint.resume=none")
+    mixture = [[s.name, s.weight] for s in getattr(data, "sources", [])]
+    if state.get("sources") is not None and state["sources"] != mixture:
+        raise ValueError(f"{prefix}: data.sources (name, weight) are {mixture}, but {path} was saved with "
+                         f"{state['sources']} (the mixture's draws follow them); resume with those, or set "
+                         f"checkpoint.resume=none")
     if state["num_documents"] != data.num_documents:
         raise ValueError(f"{prefix}: {data_key} gives {data.num_documents} documents, {path} was "
                          f"trained on {state['num_documents']} (another data file, data.truncation, "
@@ -103,7 +109,8 @@ def apply_optimizer_options(optimizer, scheduler, cfg: Config) -> None:
     this run's schedule (lr_scheduler.*, train.max_steps) at the resumed step. Without a change, each value is
     the one the checkpoint holds, so an unchanged resume stays exact."""
     for group in optimizer.param_groups:
-        group.update(betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        group.update(betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                     weight_decay=cfg.optim.weight_decay if decays(group["params"][0]) else 0.0)
     scheduler.base_lrs = [cfg.optim.lr] * len(optimizer.param_groups)
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(scheduler.last_epoch)

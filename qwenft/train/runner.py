@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,7 +35,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     state_dict: dict | None = None  # full (unsharded) parameters after training, when asked for
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss (eval.every_steps)
-    skipped_steps: int = 0  # steps skipped for a non-finite loss or grad norm (train.on_nonfinite=skip)
+    skipped_steps: int = 0  # steps skipped for a non-finite loss or grad norm (train.on_nonfinite=skip), resumes included
     preempted: str | None = None  # the signal that stopped the run after a checkpoint (docs/checkpointing.md)
 
 
@@ -78,7 +79,7 @@ def _save_config(cfg: Config, run_dir: Path) -> None:
 def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_step=None) -> RunResult:
     """Steps from job.start_step to job.max_steps, or until a signal stops the run after a checkpoint."""
     cfg = job.cfg
-    result = RunResult(run_dir=job.run_dir)
+    result = RunResult(run_dir=job.run_dir, skipped_steps=job.checkpointer.skipped_steps)
     progress = None
     if job.is_main and cfg.train.progress_bar:
         from tqdm import tqdm
@@ -88,11 +89,13 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
     if cfg.checkpoint.every_steps:
         warn_low_disk(job)
     batches = iter(job.data)
+    stream = seed_stream(job.mesh)
     for m in job.model_parts:
         m.train()
     try:  # a failure's line (train.on_nonfinite=error, a failed save, a Ctrl-C) on its own, not after the bar
         for step in range(job.start_step, job.max_steps + 1):
             start = time.perf_counter()
+            seed_step(cfg.seed, step, stream)
             micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
             stats = train_step(job, micro_batches, step, result, stop, make_ahead=step < job.max_steps)
             elapsed = time.perf_counter() - start
@@ -181,6 +184,7 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         job.optimizer.step()
         job.scheduler.step()
     elif cfg.train.on_nonfinite == "error":
+        job.checkpointer.wait()  # checkpoint.async_save: publish the save in flight (every rank is on this branch)
         raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, grad_norm={norm_value}); "
                          "lower optim.lr, keep optim.max_grad_norm > 0, or set train.on_nonfinite=skip to skip such "
                          "steps")
@@ -190,6 +194,20 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
                     "so far)", step, loss_value, norm_value, result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics, stop_signal)
+
+
+def seed_stream(mesh) -> int:
+    """`seed_step`'s stream of this rank: the first rank of its tensor-parallel group."""
+    return dist.get_global_rank(mesh["tp"].get_group(), 0)
+
+
+def seed_step(seed: int, step: int, stream: int) -> None:
+    """Seed the step's random draws (LoRA's dropout masks) from (seed, step, stream), `stream` the first rank of this
+    rank's tensor-parallel group: the ranks of one group draw alike, so what tp replicates (an input, the vision
+    tower) stays equal on them, and each data, context or pipeline rank draws its own. A resumed run draws what the
+    uninterrupted one did, whatever state the ranks' generators had at the checkpoint."""
+    entropy = np.random.SeedSequence([seed % (1 << 64), step, stream])
+    torch.manual_seed(int(entropy.generate_state(1, np.uint64)[0]))
 
 
 def keep_grads(model_parts) -> None:
@@ -247,15 +265,19 @@ def checkpoint_or_stop(job: Job, step: int, stop_signal: str | None, stop: signa
     """Save on checkpoint.every_steps and at the last step; after a stop signal (`stop_signal`, the one the step
     agreed on), save (if not just saved), write the preemption marker and return True."""
     cfg = job.cfg
-    saved = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == job.max_steps)
+    # a run resumed from its own run dir saves at its end even without checkpoint.every_steps: the checkpoint it
+    # resumed from (one a stop signal wrote) would otherwise stay `latest`, and the same command, run again (a
+    # requeue), would train its steps again
+    last = step == job.max_steps and (cfg.checkpoint.every_steps or job.checkpointer.resumed_here)
+    saved = last or cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
     if saved:
-        path = job.checkpointer.save(step, result.val_losses.get(step))
+        path = job.checkpointer.save(step, result.val_losses.get(step), result.skipped_steps)
         log.info("%s checkpoint %s", "saving (async)" if cfg.checkpoint.async_save else "saved", path)
     result.preempted = stop_signal
     if not result.preempted:
         return False
     if not saved:
-        path = job.checkpointer.save(step)
+        path = job.checkpointer.save(step, result.val_losses.get(step), result.skipped_steps)
     job.checkpointer.wait()  # checkpoint.async_save: complete before the marker names it
     if job.is_main:
         signals.write_marker(job.run_dir, step, result.preempted, path)
