@@ -145,6 +145,40 @@ def test_named_sizes_build_the_released_transformers_config(size):
     assert (hf.hidden_size, hf.vocab_size, hf.tie_word_embeddings) == (hidden, 248320, tied)
 
 
+def test_a_config_json_without_a_key_reads_as_transformers_reads_it(tmp_path):
+    """A config.json that leaves out rope_theta (or sets the top-level tie_word_embeddings of a VLM alone) gets
+    transformers' values, not the named sizes'; a hidden_act other than SiLU, which every MLP and GatedDeltaNet's conv
+    compute here, is refused in one line."""
+    import json
+
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5TextConfig
+
+    from qwenft.models.qwen3_5.configs import config_from_hf_dir
+
+    def written(config, name, edit):
+        config.save_pretrained(tmp_path / name)
+        path = tmp_path / name / "config.json"
+        d = json.loads(path.read_text())
+        edit(d)
+        path.write_text(json.dumps(d))
+        return tmp_path / name
+
+    text = Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=4, vocab_size=128)
+    no_theta = written(text, "no_theta", lambda d: d.get("rope_parameters", {}).pop("rope_theta", None))
+    theirs = AutoConfig.from_pretrained(no_theta).rope_parameters["rope_theta"]
+    assert config_from_hf_dir(no_theta).text.rope_theta == theirs == 10_000.0
+
+    vlm = Qwen3_5Config(text_config={"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 128,
+                                     "tie_word_embeddings": True})
+    untied = written(vlm, "vlm", lambda d: d.pop("tie_word_embeddings", None))
+    assert config_from_hf_dir(untied).tie_word_embeddings is AutoConfig.from_pretrained(untied).tie_word_embeddings
+
+    gelu = written(text, "gelu", lambda d: d.update(hidden_act="gelu_pytorch_tanh"))
+    with pytest.raises(ValueError, match="^config.json hidden_act 'gelu_pytorch_tanh' is not supported; valid: "
+                                         "'silu'$"):
+        config_from_hf_dir(gelu)
+
+
 def test_attention_kernel_choice():
     from qwenft.models.qwen3_5.attention import resolve_attention_kernel
 

@@ -228,14 +228,21 @@ def transformers_default_mrope_section(half_rotary_dim: int) -> list[int]:
     return [half_rotary_dim - h - w, h, w]
 
 
+# what transformers' Qwen3.5 configs take for a config.json without rope_theta (the named sizes' 1e7 is what
+# Qwen's own checkpoints write)
+HF_DEFAULT_ROPE_THETA = 10_000.0
+
+
 def _text_from_hf(d: dict, moe: bool = False) -> TextConfig:
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported; valid: 'default'")
+    if d.get("hidden_act", "silu") != "silu":  # the MLPs, the experts and GatedDeltaNet's conv compute SiLU
+        raise ValueError(f"config.json hidden_act {d['hidden_act']!r} is not supported; valid: 'silu'")
     names = {f.name for f in dataclasses.fields(TextConfig)}
     kw = {k: v for k, v in d.items() if k in names}
-    kw["rope_theta"] = rope.get("rope_theta", d.get("rope_theta", TextConfig.rope_theta))
+    kw["rope_theta"] = rope.get("rope_theta", d.get("rope_theta", HF_DEFAULT_ROPE_THETA))
     kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
     if "mrope_section" in rope:
         kw["mrope_section"] = list(rope["mrope_section"])
@@ -280,7 +287,7 @@ def config_from_hf_dir(path) -> ModelConfig:
     if model_type in VLM_MODEL_TYPES:
         tok = {k: d[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
                if k in d}
-        tie = d.get("tie_word_embeddings", d.get("text_config", {}).get("tie_word_embeddings", False))
+        tie = d.get("tie_word_embeddings", False)  # the top level's alone, as transformers reads it
         return ModelConfig(text=_text_from_hf(d.get("text_config") or {}, VLM_MODEL_TYPES[model_type]),
                            vision=d.get("vision_config"), tie_word_embeddings=bool(tie), **tok)
     raise ValueError(
