@@ -83,6 +83,12 @@ def test_reset_override_returns_schema_default():
     ("optim.max_grad_norm=-1", "optim.max_grad_norm=-1.0 must be >= 0 (0 = no clipping)"),
     ("mesh.tp=0", "mesh.tp=0 must be >= 1"),
     ("train.epochs=2", "train.epochs=2.0 has no effect while train.max_steps=150 is set; add train.max_steps=null"),
+    ("mesh.cp=0", "mesh.cp=0 must be >= 1"),
+    ("model.fp8=fp4", "model.fp8='fp4' is not valid; choose one of off, rowwise, rowwise_with_gw_hp, tensorwise"),
+    ("model.mtp=yes", "model.mtp='yes' is not valid; choose one of keep, train, head"),
+    ("launcher.master_port=99999999", "launcher.master_port=99999999 must be a port, 1..65535 (or null: 20000 + the "
+                                      "job id % 20000)"),
+    ("launcher.cpus_per_task=0", "launcher.cpus_per_task=0 must be >= 1 (or null)"),
 ])
 def test_bad_overrides_fail_with_one_line(override, message):
     with pytest.raises(ValueError) as e:  # ConfigError is a ValueError; schema checks raise ValueError
@@ -168,6 +174,49 @@ def test_user_recipe_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
     assert list_recipes()["mine"] == "my recipe"
     assert compose(["recipe=mine"]).train.max_steps == 3
+
+
+def test_a_user_recipe_shadows_the_built_in_one_of_its_name(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_lora.yaml").write_text("description: my lora\ntrain:\n  max_steps: 3\n")
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    cfg = compose(["recipe=tiny_lora"])
+    assert (cfg.description, cfg.train.max_steps, cfg.peft.method) == ("my lora", 3, "none")
+    assert main(["recipes"]) == 0 and "my lora" in capsys.readouterr().out
+    assert compose(["recipe=tiny"]).description == compose(["recipe=tiny"]).description != "my lora"
+
+
+def test_a_big_recipe_shown_and_saved_as_a_recipe_composes_to_the_same_config(tmp_path, monkeypatch, capsys):
+    """Its required data.path stays required: the default data group's `path: tiny` does not fill it in."""
+    import yaml
+
+    assert main(["show", "recipe=qwen3_5_27b_tp4pp4"]) == 0
+    shown = capsys.readouterr().out
+    (tmp_path / "saved.yaml").write_text(shown)
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    assert main(["show", "recipe=saved"]) == 0
+    again = capsys.readouterr()
+    assert {**yaml.safe_load(again.out), "recipe": "x"} == {**yaml.safe_load(shown), "recipe": "x"}
+    assert "required before train: data.path" in again.err
+    with pytest.raises(ValueError, match="required key.s. not set: data.path"):
+        compose(["recipe=saved"])
+    assert compose(["recipe=saved", "data.path=/d.jsonl"]).data.path == "/d.jsonl"
+
+
+def test_a_run_config_with_a_key_this_qwenft_lacks_is_one_line(tmp_path):
+    """A run dir's config.yaml written by another version (or edited): resume and export say so in one line."""
+    from qwenft.conf import load_run_config
+
+    (tmp_path / "config.yaml").write_text("recipe: tiny\nold_key: 1\n")
+    with pytest.raises(ValueError) as e:
+        load_run_config(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.yaml'}: old_key: ") and "\n" not in str(e.value)
+
+
+def test_an_unknown_model_name_names_its_key():
+    from qwenft.models.qwen3_5.configs import named_config
+
+    with pytest.raises(ValueError, match=r"^model.name='bogus' is not a named size; valid: 0\.8b, 122b_a10b, "):
+        named_config("bogus")
 
 
 def test_user_recipe_without_package_header_sets_its_keys(tmp_path, monkeypatch):

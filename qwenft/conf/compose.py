@@ -1,9 +1,12 @@
 """Hydra composition of a run's config (recipe + group options + overrides -> a validated `Config`) and its
 YAML I/O. Components never import this: they take plain values."""
 
+import atexit
 import difflib
+import functools
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -186,11 +189,46 @@ def _yaml_error(e) -> ConfigError:
                        f"{what}")
 
 
-def _user_search_path(extra: Path) -> str:
-    # Hydra finds groups as sub-folders of a search-path entry; give the user's flat dir a `recipe/` name.
+def _config_dir() -> Path:
+    """CONF_DIR; with $QWENFT_RECIPES_DIR set, a mirror of it whose `recipe/` links the built-in recipes and then the
+    user's, which replace built-in ones of the same name. (Hydra reads its primary config dir before any search-path
+    entry, so a search path could add recipes but never shadow one.) Rebuilt at each compose, so recipes added to the
+    dir meanwhile count."""
+    if not os.environ.get(RECIPES_ENV):
+        return CONF_DIR
+    root = _mirror_root()
+    recipes = root / "recipe"
+    shutil.rmtree(recipes, ignore_errors=True)
+    recipes.mkdir()
+    for directory in reversed(recipe_dirs()):  # built-in first
+        for path in directory.glob("*.yaml"):
+            (recipes / path.name).unlink(missing_ok=True)
+            (recipes / path.name).symlink_to(path)
+    return root
+
+
+@functools.cache
+def _mirror_root() -> Path:
+    """This process's mirror of CONF_DIR but for `recipe/` (`_config_dir`), removed when it exits."""
     root = Path(tempfile.mkdtemp(prefix="qwenft-recipes-"))
-    (root / "recipe").symlink_to(extra)
-    return f"hydra.searchpath=[file://{root}]"
+    for entry in CONF_DIR.iterdir():
+        if entry.name != "recipe":
+            (root / entry.name).symlink_to(entry)
+    pid = os.getpid()  # not by a forked child, which inherits this exit handler
+    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(root, ignore_errors=True))
+    return root
+
+
+def _keep_recipe_missing(raw, recipe: str, overrides: list[str]) -> None:
+    """A key the recipe file writes as ??? (required) stays so unless an override sets it: Hydra's merge keeps the value
+    a group option put under it (`data.path: tiny` of the default data group), so a `qwenft show` printout saved as a
+    recipe would otherwise train on that value."""
+    from omegaconf import OmegaConf
+
+    path = next(d / f"{recipe}.yaml" for d in recipe_dirs() if (d / f"{recipe}.yaml").is_file())
+    set_here = {o.lstrip("+").split("=", 1)[0] for o in overrides if "=" in o}
+    for key in OmegaConf.missing_keys(OmegaConf.load(path)) - set_here:
+        OmegaConf.update(raw, key, "???", force_add=True)
 
 
 def _bool_choices_as_strings(raw) -> None:
@@ -239,13 +277,10 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
             raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to reset it)")
     # the defaults list places the recipe at the top level (`recipe@_global_`), and Hydra names its choice so
     hydra_overrides = [f"recipe@_global_={o.split('=', 1)[1]}" if o.startswith("recipe=") else o for o in overrides]
-    extra = os.environ.get(RECIPES_ENV)
-    if extra:
-        hydra_overrides.insert(0, _user_search_path(Path(extra).resolve()))
     _check_override_forms(overrides)
     _store_schema_defaults()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(_config_dir()), version_base="1.3"):
             raw = hydra_compose("config", overrides=hydra_overrides)
     except yaml.YAMLError as e:
         raise _yaml_error(e) from None
@@ -284,6 +319,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     raw_recipe = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("recipe=")), "tiny")
     OmegaConf.set_struct(raw, False)
     raw.recipe = raw_recipe
+    _keep_recipe_missing(raw, raw_recipe, overrides)
     _check_interpolations(raw)
     _bool_choices_as_strings(raw)
     try:
@@ -395,6 +431,7 @@ def load_run_config(run_dir: Path) -> Config:
     written, as `compose` does)."""
     import yaml
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -405,6 +442,9 @@ def load_run_config(run_dir: Path) -> Config:
         raise _yaml_error(e) from None
     _check_interpolations(raw, where=f" (in {path})")
     _bool_choices_as_strings(raw)  # true/false of a key whose valid values are those strings
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    try:  # a key this qwenft does not have (a file of another version, or edited), or a value of the wrong type
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
     cfg._as_written = _interpolations(raw)
     return cfg

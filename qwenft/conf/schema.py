@@ -299,6 +299,8 @@ CHOICES = {
     "model.kernels.ce": ("auto", "torch", "fused"),
     "model.kernels.moe": ("auto", "grouped_mm", "loop"),
     "model.kernels.weight_grad": ("auto", "in_matmul", "autograd"),
+    "model.fp8": ("off", "rowwise", "rowwise_with_gw_hp", "tensorwise"),
+    "model.mtp": ("keep", "train", "head"),
     "model.activation_checkpointing": ("false", "true", "linear_attention", "full_attention", "selective", "auto"),
     "data.packing": ("pack", "pad"),
     "data.train_on": ("assistant", "last_turn", "all"),
@@ -329,7 +331,8 @@ def validate(cfg: Config) -> None:
         if str(value) not in valid:
             raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
     positive = {
-        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "mesh.ep": cfg.mesh.ep, "data.seq_len": cfg.data.seq_len,
+        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "mesh.ep": cfg.mesh.ep, "mesh.cp": cfg.mesh.cp,
+        "data.seq_len": cfg.data.seq_len,
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.micro_batch_size": cfg.train.micro_batch_size, "train.log_every": cfg.train.log_every,
         "launcher.nproc_per_node": cfg.launcher.nproc_per_node, "launcher.nodes": cfg.launcher.nodes,
@@ -344,6 +347,11 @@ def validate(cfg: Config) -> None:
     for key in ("gpus_per_node", "signal_seconds", "max_requeues"):
         if getattr(cfg.launcher, key) < 0:
             raise ValueError(f"launcher.{key}={getattr(cfg.launcher, key)} must be >= 0")
+    if cfg.launcher.master_port is not None and not 1 <= cfg.launcher.master_port <= 65535:
+        raise ValueError(f"launcher.master_port={cfg.launcher.master_port} must be a port, 1..65535 (or null: "
+                         f"{MASTER_PORT_BASE} + the job id % {MASTER_PORT_BASE})")
+    if cfg.launcher.cpus_per_task is not None and cfg.launcher.cpus_per_task < 1:
+        raise ValueError(f"launcher.cpus_per_task={cfg.launcher.cpus_per_task} must be >= 1 (or null)")
     if not isinstance(cfg.launcher.env, (dict, type(None))):  # an interpolation that resolved to a scalar
         raise ValueError(f"launcher.env={cfg.launcher.env!r} is not valid; expected a mapping, e.g. {{A: 1}} (or null)")
     for name, value in (cfg.launcher.env or {}).items():

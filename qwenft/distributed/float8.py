@@ -17,7 +17,9 @@ import functools
 
 from torch import nn
 
-RECIPES = ("off", "rowwise", "rowwise_with_gw_hp", "tensorwise")
+from qwenft.conf.schema import CHOICES
+
+RECIPES = CHOICES["model.fp8"]
 
 # (block, linear) inside a decoder layer; native names: GatedDeltaNet's q/k/v_proj are HF's in_proj_qkv, z_proj
 # its in_proj_z

@@ -214,8 +214,8 @@ def named_config(name: str) -> ModelConfig:
         return named[name]
     if name == "tiny_vlm":
         return _tiny_vlm(named["tiny"])
-    raise ValueError(f"unknown model size {name!r}; valid: {sorted(named) + ['tiny_vlm']} (or a checkpoint dir "
-                     "via model.path)")
+    raise ValueError(f"model.name={name!r} is not a named size; valid: {', '.join(sorted(named) + ['tiny_vlm'])} "
+                     "(or a checkpoint dir as model.path)")
 
 
 def transformers_default_mrope_section(half_rotary_dim: int) -> list[int]:

@@ -20,12 +20,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from qwenft.conf.schema import CHOICES
 from qwenft.constants import IGNORE_INDEX
 
 from .attention import RMSNorm
 from .configs import FULL_ATTENTION, TextConfig
 
-MODES = ("keep", "train", "head")
+MODES = CHOICES["model.mtp"]
 
 
 def mtp_layer_config(cfg: TextConfig) -> TextConfig:
