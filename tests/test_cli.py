@@ -317,14 +317,17 @@ def test_unwritable_kernel_cache_dir_is_one_line_and_leaves_no_run_dir(tmp_path,
 
 
 def test_settings_that_do_nothing_are_named_at_the_start():
-    from qwenft.train.build import moot_settings
+    from qwenft.train.moot import moot_settings
 
     assert moot_settings(compose(["recipe=tiny"]), max_steps=150) == []
     cfg = compose(["recipe=tiny", "lr_scheduler=constant", "lr_scheduler.warmup_steps=10",
-                   "logger.wandb_project=mine", "model.mtp_loss_weight=0.3"])
+                   "logger.wandb_project=mine", "model.mtp_loss_weight=0.3", "pipeline.schedule=gpipe",
+                   "pipeline.virtual_stages=2"])
     assert moot_settings(cfg, max_steps=5) == [
         "lr_scheduler.min_lr_ratio=0.1 has no effect with lr_scheduler.decay=constant",
         f"lr_scheduler.warmup_steps=10 is not below the run's 5 steps: the whole run warms up (the lr reaches "
         f"optim.lr={cfg.optim.lr} at step 10) and no decay follows",
         "logger.wandb_project=mine has no effect without logger.wandb=true (logger=wandb)",
+        "pipeline.schedule=gpipe, pipeline.virtual_stages=2 have no effect with mesh.pp=1 (no pipeline)",
         "model.mtp_loss_weight=0.3 has no effect with model.mtp=keep (no MTP head trains); set model.mtp=train"]
+    assert moot_settings(compose(["recipe=tiny_pp2"]), max_steps=150) == []

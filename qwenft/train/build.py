@@ -34,6 +34,7 @@ from qwenft.train import auto_ac, metrics as metrics_lib, resume
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    val_micro_batches)
 from qwenft.train.metrics import MetricsLogger
+from qwenft.train.moot import moot_settings
 from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
                                  refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
@@ -232,33 +233,6 @@ def load_weights(module: nn.Module, cfg: Config, dtype: torch.dtype | None, devi
 
 
 # ---------------------------------------------------------------- start notes
-
-def moot_settings(cfg: Config, max_steps: int) -> list[str]:
-    """Settings that do nothing in this run (the run's start warns of each): a key whose switch is off, a schedule
-    too short for its own shape. Not errors: a recipe's defaults may meet an override that makes them moot."""
-    from qwenft.conf.schema import LoggerOptions, ModelOptions
-
-    notes = []
-    sched = cfg.lr_scheduler
-    if sched.min_lr_ratio and sched.decay == "constant":
-        notes.append(f"lr_scheduler.min_lr_ratio={sched.min_lr_ratio} has no effect with lr_scheduler.decay=constant")
-    if sched.warmup_steps >= max_steps:
-        notes.append(f"lr_scheduler.warmup_steps={sched.warmup_steps} is not below the run's {max_steps} steps: the "
-                     f"whole run warms up (the lr reaches optim.lr={cfg.optim.lr} at step {sched.warmup_steps}) and no "
-                     f"decay follows")
-    if not cfg.logger.wandb:
-        for key in ("wandb_project", "wandb_mode"):
-            if getattr(cfg.logger, key) != getattr(LoggerOptions(), key):
-                notes.append(f"logger.{key}={getattr(cfg.logger, key)} has no effect without logger.wandb=true "
-                             f"(logger=wandb)")
-    if cfg.model.vision_activation_checkpointing and cfg.peft.method != "none" and not cfg.peft.vision:
-        notes.append("model.vision_activation_checkpointing=true has no effect with peft=lora and peft.vision=false "
-                     "(the frozen tower keeps nothing for the backward)")
-    if cfg.model.mtp == "keep" and cfg.model.mtp_loss_weight != ModelOptions().mtp_loss_weight:
-        notes.append(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} has no effect with model.mtp=keep (no MTP "
-                     f"head trains); set model.mtp=train")
-    return notes
-
 
 # ---------------------------------------------------------------- validation
 
