@@ -196,7 +196,7 @@ def _config_dir() -> Path:
     dir meanwhile count."""
     if not os.environ.get(RECIPES_ENV):
         return CONF_DIR
-    root = _mirror_root()
+    root = _mirror_root(os.getpid())  # a forked rank makes its own: ranks compose at the same time
     recipes = root / "recipe"
     shutil.rmtree(recipes, ignore_errors=True)
     recipes.mkdir()
@@ -208,13 +208,13 @@ def _config_dir() -> Path:
 
 
 @functools.cache
-def _mirror_root() -> Path:
-    """This process's mirror of CONF_DIR but for `recipe/` (`_config_dir`), removed when it exits."""
+def _mirror_root(pid: int) -> Path:
+    """Process `pid`'s mirror of CONF_DIR but for `recipe/` (`_config_dir`), removed when it exits."""
     root = Path(tempfile.mkdtemp(prefix="qwenft-recipes-"))
     for entry in CONF_DIR.iterdir():
         if entry.name != "recipe":
             (root / entry.name).symlink_to(entry)
-    pid = os.getpid()  # not by a forked child, which inherits this exit handler
+    # by this process alone: a forked child inherits the exit handler
     atexit.register(lambda: os.getpid() == pid and shutil.rmtree(root, ignore_errors=True))
     return root
 
