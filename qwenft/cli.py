@@ -7,8 +7,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from qwenft.conf import RECIPES_ENV, ConfigError, compose, group_options, list_recipes, load_run_config, to_yaml
+from qwenft.conf.layout import Layout
 from qwenft.conf.schema import Config
 
 USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]
@@ -40,6 +42,27 @@ def _help() -> str:
                         recipes=", ".join(list_recipes()))
 
 
+def _starts_local_workers(cfg: Config, environ: Mapping[str, str]) -> bool:
+    """Whether `qwenft train` starts launcher.nproc_per_node workers itself: not in a process that already is one
+    rank, started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or as a task of an srun step of several tasks
+    (SLURM_STEP_ID and SLURM_PROCID, which qwenft.distributed.slurm_env maps to a rank when training starts). The
+    sbatch shell (no SLURM_STEP_ID) and an srun step of one task are a plain machine's process."""
+    if cfg.launcher.nproc_per_node <= 1 or any(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return False
+    step_tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))
+    return not ("SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and step_tasks != "1")
+
+
+def _local_workers_command(cfg: Config, overrides: list[str], run_dir: str) -> list[str]:
+    """torch.distributed.run (qwenft's wrapper) starting launcher.nproc_per_node workers of `qwenft train` with the
+    user's overrides, run_dir fixed (every worker writes to the same dir) as Hydra reads it back."""
+    from qwenft.launch.overrides import hydra_value, without
+
+    return [sys.executable, "-m", "qwenft.launch.torchrun", "--standalone",
+            f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train",
+            *without(overrides, "run_dir"), f"run_dir={hydra_value(run_dir)}"]
+
+
 def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
     from qwenft.launch import signals
@@ -47,9 +70,7 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     from qwenft.train.rundir import default_run_dir
 
     run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
-    args = [a for a in overrides if not a.startswith("run_dir=")] + [f"run_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "qwenft.launch.torchrun", "--standalone",
-           f"--nproc-per-node={cfg.launcher.nproc_per_node}", "-m", "qwenft", "train", *args]
+    cmd = _local_workers_command(cfg, overrides, run_dir)
     signals.clear_marker(Path(run_dir))
     # how long torchrun lets its workers save after it passes a SIGTERM on (its default, 30 s, is short for a
     # large model's checkpoint), as the SLURM script sets it
@@ -71,15 +92,19 @@ def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
 
 
 def _slurm(args: list[str]) -> int:
-    """`qwenft slurm`: run_dir/slurm.sh, sbatch, then run_dir/config.yaml for a new run dir; --dry-run only prints the
-    script."""
+    """`qwenft slurm`: the checks `qwenft train` runs at its start, on the job's world size; then run_dir/slurm.sh,
+    sbatch, and run_dir/config.yaml for a new run dir. --dry-run only prints the script."""
     from qwenft.launch import slurm
     from qwenft.train.rundir import default_run_dir
 
     overrides = [a for a in args if a != "--dry-run"]
     cfg = compose(overrides)
+    layout = slurm.check(cfg, overrides)
+    notes = [slurm.ignored_nproc(cfg, overrides), _check_as_train_starts(cfg, layout, overrides)]
     run_dir = str(Path(cfg.run_dir or default_run_dir(cfg.recipe)).resolve())
     script = slurm.render(cfg, overrides, run_dir, workdir=os.getcwd())
+    for note in filter(None, notes):
+        print(f"qwenft: note: {note}", file=sys.stderr)
     if "--dry-run" in args:
         print(script, end="")
         return 0
@@ -97,6 +122,34 @@ def _slurm(args: list[str]) -> int:
         config.write_text(to_yaml(cfg, run_dir=run_dir))
     print(f"submitted job {job_id}: {script_path}, log {run_dir}/slurm-{job_id}.out")
     return 0
+
+
+def _check_as_train_starts(cfg: Config, layout: Layout, overrides: list[str]) -> str | None:
+    """What `qwenft train` checks at its start before it builds anything (build.build_job), on the job's layout:
+    the model's config, LoRA targets, the batch split, head counts and layers over the mesh, the kernels. Raises
+    train's one line (with the job's ranks where the layout matters). A model.path this machine cannot read (a
+    container's mount) leaves the model's checks to the job's start: the note saying so, else None."""
+    from qwenft.launch.slurm import ranks
+    from qwenft.train.build import lora_config, model_config
+    from qwenft.train.spec import checked_batching, resolve_spec
+
+    readable = not cfg.model.path or Path(cfg.model.path).is_dir()
+    model_cfg = model_config(cfg) if readable else None
+    if model_cfg is not None and (lora := lora_config(cfg)) is not None:
+        from qwenft.models.lora import check_targets
+
+        check_targets(model_cfg, lora)
+    try:
+        if model_cfg is None:
+            checked_batching(cfg, layout)
+        else:
+            resolve_spec(cfg, layout, model_cfg, "cuda" if cfg.launcher.gpus_per_node else "cpu")
+    except ValueError as e:
+        cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+        where = f"{ranks(cfg, overrides)[1]} = pp {layout.pp} x dp {layout.dp}{cp} x tp {layout.tp}"
+        raise ValueError(f"{e} (the job: {where})") from e
+    return None if readable else (f"model.path={cfg.model.path} is not on this machine (a container's mount?): "
+                                  f"the job checks the model against the mesh when it starts")
 
 
 EXPORT_USAGE = ("qwenft export run_dir=DIR out=DIR [checkpoint=latest|best|STEP_DIR] [dtype=bfloat16|float32] "
@@ -296,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             if missing:
                 print(f"qwenft: required before train: {', '.join(missing)}", file=sys.stderr)
             return 0
-        if cfg.launcher.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        if _starts_local_workers(cfg, os.environ):
             return _launch_local_workers(cfg, args)
         from qwenft.launch import signals
         from qwenft.train.runner import run

@@ -11,63 +11,102 @@ the script, once srun has returned, requeues the job, which resumes from `latest
 """
 
 import os
+import re
 import shlex
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Mapping
 
-from qwenft.conf.layout import resolve_layout
+from qwenft.conf.layout import Layout, resolve_layout
 from qwenft.conf.schema import MASTER_PORT_BASE
+from qwenft.launch.overrides import hydra_value, sets, without
 from qwenft.launch.signals import EXIT_PREEMPTED, MARKER
 
 if TYPE_CHECKING:
     from qwenft.conf.schema import Config
 
 SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what `export NAME` takes: a shell variable name
 
 
-def procs_per_node(cfg: "Config") -> int:
-    """GPUs per node, or launcher.nproc_per_node on CPU nodes (gpus_per_node=0)."""
+def procs_per_node(cfg: "Config", overrides: list[str]) -> int:
+    """Processes per node: one per GPU (launcher.gpus_per_node), or launcher.nproc_per_node on CPU nodes
+    (gpus_per_node=0). On GPU nodes a recipe's nproc_per_node is for `qwenft train` on one machine and is not used
+    (`ignored_nproc`); one given on the command line must agree with gpus_per_node (or be 1, the default)."""
     launcher = cfg.launcher
     if launcher.gpus_per_node == 0:
         return launcher.nproc_per_node
-    if launcher.nproc_per_node not in (1, launcher.gpus_per_node):
+    if sets(overrides, "launcher.nproc_per_node") and launcher.nproc_per_node not in (1, launcher.gpus_per_node):
         raise ValueError(
             f"launcher.nproc_per_node={launcher.nproc_per_node} disagrees with launcher.gpus_per_node="
-            f"{launcher.gpus_per_node}; on GPU nodes each GPU is one process: leave nproc_per_node at 1")
+            f"{launcher.gpus_per_node}; on GPU nodes each GPU is one process: drop launcher.nproc_per_node, or set "
+            f"launcher.gpus_per_node={launcher.nproc_per_node}")
     return launcher.gpus_per_node
 
 
-def check(cfg: "Config") -> int:
-    """The world size of the job; raises ValueError (one line) when the mesh can't fill it."""
-    launcher, mesh = cfg.launcher, cfg.mesh
-    procs = procs_per_node(cfg)
+def ignored_nproc(cfg: "Config", overrides: list[str]) -> str | None:
+    """The note for a recipe's launcher.nproc_per_node that a GPU job does not use (it differs from gpus_per_node)."""
+    launcher = cfg.launcher
+    if (launcher.gpus_per_node == 0 or launcher.nproc_per_node in (1, launcher.gpus_per_node)
+            or sets(overrides, "launcher.nproc_per_node")):
+        return None
+    return (f"launcher.nproc_per_node={launcher.nproc_per_node} (the recipe's, for `qwenft train` on one machine) "
+            f"is not used: on GPU nodes each GPU is one process, launcher.gpus_per_node={launcher.gpus_per_node}")
+
+
+def ranks(cfg: "Config", overrides: list[str]) -> tuple[int, str]:
+    """The job's world size, and where it comes from for an error: `launcher.nodes=2 x launcher.gpus_per_node=8 =
+    16 ranks`."""
+    launcher = cfg.launcher
+    procs = procs_per_node(cfg, overrides)
     world = launcher.nodes * procs
     per_node = (f"launcher.gpus_per_node={procs}" if launcher.gpus_per_node
                 else f"launcher.nproc_per_node={procs}")
-    resolve_layout(mesh.tp, mesh.pp, mesh.dp, world,
-                   ranks=f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks", ep=mesh.ep, cp=mesh.cp)
-    return world
+    return world, f"launcher.nodes={launcher.nodes} x {per_node} = {world} ranks"
+
+
+def check(cfg: "Config", overrides: list[str]) -> Layout:
+    """The job's layout; raises ValueError (one line) for launcher keys the script cannot carry out and for a mesh
+    that can't fill the job. What `qwenft train` checks at its start on that layout (batching, the model's head
+    counts, ...) is qwenft.cli's to run: this package does not import qwenft.train."""
+    for name in cfg.launcher.env or {}:
+        if not ENV_NAME.fullmatch(str(name)):
+            raise ValueError(f"launcher.env.{name} is not a shell variable name (the script exports it); valid: "
+                             f"letters, digits and _, not starting with a digit ([A-Za-z_][A-Za-z0-9_]*)")
+    world, where = ranks(cfg, overrides)
+    mesh = cfg.mesh
+    return resolve_layout(mesh.tp, mesh.pp, mesh.dp, world, ranks=where, ep=mesh.ep, cp=mesh.cp)
+
+
+def _sbatch_value(value: str) -> str:
+    """A value as an #SBATCH line carries it: sbatch splits the line at whitespace outside quotes (double quotes
+    in every version, single quotes too in later ones), takes a backslash as an escape, inside quotes too, and a
+    `#` as the start of a comment (older versions even inside quotes): slurm's opt.c:_get_argument."""
+    if not re.search(r"[\s\"'\\#]", value):
+        return value
+    return '"' + re.sub(r'(["\\#])', r"\\\1", value) + '"'
 
 
 def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> str:
     """The sbatch script. `overrides` are the user's, passed on to `qwenft train` with run_dir fixed and
     checkpoint.resume=auto on a requeued start, so a requeued job resumes from the same dir's `latest`."""
     launcher = cfg.launcher
-    procs = procs_per_node(cfg)
-    world = check(cfg)
+    procs = procs_per_node(cfg, overrides)
+    world = check(cfg, overrides).world_size
     python = launcher.python or ("python" if launcher.container_image else sys.executable)
     q = shlex.quote
 
-    sbatch = [f"--job-name={launcher.job_name or 'qwenft-' + cfg.recipe}",
+    sbatch = [f"--job-name={_sbatch_value(launcher.job_name or 'qwenft-' + cfg.recipe)}",
               f"--nodes={launcher.nodes}", "--ntasks-per-node=1"]
     if launcher.gpus_per_node:
         sbatch.append(f"--gpus-per-node={launcher.gpus_per_node}")
     for key in ("cpus_per_task", "partition", "account", "qos", "time"):
         value = getattr(launcher, key)
         if value is not None:
-            sbatch.append(f"--{key.replace('_', '-')}={value}")
-    sbatch += [f"--chdir={workdir}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
+            sbatch.append(f"--{key.replace('_', '-')}={_sbatch_value(str(value))}")
+    # --output expands %j (the job id); a % of the path is written %%
+    output = _sbatch_value(run_dir.replace("%", "%%") + "/slurm-%j.out")
+    sbatch += [f"--chdir={_sbatch_value(workdir)}", f"--output={output}", "--open-mode=append",
                "--export=ALL", f"--signal=USR1@{launcher.signal_seconds}"]
     sbatch.append("--requeue" if launcher.requeue else "--no-requeue")
     sbatch += list(launcher.sbatch_extra)
@@ -86,7 +125,10 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
     if SHUTDOWN_TIMEOUT not in env:
         lines += ["# how long torchrun lets its workers save after it forwards a SIGTERM (torch 2.11 ignores it: 30 s)",
                   f"export {SHUTDOWN_TIMEOUT}={launcher.signal_seconds}", ""]
-    lines += list(launcher.setup)
+    if launcher.setup:
+        lines += ["# launcher.setup, with unset variables allowed (set +u): `conda activate` and some `module load`",
+                  "# scripts read variables that may be unset, which set -u would make fatal",
+                  "set +u", *launcher.setup, "set -u", ""]
     port = launcher.master_port or f"$(({MASTER_PORT_BASE} + SLURM_JOB_ID % {MASTER_PORT_BASE}))"
     lines += [
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -115,9 +157,9 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
     torchrun = [q(python), "-m", "qwenft.launch.torchrun", '--nnodes="$SLURM_JOB_NUM_NODES"',
                 f"--nproc-per-node={procs}", "--rdzv-backend=c10d", '--rdzv-endpoint="$head_addr:$port"',
                 '--rdzv-id="$SLURM_JOB_ID"', "--max-restarts=0"]
-    train = ["-m", "qwenft", "train",
-             *(q(o) for o in overrides if not o.startswith(("run_dir=", "checkpoint.resume="))),
-             '"run_dir=$run_dir"', '"checkpoint.resume=$resume"']
+    # run_dir as Hydra reads it (quoted where it holds spaces, parentheses, quotes); $resume is written so too
+    train = ["-m", "qwenft", "train", *(q(o) for o in without(overrides, "run_dir", "checkpoint.resume")),
+             q(f"run_dir={hydra_value(run_dir)}"), '"checkpoint.resume=$resume"']
     lines.append("status=0")
     lines.append(" \\\n    ".join([" ".join(srun), " ".join(torchrun), " ".join(train)]) + " || status=$?")
     lines += [
@@ -139,11 +181,12 @@ def render(cfg: "Config", overrides: list[str], run_dir: str, workdir: str) -> s
 
 
 def _resume_lines(resume: str) -> list[str]:
-    """`resume=...` for the train command: the user's checkpoint.resume on the first start, this run's own
-    `latest` once the job was requeued (when it has one)."""
+    """`resume=...` for the train command: the user's checkpoint.resume (as a Hydra value) on the first start,
+    this run's own `latest` once the job was requeued (when it has one)."""
     if resume == "auto":
         return ["resume=auto"]
-    return [f"resume={shlex.quote(resume)}  # checkpoint.resume; a requeued start continues from this run's latest",
+    return [f"resume={shlex.quote(hydra_value(resume))}  # checkpoint.resume; a requeued start continues from this "
+            f"run's latest",
             'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$run_dir/checkpoints/latest" ]; then resume=auto; fi']
 
 
