@@ -49,7 +49,7 @@ def _starts_local_workers(cfg: Config, environ: Mapping[str, str]) -> bool:
     sbatch shell (no SLURM_STEP_ID) and an srun step of one task are a plain machine's process."""
     if cfg.launcher.nproc_per_node <= 1 or any(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return False
-    step_tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))
+    step_tasks = environ.get("SLURM_STEP_NUM_TASKS", "1")
     return not ("SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ and step_tasks != "1")
 
 
@@ -139,11 +139,11 @@ def _check_as_train_starts(cfg: Config, layout: Layout, overrides: list[str]) ->
         from qwenft.models.lora import check_targets
 
         check_targets(model_cfg, lora)
-    try:
+    try:  # the packages the job needs (torchao, fla) are the job's machine's (or container's), not this one's
         if model_cfg is None:
-            checked_batching(cfg, layout)
+            checked_batching(cfg, layout, packages_here=False)
         else:
-            resolve_spec(cfg, layout, model_cfg, "cuda" if cfg.launcher.gpus_per_node else "cpu")
+            resolve_spec(cfg, layout, model_cfg, "cuda" if cfg.launcher.gpus_per_node else "cpu", packages_here=False)
     except ValueError as e:
         cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
         where = f"{ranks(cfg, overrides)[1]} = pp {layout.pp} x dp {layout.dp}{cp} x tp {layout.tp}"

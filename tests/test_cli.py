@@ -83,7 +83,7 @@ def test_reset_override_returns_schema_default():
     ("optim.max_grad_norm=-1", "optim.max_grad_norm=-1.0 must be >= 0 (0 = no clipping)"),
     ("mesh.tp=0", "mesh.tp=0 must be >= 1"),
     ("train.epochs=2", "train.epochs=2.0 has no effect while train.max_steps=150 is set; add train.max_steps=null"),
-    ("mesh.cp=0", "mesh.cp=0 must be >= 1"),
+    ("mesh.cp=0", "mesh.cp=0; valid: a positive number of context-parallel ranks (1 = no split)"),
     ("model.fp8=fp4", "model.fp8='fp4' is not valid; choose one of off, rowwise, rowwise_with_gw_hp, tensorwise"),
     ("model.mtp=yes", "model.mtp='yes' is not valid; choose one of keep, train, head"),
     ("launcher.master_port=99999999", "launcher.master_port=99999999 must be a port, 1..65535 (or null: 20000 + the "
@@ -182,7 +182,38 @@ def test_a_user_recipe_shadows_the_built_in_one_of_its_name(tmp_path, monkeypatc
     cfg = compose(["recipe=tiny_lora"])
     assert (cfg.description, cfg.train.max_steps, cfg.peft.method) == ("my lora", 3, "none")
     assert main(["recipes"]) == 0 and "my lora" in capsys.readouterr().out
-    assert compose(["recipe=tiny"]).description == compose(["recipe=tiny"]).description != "my lora"
+    monkeypatch.delenv("QWENFT_RECIPES_DIR")
+    assert compose(["recipe=tiny_lora"]).peft.method == "lora"
+
+
+def test_user_recipes_interpolate_include_shared_files_and_leave_no_temp_dir(tmp_path, monkeypatch):
+    """A user recipe may interpolate another file's key, and include a shared file of a sub-dir (or a built-in
+    recipe); each compose's mirror of the config dir is gone after it."""
+    import tempfile
+
+    recipes, scratch = tmp_path / "recipes", tmp_path / "tmp"
+    (recipes / "common").mkdir(parents=True)
+    scratch.mkdir()
+    (recipes / "common" / "base.yaml").write_text("train:\n  max_steps: 7\n")
+    (recipes / "mine.yaml").write_text("defaults:\n  - common/base@_here_\n  - _self_\nrun_dir: out/${model.name}\n")
+    (recipes / "on_pp2.yaml").write_text("defaults:\n  - tiny_pp2@_here_\n  - _self_\ndescription: mine\n")
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(recipes))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    cfg = compose(["recipe=mine"])
+    assert (cfg.train.max_steps, cfg.run_dir) == (7, "out/tiny")
+    assert compose(["recipe=on_pp2"]).mesh.pp == 2
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_required_entry_of_a_recipes_list_is_required_until_the_list_is_replaced(tmp_path, monkeypatch, capsys):
+    (tmp_path / "srcs.yaml").write_text("data:\n  sources:\n    - path: ???\n      weight: 1.0\n")
+    monkeypatch.setenv("QWENFT_RECIPES_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=r"required key.s. not set: data.sources\[0\].path"):
+        compose(["recipe=srcs"])
+    assert main(["show", "recipe=srcs"]) == 0
+    assert "    weight: 1.0" in capsys.readouterr().out
+    assert compose(["recipe=srcs", "data.sources=[{path: a.jsonl}]"]).data.sources[0].path == "a.jsonl"
+    assert compose(["recipe=srcs", "data.sources=[]", "data.path=/d.jsonl"]).data.sources == []
 
 
 def test_a_big_recipe_shown_and_saved_as_a_recipe_composes_to_the_same_config(tmp_path, monkeypatch, capsys):

@@ -218,7 +218,6 @@ def test_training_equals_one_process(tmp_path, reference, extra):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["mesh.cp=0"], "mesh.cp=0; valid: a positive number of context-parallel ranks"),
     (["mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2 with mesh.sequence_parallel=true"),
     (["mesh.cp=2", "model.kernels.gdn=fla"], "mesh.cp=2 with this flash-linear-attention has no context-parallel"),
     # spans of 2 tokens (8 / 4), the conv reaching 3 rows back; 9 tokens make spans of 3 (the stream padded to 12)

@@ -1,12 +1,10 @@
 """Hydra composition of a run's config (recipe + group options + overrides -> a validated `Config`) and its
 YAML I/O. Components never import this: they take plain values."""
 
-import atexit
+import contextlib
 import difflib
-import functools
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -189,46 +187,54 @@ def _yaml_error(e) -> ConfigError:
                        f"{what}")
 
 
-def _config_dir() -> Path:
-    """CONF_DIR; with $QWENFT_RECIPES_DIR set, a mirror of it whose `recipe/` links the built-in recipes and then the
-    user's, which replace built-in ones of the same name. (Hydra reads its primary config dir before any search-path
-    entry, so a search path could add recipes but never shadow one.) Rebuilt at each compose, so recipes added to the
-    dir meanwhile count."""
+@contextlib.contextmanager
+def _config_dir():
+    """CONF_DIR; with $QWENFT_RECIPES_DIR set, for the block, a mirror of it whose `recipe/` links the built-in
+    recipes' entries and then the user dir's (sub-dirs of shared files too), which replace built-in ones of the same
+    name. (Hydra reads its primary config dir before any search-path entry, so a search path could add recipes but
+    never shadow one.) Made for each compose, so recipes added to the dir meanwhile count, and removed after it."""
     if not os.environ.get(RECIPES_ENV):
-        return CONF_DIR
-    root = _mirror_root(os.getpid())  # a forked rank makes its own: ranks compose at the same time
-    recipes = root / "recipe"
-    shutil.rmtree(recipes, ignore_errors=True)
-    recipes.mkdir()
-    for directory in reversed(recipe_dirs()):  # built-in first
-        for path in directory.glob("*.yaml"):
-            (recipes / path.name).unlink(missing_ok=True)
-            (recipes / path.name).symlink_to(path)
-    return root
-
-
-@functools.cache
-def _mirror_root(pid: int) -> Path:
-    """Process `pid`'s mirror of CONF_DIR but for `recipe/` (`_config_dir`), removed when it exits."""
-    root = Path(tempfile.mkdtemp(prefix="qwenft-recipes-"))
-    for entry in CONF_DIR.iterdir():
-        if entry.name != "recipe":
-            (root / entry.name).symlink_to(entry)
-    # by this process alone: a forked child inherits the exit handler
-    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(root, ignore_errors=True))
-    return root
+        yield CONF_DIR
+        return
+    with tempfile.TemporaryDirectory(prefix="qwenft-recipes-") as root:
+        for entry in CONF_DIR.iterdir():
+            if entry.name != "recipe":
+                (Path(root) / entry.name).symlink_to(entry)
+        recipes = Path(root) / "recipe"
+        recipes.mkdir()
+        for directory in reversed(recipe_dirs()):  # built-in first
+            for path in directory.iterdir():
+                (recipes / path.name).unlink(missing_ok=True)
+                (recipes / path.name).symlink_to(path)
+        yield Path(root)
 
 
 def _keep_recipe_missing(raw, recipe: str, overrides: list[str]) -> None:
-    """A key the recipe file writes as ??? (required) stays so unless an override sets it: Hydra's merge keeps the value
-    a group option put under it (`data.path: tiny` of the default data group), so a `qwenft show` printout saved as a
-    recipe would otherwise train on that value."""
+    """A key the recipe file writes as ??? (required) stays so unless an override sets it (or a mapping or list above
+    it): Hydra's merge keeps the value a group option put under it (`data.path: tiny` of the default data group), so a
+    `qwenft show` printout saved as a recipe would otherwise train on that value."""
     from omegaconf import OmegaConf
 
     path = next(d / f"{recipe}.yaml" for d in recipe_dirs() if (d / f"{recipe}.yaml").is_file())
-    set_here = {o.lstrip("+").split("=", 1)[0] for o in overrides if "=" in o}
-    for key in OmegaConf.missing_keys(OmegaConf.load(path)) - set_here:
-        OmegaConf.update(raw, key, "???", force_add=True)
+    set_here = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    for key in _written_missing(OmegaConf.to_container(OmegaConf.load(path), resolve=False)):
+        covered = any(key == s or key.startswith((f"{s}.", f"{s}[")) for s in set_here)
+        if not covered and OmegaConf.select(raw, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT:
+            OmegaConf.update(raw, key, "???")
+
+
+_ABSENT = object()
+
+
+def _written_missing(node, prefix: str = "") -> list[str]:
+    """The keys a loaded YAML file (its container, interpolations unresolved) writes as ???."""
+    if isinstance(node, dict):
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in node.items() if k != "defaults"]
+    elif isinstance(node, list):
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(node)]
+    else:
+        return [prefix] if node == "???" else []
+    return [key for k, v in items for key in _written_missing(v, k)]
 
 
 def _bool_choices_as_strings(raw) -> None:
@@ -280,7 +286,7 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
     _check_override_forms(overrides)
     _store_schema_defaults()
     try:
-        with initialize_config_dir(config_dir=str(_config_dir()), version_base="1.3"):
+        with _config_dir() as config_dir, initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             raw = hydra_compose("config", overrides=hydra_overrides)
     except yaml.YAMLError as e:
         raise _yaml_error(e) from None
@@ -349,11 +355,14 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         OmegaConf.update(merged, key, "")
     cfg = OmegaConf.to_object(merged)
     for key in missing:  # to_yaml prints "???" as OmegaConf's missing marker again
-        *parents, leaf = key.split(".")
+        *parents, leaf = re.findall(r"[^.\[\]]+", key)  # data.path, data.sources[0].path
         node = cfg
         for part in parents:
-            node = getattr(node, part)
-        setattr(node, leaf, "???")
+            node = node[int(part)] if part.isdigit() else getattr(node, part)
+        if leaf.isdigit():
+            node[int(leaf)] = "???"
+        else:
+            setattr(node, leaf, "???")
     validate(cfg)
     # what config.yaml writes for each interpolated value (see as_written); not a schema field, so a copy made
     # by dataclasses.replace holds the resolved values alone

@@ -331,8 +331,7 @@ def validate(cfg: Config) -> None:
         if str(value) not in valid:
             raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
     positive = {
-        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "mesh.ep": cfg.mesh.ep, "mesh.cp": cfg.mesh.cp,
-        "data.seq_len": cfg.data.seq_len,
+        "mesh.tp": cfg.mesh.tp, "mesh.pp": cfg.mesh.pp, "mesh.ep": cfg.mesh.ep, "data.seq_len": cfg.data.seq_len,
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.micro_batch_size": cfg.train.micro_batch_size, "train.log_every": cfg.train.log_every,
         "launcher.nproc_per_node": cfg.launcher.nproc_per_node, "launcher.nodes": cfg.launcher.nodes,
@@ -340,6 +339,8 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ValueError(f"{key}={value} must be >= 1")
+    if cfg.mesh.cp < 1:
+        raise ValueError(f"mesh.cp={cfg.mesh.cp}; valid: a positive number of context-parallel ranks (1 = no split)")
     for key in ("microbatch_size", "num_microbatches", "virtual_stages"):
         value = getattr(cfg.pipeline, key)
         if value is not None and value < 1:

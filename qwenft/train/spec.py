@@ -106,12 +106,14 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
                                  f"set mesh.pp > 1 or pipeline.{key}=null")
 
 
-def checked_batching(cfg: Config, layout: Layout) -> Batching:
+def checked_batching(cfg: Config, layout: Layout, packages_here: bool = True) -> Batching:
     """The batching of a run on `layout`, after the checks of the keys it depends on (the mesh's pipeline keys,
-    model.fp8): the first decisions of every run, before anything is built."""
+    model.fp8): the first decisions of every run, before anything is built. `packages_here`: whether this
+    machine's packages are the run's (false for `qwenft slurm`, whose job may run in a container of its own), so
+    that a package missing here is refused."""
     check_mesh_keys(cfg, layout)
     batching = resolve_batching(cfg, layout.dp)
-    check_fp8(cfg, layout, batching)
+    check_fp8(cfg, layout, batching, packages_here)
     return batching
 
 
@@ -194,7 +196,8 @@ def uses_fsdp(layout: Layout, dtypes: Dtypes, peft) -> bool:
     return dtypes.master != dtypes.compute
 
 
-def check_cp(cfg: Config, layout: Layout, model_cfg, device: str, microbatch_size: int) -> None:
+def check_cp(cfg: Config, layout: Layout, model_cfg, device: str, microbatch_size: int,
+             packages_here: bool = True) -> None:
     """mesh.cp > 1 with what context parallel does not run with yet; raised before anything is built."""
     if layout.cp == 1:
         return
@@ -212,7 +215,7 @@ def check_cp(cfg: Config, layout: Layout, model_cfg, device: str, microbatch_siz
                f"data.seq_len >= {least}")
     elif cfg.mesh.sequence_parallel:
         why = "mesh.sequence_parallel=true splits the same tokens again over tp; set it to false"
-    elif resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda" and not _fla_has_cp():
+    elif packages_here and resolve_kernel(cfg.model.kernels.gdn) == "fla" and device == "cuda" and not _fla_has_cp():
         why = ("this flash-linear-attention has no context-parallel kernels (fla.ops.cp, fla >= 0.5); upgrade it "
                "or set model.kernels.gdn=torch (the reference kernels, slower)")
     if why is not None:
@@ -228,14 +231,14 @@ def _fla_has_cp() -> bool:
 
 
 def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching, device: str,
-                     dtypes: Dtypes) -> ParallelSpec:
+                     dtypes: Dtypes, packages_here: bool = True) -> ParallelSpec:
     """The pipeline placement and FSDP's resharding; raises on head counts, expert counts, a schedule, a stage
     split or a model that the layout cannot run."""
     from qwenft.distributed.pipeline import split as pp_split, stage as pp_stage
 
     validate_tp(model_cfg.text, layout.tp, cfg.mesh.sequence_parallel)
     validate_ep(model_cfg.text, layout.ep)
-    check_cp(cfg, layout, model_cfg, device, batching.microbatch_size)
+    check_cp(cfg, layout, model_cfg, device, batching.microbatch_size, packages_here)
     name, knob = cfg.pipeline.schedule, cfg.pipeline.reduce_grad_per_microbatch
     num_layers = model_cfg.text.num_hidden_layers
     virtual, layers = 1, [list(range(num_layers))]
@@ -261,17 +264,14 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         weight_grad=weight_grad, fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
 
 
-def check_fp8(cfg: Config, layout: Layout, batching: Batching) -> None:
-    """model.fp8; raises where the run cannot take float8 linears."""
-    from qwenft.distributed.float8 import RECIPES
-
+def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bool = True) -> None:
+    """model.fp8 (one of its choices: `schema.validate`); raises where the run cannot take float8 linears."""
     recipe = cfg.model.fp8
-    if recipe not in RECIPES:
-        raise ValueError(f"model.fp8={recipe!r} is not valid; choose one of {', '.join(RECIPES)}")
     if recipe == "off":
         return
     try:
-        import torchao.float8  # noqa: F401
+        if packages_here:
+            import torchao.float8  # noqa: F401
     except ImportError:
         raise ValueError(f"model.fp8={recipe} needs torchao: pip install 'qwenft[fp8]' (or model.fp8=off)") from None
     if cfg.peft.method != "none":
@@ -351,8 +351,10 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
     raise ValueError(f"model.cuda_graphs=true: {why} (or model.cuda_graphs=false)")
 
 
-def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str) -> RunSpec:
-    """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu")."""
-    batching = checked_batching(cfg, layout)
+def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str, packages_here: bool = True) -> RunSpec:
+    """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu");
+    `packages_here` as `checked_batching`'s."""
+    batching = checked_batching(cfg, layout, packages_here)
     dtypes = resolve_dtypes(cfg, device)
-    return RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device, dtypes))
+    return RunSpec(layout, batching, dtypes,
+                   resolve_parallel(cfg, layout, model_cfg, batching, device, dtypes, packages_here))
