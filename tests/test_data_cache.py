@@ -316,6 +316,13 @@ def test_data_prepare_prints_each_sources_numbers_and_train_reuses_the_cache(tok
     assert not built
     assert main(args + [f"data.path={path}", "data.on_bad_row=error"]) == 2
     assert "qwenft: error: data row 3: row has no non-empty 'messages' list" in capsys.readouterr().err
+    # a run that validates reads its eval.dataset through the cache too: prepared with it
+    from qwenft.data.tiny_chat import VAL_PATH
+
+    assert main(args + [f"data.path={path}", "eval.every_steps=2", "eval.dataset=tiny"]) == 0
+    assert f"eval.dataset tiny_chat_val: {VAL_PATH} (messages rows)" in capsys.readouterr().out
+    _, built = cache_lib.open_cache(VAL_PATH, tiny_tok, 64, truncation="drop", cache_dir=cache_dir)
+    assert not built
 
 
 @pytest.mark.slow

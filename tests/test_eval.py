@@ -107,3 +107,51 @@ def test_nonfinite_skip_keeps_params_finite(tmp_path):
     state, skipped, losses = result.state_dict, result.skipped_steps, result.losses
     assert skipped >= 1 and sum(not math.isfinite(x) for x in losses) <= skipped
     assert all(torch.isfinite(t).all() for t in state.values())
+
+
+@pytest.mark.distributed
+def test_a_validation_set_problem_names_eval_dataset_and_its_skipped_rows_are_logged(tmp_path):
+    import json
+
+    from qwenft.data.tiny_chat import VAL_PATH
+
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(train_with_state, 1, _overrides(tmp_path, "gone", f"eval.dataset={tmp_path / 'nope.jsonl'}"))
+    assert raised_line(info) == f"ValueError: eval.dataset='{tmp_path / 'nope.jsonl'}' does not exist"
+    rows = VAL_PATH.read_text().splitlines()
+    bad = tmp_path / "val.jsonl"
+    bad.write_text("\n".join(rows[:10] + [json.dumps({"messages": [{"role": "robot", "content": "x"}]})]) + "\n")
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(train_with_state, 1, _overrides(tmp_path, "strict", f"eval.dataset={bad}",
+                                                         "data.on_bad_row=error"))
+    assert raised_line(info).startswith(f"ValueError: eval.dataset={bad}: data row 10: message 0 has role 'robot'")
+    run_distributed(train_with_state, 1, _overrides(tmp_path, "skip", f"eval.dataset={bad}", "train.max_steps=1",
+                                                    "eval.every_steps=1"))
+    assert "per rank every 1 steps; skipped rows: {'bad_role': 1}" in (tmp_path / "skip" / "train.log").read_text()
+
+
+def test_eval_max_batches_makes_no_more_batches_than_it_keeps():
+    from itertools import count
+
+    from qwenft.train.evaluate import val_micro_batches
+
+    class Endless:  # a validation stream longer than any max_batches: only the kept batches may be made
+        def eval_batches(self):
+            return ({"batch": i} for i in count())
+
+    assert val_micro_batches(Endless(), 3) == [{"batch": 0}, {"batch": 1}, {"batch": 2}]
+
+
+def test_eval_dataset_tiny_vlm_is_the_generated_validation_set():
+    from qwenft.data.tiny_vlm import tiny_vlm_data_dir
+    from qwenft.train.data_setup import eval_path
+
+    assert eval_path("tiny_vlm") == tiny_vlm_data_dir() / "val.jsonl" and eval_path("tiny_vlm").is_file()
+    assert eval_path("/d/val.jsonl") == "/d/val.jsonl"
+
+
+def test_mfu_peaks_by_device_name():
+    from qwenft.train.metrics import peak_of
+
+    assert peak_of("NVIDIA H100 80GB HBM3") == peak_of("NVIDIA H200") == 989e12
+    assert (peak_of("NVIDIA H100 PCIe"), peak_of("NVIDIA H100 NVL"), peak_of("NVIDIA L4")) == (756e12, 835e12, None)

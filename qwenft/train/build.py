@@ -39,7 +39,7 @@ from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
                                  refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
                                  setup_logging)
-from qwenft.train.data_setup import build_data
+from qwenft.train.data_setup import build_data, eval_path
 from qwenft.train.spec import RunSpec, checked_batching, resolve_dtypes, resolve_parallel
 from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
                                token_loss)
@@ -240,14 +240,18 @@ def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: li
     """A function returning the validation loss (eval.dataset), or None without eval.every_steps."""
     if not cfg.eval.every_steps:
         return None
-    from qwenft.data.tiny_chat import VAL_PATH
-
     size, n = spec.batching.microbatch_size, spec.batching.num_microbatches
-    val_path = VAL_PATH if cfg.eval.dataset == "tiny" else cfg.eval.dataset
-    _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp, path=val_path)
+    try:
+        _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp,
+                                    path=eval_path(cfg.eval.dataset))
+    except ValueError as e:  # the reader's messages name data.path, which this read stands for
+        message = str(e).replace("data.path", "eval.dataset")
+        raise ValueError(message if "eval.dataset" in message else f"eval.dataset={cfg.eval.dataset}: {message}"
+                         ) from None
     val_batches = [span_labels(mb, mesh) for mb in val_micro_batches(val_data, cfg.eval.max_batches)]
-    log.info("validation: %s (%s rows), %d micro batches of %d per rank every %d steps",
-             cfg.eval.dataset, val_data.format, len(val_batches), size, cfg.eval.every_steps)
+    log.info("validation: %s (%s rows), %d micro batches of %d per rank every %d steps; skipped rows: %s",
+             cfg.eval.dataset, val_data.format, len(val_batches), size, cfg.eval.every_steps,
+             dict(val_data.skipped) or "none")
     loss_group, ce_in_model = batch_mesh(mesh).get_group(), spec.parallel.ce_in_model
     if spec.layout.pp == 1:
         [model] = modules

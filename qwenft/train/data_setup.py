@@ -33,6 +33,20 @@ def check_chat_template(tokenizer, cfg: Config) -> None:
                          "dir that has one (the instruct checkpoint's)")
 
 
+def eval_path(dataset: str):
+    """eval.dataset as a path: `tiny` the shipped tiny_chat_val.jsonl, `tiny_vlm` the generated tiny VLM set's
+    val.jsonl (data.path=tiny_vlm names its training set), else the dataset as given."""
+    if dataset == "tiny":
+        from qwenft.data.tiny_chat import VAL_PATH
+
+        return VAL_PATH
+    if dataset == "tiny_vlm":
+        from qwenft.data.tiny_vlm import tiny_vlm_data_dir
+
+        return tiny_vlm_data_dir() / "val.jsonl"
+    return dataset
+
+
 def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None,
                num_microbatches: int = 1):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the

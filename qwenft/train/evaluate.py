@@ -1,6 +1,8 @@
 """Forward passes outside the training step: a microbatch's summed token CE, and the validation loss with
 and without pipeline parallelism."""
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -40,8 +42,8 @@ def ce_sum(model, mb: dict, device, ce_in_model: bool) -> torch.Tensor:
 
 
 def val_micro_batches(val_data, max_batches: int | None) -> list[dict]:
-    batches = list(val_data.eval_batches())
-    return batches if max_batches is None else batches[:max_batches]
+    """The validation micro batches, the first `max_batches` (all: None) made and no more (a VLM's pixels)."""
+    return list(itertools.islice(val_data.eval_batches(), max_batches))
 
 
 def eval_loss_unpipelined(model, val_batches: list[dict], device, loss_group, ce_in_model: bool) -> float:

@@ -100,14 +100,18 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-# Dense bf16 tensor-core peaks (datasheet, no sparsity), for MFU.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# Dense bf16 tensor-core peaks (datasheet, no sparsity), for MFU, by a part of the device's name: the first that
+# the name holds (the PCIe and NVL H100s before the SXM one, "NVIDIA H100 80GB HBM3").
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(name: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 

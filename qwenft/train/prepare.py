@@ -8,16 +8,24 @@ from qwenft.conf.schema import Config
 
 
 def data_sources(cfg: Config) -> list:
-    """The run's datasets as `qwenft.data.mixture.Source`s: data.sources, else data.path as one source."""
+    """The run's datasets as `qwenft.data.mixture.Source`s: data.sources, else data.path as one source; and
+    eval.dataset when the run validates (eval.every_steps)."""
     from qwenft.data.mixture import Source
     from qwenft.data.tiny_chat import TRAIN_PATH
-    from qwenft.train.data_setup import mixture_sources
+    from qwenft.train.data_setup import eval_path, mixture_sources
+
+    def named(path) -> str:
+        return Path(path).stem if Path(path).suffix else Path(path).name
 
     if cfg.data.sources:
-        return mixture_sources(cfg)
-    path = str(TRAIN_PATH) if cfg.data.path == "tiny" else cfg.data.path
-    name = Path(path).stem if Path(path).suffix else Path(path).name
-    return [Source(name, path, 1.0, cfg.data.format)]
+        sources = mixture_sources(cfg)
+    else:
+        path = str(TRAIN_PATH) if cfg.data.path == "tiny" else cfg.data.path
+        sources = [Source(named(path), path, 1.0, cfg.data.format)]
+    if cfg.eval.every_steps and cfg.eval.dataset:
+        path = str(eval_path(cfg.eval.dataset))
+        sources.append(Source(f"eval.dataset {named(path)}", path, 1.0, cfg.data.format))
+    return sources
 
 
 def prepare(cfg: Config) -> list[dict]:
