@@ -133,7 +133,7 @@ def _check_as_train_starts(cfg: Config, layout: Layout, overrides: list[str]) ->
     from qwenft.train.build import lora_config, model_config
     from qwenft.train.spec import checked_batching, resolve_spec
 
-    readable = not cfg.model.path or Path(cfg.model.path).is_dir()
+    readable = not cfg.model.path or Path(cfg.model.path).exists()  # a file there: train's one line about it
     model_cfg = model_config(cfg) if readable else None
     if model_cfg is not None and (lora := lora_config(cfg)) is not None:
         from qwenft.models.lora import check_targets

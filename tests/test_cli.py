@@ -214,6 +214,13 @@ def test_a_required_entry_of_a_recipes_list_is_required_until_the_list_is_replac
     assert "    weight: 1.0" in capsys.readouterr().out
     assert compose(["recipe=srcs", "data.sources=[{path: a.jsonl}]"]).data.sources[0].path == "a.jsonl"
     assert compose(["recipe=srcs", "data.sources=[]", "data.path=/d.jsonl"]).data.sources == []
+    # a config group's choice sets none of the recipe's required keys under it; a required mapping entry shows
+    (tmp_path / "needs.yaml").write_text("model:\n  path: ???\nlauncher:\n  env:\n    MY_VAR: ???\n")
+    with pytest.raises(ValueError, match="required key.s. not set: launcher.env.MY_VAR, model.path"):
+        compose(["recipe=needs", "model=qwen3_5_0_8b"])
+    capsys.readouterr()
+    assert main(["show", "recipe=needs"]) == 0
+    assert "required before train: launcher.env.MY_VAR, model.path" in capsys.readouterr().err
 
 
 def test_a_big_recipe_shown_and_saved_as_a_recipe_composes_to_the_same_config(tmp_path, monkeypatch, capsys):

@@ -319,10 +319,15 @@ def test_data_prepare_prints_each_sources_numbers_and_train_reuses_the_cache(tok
     # a run that validates reads its eval.dataset through the cache too: prepared with it
     from qwenft.data.tiny_chat import VAL_PATH
 
-    assert main(args + [f"data.path={path}", "eval.every_steps=2", "eval.dataset=tiny"]) == 0
-    assert f"eval.dataset tiny_chat_val: {VAL_PATH} (messages rows)" in capsys.readouterr().out
+    sources = f"data.sources=[{{path: {path}, weight: 1}}, {{path: tiny, weight: 2}}]"
+    assert main(args + [sources, "eval.every_steps=2", "eval.dataset=tiny"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"eval.dataset tiny_chat_val: {VAL_PATH} (messages rows)" in out
+    assert out[-1] == f"total: {want[0][1] + want[1][1]} documents, {want[0][2] + want[1][2]} tokens"  # training's
     _, built = cache_lib.open_cache(VAL_PATH, tiny_tok, 64, truncation="drop", cache_dir=cache_dir)
     assert not built
+    assert main(args + [f"data.path={path}", "eval.every_steps=2", f"eval.dataset={tmp_path / 'nope.jsonl'}"]) == 2
+    assert f"qwenft: error: eval.dataset='{tmp_path / 'nope.jsonl'}' does not exist" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -115,9 +115,10 @@ def test_a_validation_set_problem_names_eval_dataset_and_its_skipped_rows_are_lo
 
     from qwenft.data.tiny_chat import VAL_PATH
 
+    gone = tmp_path / "data.path" / "nope.jsonl"  # the path itself is never rewritten
     with pytest.raises(RuntimeError) as info:
-        run_distributed(train_with_state, 1, _overrides(tmp_path, "gone", f"eval.dataset={tmp_path / 'nope.jsonl'}"))
-    assert raised_line(info) == f"ValueError: eval.dataset='{tmp_path / 'nope.jsonl'}' does not exist"
+        run_distributed(train_with_state, 1, _overrides(tmp_path, "gone", f"eval.dataset={gone}"))
+    assert raised_line(info) == f"ValueError: eval.dataset='{gone}' does not exist"
     rows = VAL_PATH.read_text().splitlines()
     bad = tmp_path / "val.jsonl"
     bad.write_text("\n".join(rows[:10] + [json.dumps({"messages": [{"role": "robot", "content": "x"}]})]) + "\n")
@@ -155,3 +156,4 @@ def test_mfu_peaks_by_device_name():
 
     assert peak_of("NVIDIA H100 80GB HBM3") == peak_of("NVIDIA H200") == 989e12
     assert (peak_of("NVIDIA H100 PCIe"), peak_of("NVIDIA H100 NVL"), peak_of("NVIDIA L4")) == (756e12, 835e12, None)
+    assert peak_of("NVIDIA H200 NVL") == 835e12

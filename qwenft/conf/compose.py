@@ -211,14 +211,15 @@ def _config_dir():
 
 def _keep_recipe_missing(raw, recipe: str, overrides: list[str]) -> None:
     """A key the recipe file writes as ??? (required) stays so unless an override sets it (or a mapping or list above
-    it): Hydra's merge keeps the value a group option put under it (`data.path: tiny` of the default data group), so a
-    `qwenft show` printout saved as a recipe would otherwise train on that value."""
+    it, not a config group's choice): Hydra's merge keeps the value a group option put under it (`data.path: tiny`
+    of the default data group), so a `qwenft show` printout saved as a recipe would otherwise train on that value."""
     from omegaconf import OmegaConf
 
     path = next(d / f"{recipe}.yaml" for d in recipe_dirs() if (d / f"{recipe}.yaml").is_file())
     set_here = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
     for key in _written_missing(OmegaConf.to_container(OmegaConf.load(path), resolve=False)):
-        covered = any(key == s or key.startswith((f"{s}.", f"{s}[")) for s in set_here)
+        # a group's choice (model=qwen3_5_0_8b) sets none of the recipe's keys under it
+        covered = any(key == s or s not in GROUPS and key.startswith((f"{s}.", f"{s}[")) for s in set_here)
         if not covered and OmegaConf.select(raw, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT:
             OmegaConf.update(raw, key, "???")
 
@@ -355,12 +356,13 @@ def compose(overrides: list[str], missing_ok: bool = False) -> Config:
         OmegaConf.update(merged, key, "")
     cfg = OmegaConf.to_object(merged)
     for key in missing:  # to_yaml prints "???" as OmegaConf's missing marker again
-        *parents, leaf = re.findall(r"[^.\[\]]+", key)  # data.path, data.sources[0].path
+        *parents, leaf = re.findall(r"[^.\[\]]+", key)  # data.path, data.sources[0].path, launcher.env.HF_TOKEN
         node = cfg
         for part in parents:
-            node = node[int(part)] if part.isdigit() else getattr(node, part)
-        if leaf.isdigit():
-            node[int(leaf)] = "???"
+            node = node[int(part) if isinstance(node, list) else part] if isinstance(node, (list, dict)) else \
+                getattr(node, part)
+        if isinstance(node, (list, dict)):
+            node[int(leaf) if isinstance(node, list) else leaf] = "???"
         else:
             setattr(node, leaf, "???")
     validate(cfg)

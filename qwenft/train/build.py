@@ -39,7 +39,7 @@ from qwenft.train.optim import build_optimizer, build_scheduler
 from qwenft.train.rundir import (agree_run_dir, input_file, make_run_dir, on_rank0,
                                  refuse_fresh_start_over_checkpoints, set_cpu_threads, set_kernel_caches,
                                  setup_logging)
-from qwenft.train.data_setup import build_data, eval_path
+from qwenft.train.data_setup import as_eval_error, build_data, eval_path
 from qwenft.train.spec import RunSpec, checked_batching, resolve_dtypes, resolve_parallel
 from qwenft.train.step import (StepFn, accumulation_step, pipeline_stages, pipeline_step, span_labels,
                                token_loss)
@@ -241,13 +241,11 @@ def _validation(cfg: Config, model_cfg, spec: RunSpec, mesh, device, modules: li
     if not cfg.eval.every_steps:
         return None
     size, n = spec.batching.microbatch_size, spec.batching.num_microbatches
+    path = eval_path(cfg.eval.dataset)
     try:
-        _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp,
-                                    path=eval_path(cfg.eval.dataset))
-    except ValueError as e:  # the reader's messages name data.path, which this read stands for
-        message = str(e).replace("data.path", "eval.dataset")
-        raise ValueError(message if "eval.dataset" in message else f"eval.dataset={cfg.eval.dataset}: {message}"
-                         ) from None
+        _, val_data, _ = build_data(cfg, model_cfg, size, mesh["dp"].get_local_rank(), spec.layout.dp, path=path)
+    except ValueError as e:
+        raise as_eval_error(e, cfg.eval.dataset, path) from None
     val_batches = [span_labels(mb, mesh) for mb in val_micro_batches(val_data, cfg.eval.max_batches)]
     log.info("validation: %s (%s rows), %d micro batches of %d per rank every %d steps; skipped rows: %s",
              cfg.eval.dataset, val_data.format, len(val_batches), size, cfg.eval.every_steps,

@@ -47,6 +47,16 @@ def eval_path(dataset: str):
     return dataset
 
 
+def as_eval_error(e: ValueError, dataset: str, path) -> ValueError:
+    """A data reader's error about the validation set, its key named: the reader calls the path it reads data.path
+    (`data.path='<path>' ...`, `check data.path`); another message (a bad row's) gets `eval.dataset=...: ` before
+    it."""
+    message = str(e)
+    named = message.replace(f"data.path={str(path)!r}", f"eval.dataset={str(path)!r}").replace(
+        "check data.path", "check eval.dataset")
+    return ValueError(named if named != message else f"eval.dataset={dataset}: {message}")
+
+
 def build_data(cfg: Config, model_cfg, microbatch_size: int, dp_rank: int, dp_size: int, path=None,
                num_microbatches: int = 1):
     """(tokenizer, data stream, files to export with the model): chat text, or chat with images when the

@@ -102,7 +102,8 @@ class MetricsLogger:
 
 # Dense bf16 tensor-core peaks (datasheet, no sparsity), for MFU, by a part of the device's name: the first that
 # the name holds (the PCIe and NVL H100s before the SXM one, "NVIDIA H100 80GB HBM3").
-PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12, "H200": 989e12,
+                   "A100": 312e12}
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -7,9 +7,9 @@ from pathlib import Path
 from qwenft.conf.schema import Config
 
 
-def data_sources(cfg: Config) -> list:
-    """The run's datasets as `qwenft.data.mixture.Source`s: data.sources, else data.path as one source; and
-    eval.dataset when the run validates (eval.every_steps)."""
+def data_sources(cfg: Config) -> list[tuple]:
+    """The run's datasets as (`qwenft.data.mixture.Source`, whether it is the validation set): data.sources, else
+    data.path as one source; then eval.dataset when the run validates (eval.every_steps)."""
     from qwenft.data.mixture import Source
     from qwenft.data.tiny_chat import TRAIN_PATH
     from qwenft.train.data_setup import eval_path, mixture_sources
@@ -18,13 +18,13 @@ def data_sources(cfg: Config) -> list:
         return Path(path).stem if Path(path).suffix else Path(path).name
 
     if cfg.data.sources:
-        sources = mixture_sources(cfg)
+        sources = [(source, False) for source in mixture_sources(cfg)]
     else:
         path = str(TRAIN_PATH) if cfg.data.path == "tiny" else cfg.data.path
-        sources = [Source(named(path), path, 1.0, cfg.data.format)]
+        sources = [(Source(named(path), path, 1.0, cfg.data.format), False)]
     if cfg.eval.every_steps and cfg.eval.dataset:
         path = str(eval_path(cfg.eval.dataset))
-        sources.append(Source(f"eval.dataset {named(path)}", path, 1.0, cfg.data.format))
+        sources.append((Source(f"eval.dataset {named(path)}", path, 1.0, cfg.data.format), True))
     return sources
 
 
@@ -33,7 +33,7 @@ def prepare(cfg: Config) -> list[dict]:
     from qwenft.data.cache import open_cache
     from qwenft.data.loader import check_source
     from qwenft.train.build import model_config
-    from qwenft.train.data_setup import check_chat_template, load_preprocessors
+    from qwenft.train.data_setup import as_eval_error, check_chat_template, load_preprocessors
 
     if model_config(cfg).vision is not None:
         raise ValueError(f"model {cfg.model.path or cfg.model.name} has a vision tower: image rows are tokenized "
@@ -44,15 +44,21 @@ def prepare(cfg: Config) -> list[dict]:
     tokenizer, _, _ = load_preprocessors(cfg, vision=False)
     check_chat_template(tokenizer, cfg)
     report = []
-    for source in data_sources(cfg):
-        check_source(source.path)
+    for source, is_eval in data_sources(cfg):
         start = time.perf_counter()
-        docs, built = open_cache(source.path, tokenizer, cfg.data.seq_len, cfg.data.train_on, cfg.data.truncation,
-                                 source.format, cfg.data.cache_dir, cfg.data.num_proc)
-        if cfg.data.on_bad_row == "error":
-            docs.raise_first_bad_row()
+        try:
+            check_source(source.path)
+            docs, built = open_cache(source.path, tokenizer, cfg.data.seq_len, cfg.data.train_on,
+                                     cfg.data.truncation, source.format, cfg.data.cache_dir, cfg.data.num_proc)
+            if cfg.data.on_bad_row == "error":
+                docs.raise_first_bad_row()
+        except ValueError as e:
+            raise as_eval_error(e, cfg.eval.dataset, source.path) if is_eval else e from None
         meta = docs.meta
-        report.append({"name": source.name, "path": source.path, "format": docs.format,
+        if is_eval and not meta["documents"]:  # as training's start would refuse it
+            raise ValueError(f"eval.dataset={cfg.eval.dataset}: no usable documents (skipped: {meta['skipped']}); "
+                             f"check eval.dataset, data.seq_len and data.truncation")
+        report.append({"name": source.name, "path": source.path, "format": docs.format, "eval": is_eval,
                        "cache": str(docs.directory), "built": built,
                        "seconds": round(time.perf_counter() - start, 1), "num_proc": meta["num_proc"],
                        "rows": meta["rows"], "documents": meta["documents"], "tokens": meta["tokens"],
@@ -69,7 +75,8 @@ def format_report(report: list[dict]) -> str:
         lines += [f"{r['name']}: {r['path']} ({r['format']} rows)",
                   f"  cache {r['cache']} ({how})",
                   f"  {r['rows']} rows: {r['documents']} documents, {r['tokens']} tokens; skipped rows: {skipped}"]
-    if len(report) > 1:
-        lines.append(f"total: {sum(r['documents'] for r in report)} documents, "
-                     f"{sum(r['tokens'] for r in report)} tokens")
+    training = [r for r in report if not r["eval"]]
+    if len(training) > 1:  # the training sources': the validation set is not trained on
+        lines.append(f"total: {sum(r['documents'] for r in training)} documents, "
+                     f"{sum(r['tokens'] for r in training)} tokens")
     return "\n".join(lines)

@@ -269,11 +269,12 @@ def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bo
     recipe = cfg.model.fp8
     if recipe == "off":
         return
-    try:
-        if packages_here:
+    if packages_here:
+        try:
             import torchao.float8  # noqa: F401
-    except ImportError:
-        raise ValueError(f"model.fp8={recipe} needs torchao: pip install 'qwenft[fp8]' (or model.fp8=off)") from None
+        except ImportError:
+            raise ValueError(f"model.fp8={recipe} needs torchao: pip install 'qwenft[fp8]' (or model.fp8=off)"
+                             ) from None
     if cfg.peft.method != "none":
         raise ValueError(f"model.fp8={recipe} with peft={cfg.peft.method}: float8 linears do not take LoRA adapters "
                          f"yet; use peft=none or model.fp8=off")
