@@ -496,4 +496,5 @@ def test_a_builders_lock_stays_fresh_through_a_long_build_step(tmp_path, monkeyp
     os.utime(lock, (0, 0))
     with cache_lib._touched(lock):
         time.sleep(0.5)
-        assert time.time() - lock.stat().st_mtime < cache_lib.STALE_LOCK_S
+        # touched in the block (its mtime was the epoch), by a margin no scheduler delay on a loaded box reaches
+        assert lock.stat().st_mtime > time.time() - 60
