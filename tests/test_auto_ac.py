@@ -78,6 +78,28 @@ def test_choice_rules():
     assert auto_ac.fallback(compose(["model.cuda_graphs=false"])) == "true"
 
 
+def test_plan_under_cuda_graphs_offers_off_alone(capfd):
+    """Under model.cuda_graphs=true (which refuses every other mode) `qwenft plan` names no mode that fits where off
+    does not, though a cheaper one would, in its table's last line, its auto note and its JSON alike."""
+    import json
+
+    args = ["recipe=tiny", "data.seq_len=128", "model.compile=true", "model.cuda_graphs=true",
+            "optim.master_dtype=bfloat16", "optim.state_dtype=bfloat16"]
+    plans = plan_lib.predict(compose([*args, "model.activation_checkpointing=false"], missing_ok=True))
+    limit = _limit_where_off_misses(plans)
+    assert plan_lib.cheapest_ac_mode(plans, limit)[0] not in (None, "false")
+    assert plan_lib.cheapest_ac_mode(plans, limit, cuda_graphs=True)[0] is None
+    assert qwenft_alone("plan", *args, "model.activation_checkpointing=auto", f"plan.gpu_memory_gib={limit!r}") == 0
+    last_two = capfd.readouterr().out.rstrip().splitlines()[-2:]
+    assert last_two[0].startswith("activation checkpointing: false, the only mode model.cuda_graphs=true takes, "
+                                  "does not fit under"), last_two
+    assert last_two[1] == ("model.activation_checkpointing=auto: false, the only mode model.cuda_graphs=true takes, "
+                           "does not fit; a run would warn and use false")
+    assert qwenft_alone("plan", *args, "model.activation_checkpointing=false", f"plan.gpu_memory_gib={limit!r}",
+                        "--json") == 0
+    assert json.loads(capfd.readouterr().out)["cheapest_ac_mode"] is None
+
+
 def test_plan_command_says_what_a_run_chooses(tmp_path, capfd):
     """`qwenft plan` with auto prints the plan of the chosen mode, as if it had been set, and names it."""
     args = ["recipe=tiny", "data.seq_len=128"]

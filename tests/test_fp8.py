@@ -120,8 +120,8 @@ def test_tensor_parallel_fp8_follows_one_process(tmp_path):
     (["model.fp8=tensorwise", "peft=lora"], "model.fp8=tensorwise with peft=lora: float8 linears do not take LoRA "
                                             "adapters yet; use peft=none or model.fp8=off"),
     (["model.fp8=rowwise", "data.seq_len=100", "train.micro_batch_size=1", "train.global_batch_size=1"],
-     "model.fp8=rowwise: a microbatch holds 100 tokens a rank (train.micro_batch_size x data.seq_len / mesh.cp), "
-     "and float8 GEMMs need a multiple of 16; change data.seq_len"),
+     "model.fp8=rowwise: a microbatch holds 100 tokens a rank (train.micro_batch_size x data.seq_len / mesh.cp, "
+     "rounded up), and float8 GEMMs need a multiple of 16; change data.seq_len or train.micro_batch_size"),
 ])
 def test_bad_fp8_settings_fail_with_one_line(tmp_path, overrides, message):
     """Through `qwenft train`'s own checks, with activation checkpointing given (not `auto`, whose plan resolves the
@@ -139,3 +139,14 @@ def test_bad_fp8_settings_fail_with_one_line(tmp_path, overrides, message):
     assert run_distributed(train, 1, tiny_overrides(tmp_path, *overrides, "model.activation_checkpointing=false")) \
         == [message]
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_fp8_counts_a_context_parallel_ranks_padded_span(capfd):
+    """Context parallel pads the stream to a multiple of mesh.cp before splitting it, so 33 tokens over cp2 put 17 on
+    a rank, which float8's GEMMs refuse: refused at the start, as 34 tokens are."""
+    from helpers import qwenft_alone
+
+    for seq_len in (33, 34):
+        assert qwenft_alone("plan", "recipe=tiny", "mesh.cp=2", f"data.seq_len={seq_len}", "model.fp8=rowwise",
+                            "train.micro_batch_size=1", "train.global_batch_size=4", "model.kernels.gdn=torch") == 2
+        assert "model.fp8=rowwise: a microbatch holds 17 tokens a rank" in capfd.readouterr().err, seq_len

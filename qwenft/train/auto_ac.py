@@ -54,9 +54,8 @@ def rank_mode_peaks(cfg: Config, model_cfg, layout, mesh) -> dict[str, int]:
 
 
 def choose(worst: dict[str, int], limit_gib: float, cuda_graphs: bool) -> str | None:
-    """The first mode of AC_BY_COST whose highest peak stays under (1 - AC_MARGIN) x `limit_gib`, or None; only
-    off with CUDA graphs (their replay cannot recompute)."""
-    return plan.first_fitting(worst, limit_gib, ("false",) if cuda_graphs else plan.AC_BY_COST)
+    """The first usable mode whose highest peak stays under (1 - AC_MARGIN) x `limit_gib`, or None."""
+    return plan.first_fitting(worst, limit_gib, plan.usable_ac_modes(cuda_graphs))
 
 
 def fallback(cfg: Config) -> str:
@@ -77,7 +76,8 @@ def planned(cfg: Config) -> tuple[Config, list, str | None]:
     if mode != "false":
         plans = plan.predict(resolved)
     note = (f"model.activation_checkpointing=auto: a run chooses {mode}" if chosen else
-            f"model.activation_checkpointing=auto: no mode fits; a run would warn and use {mode}")
+            f"model.activation_checkpointing=auto: {plan.no_mode_fits(cfg.model.cuda_graphs)}; a run would warn and "
+            f"use {mode}")
     return resolved, plans, note
 
 

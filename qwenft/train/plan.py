@@ -383,11 +383,22 @@ def first_fitting(worst: dict[str, int], limit_gib: float, modes=AC_BY_COST) -> 
     return next((mode for mode in modes if worst[mode] <= (1 - AC_MARGIN) * limit_gib * GIB), None)
 
 
-def cheapest_ac_mode(plans: list[RankPlan], limit_gib: float) -> tuple[str | None, dict[str, int]]:
-    """The cheapest model.activation_checkpointing mode (AC_BY_COST) whose planned peak on every rank stays under
-    (1 - AC_MARGIN) x `limit_gib`, or None when none does; and each mode's highest peak over the ranks."""
+def usable_ac_modes(cuda_graphs: bool) -> tuple[str, ...]:
+    """The model.activation_checkpointing modes a run can take, cheapest first: only off under CUDA graphs (their
+    replay cannot recompute)."""
+    return ("false",) if cuda_graphs else AC_BY_COST
+
+
+def cheapest_ac_mode(plans: list[RankPlan], limit_gib: float, cuda_graphs: bool = False
+                     ) -> tuple[str | None, dict[str, int]]:
+    """The cheapest usable model.activation_checkpointing mode (`usable_ac_modes`) whose planned peak on every rank
+    stays under (1 - AC_MARGIN) x `limit_gib`, or None when none does; and each mode's highest peak over the ranks."""
     worst = {mode: max(p.ac_mode_peaks[mode] for p in plans) for mode in AC_BY_COST}
-    return first_fitting(worst, limit_gib), worst
+    return first_fitting(worst, limit_gib, usable_ac_modes(cuda_graphs)), worst
+
+
+def no_mode_fits(cuda_graphs: bool) -> str:
+    return ("false, the only mode model.cuda_graphs=true takes, does not fit" if cuda_graphs else "no mode fits")
 
 
 # ---------------------------------------------------------------- every rank
@@ -524,8 +535,9 @@ def format_table(plans: list[RankPlan], cfg: Config) -> str:
                   f"{worst.total_bytes / size:.2f} {unit} (limit {limit:g} GiB)"
                   + (f"; {sum(p.total_bytes > limit * GIB for p in plans)} rank(s) OVER" if worst.total_bytes > limit * GIB
                      else "")]
-    chosen, by_mode = cheapest_ac_mode(plans, limit)
-    lines.append(f"activation checkpointing: {f'{chosen} is the cheapest mode' if chosen else 'no mode fits'} "
+    chosen, by_mode = cheapest_ac_mode(plans, limit, cfg.model.cuda_graphs)
+    lines.append(f"activation checkpointing: "
+                 f"{f'{chosen} is the cheapest mode' if chosen else no_mode_fits(cfg.model.cuda_graphs)} "
                  f"{modes_summary(by_mode, limit, 'the limit')}")
     return "\n".join(lines)
 
@@ -548,5 +560,5 @@ def to_json(plans: list[RankPlan], cfg: Config) -> dict:
                          "activation_checkpointing": cfg.model.activation_checkpointing, "ac_on_mode": ac_mode(cfg)},
             "gpu_memory_gib": cfg.plan.gpu_memory_gib,
             "over": [p.rank for p in plans if p.total_bytes > cfg.plan.gpu_memory_gib * GIB],
-            "cheapest_ac_mode": cheapest_ac_mode(plans, cfg.plan.gpu_memory_gib)[0],
+            "cheapest_ac_mode": cheapest_ac_mode(plans, cfg.plan.gpu_memory_gib, cfg.model.cuda_graphs)[0],
             "ranks": [dataclasses.asdict(p) for p in plans]}

@@ -278,10 +278,11 @@ def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bo
     if cfg.peft.method != "none":
         raise ValueError(f"model.fp8={recipe} with peft={cfg.peft.method}: float8 linears do not take LoRA adapters "
                          f"yet; use peft=none or model.fp8=off")
-    tokens = batching.microbatch_size * cfg.data.seq_len // layout.cp
+    tokens = -(-batching.microbatch_size * cfg.data.seq_len // layout.cp)  # cp pads the stream to a multiple of cp
     if tokens % 16:
         raise ValueError(f"model.fp8={recipe}: a microbatch holds {tokens} tokens a rank (train.micro_batch_size x "
-                         f"data.seq_len / mesh.cp), and float8 GEMMs need a multiple of 16; change data.seq_len")
+                         f"data.seq_len / mesh.cp, rounded up), and float8 GEMMs need a multiple of 16; change "
+                         f"data.seq_len or train.micro_batch_size")
 
 
 def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
