@@ -228,6 +228,9 @@ def _export(args: list[str]) -> int:
                           f"alone without merged=true")
     hf_export.check_out_dir(out)
     model_cfg = files.model_config_from_meta(meta)
+    if lora is not None and not merged and cfg.model.mtp != "keep":
+        raise ConfigError(f"{path} trained the MTP head with peft={saved_peft['method']} (model.mtp={cfg.model.mtp}), "
+                          f"which a peft adapter dir cannot carry; export it with merged=true")
     if lora is not None and not merged:
         state = dcp.load_model_state(path, model_cfg, getattr(torch, dtype), lora, mtp=cfg.model.mtp)
         tied = model_cfg.tie_word_embeddings

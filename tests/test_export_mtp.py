@@ -110,7 +110,10 @@ def test_dense_head_through_the_run_export_and_qwenft_export_without_the_source(
 
 def test_moe_head_with_per_expert_tensors(tmp_path):
     """transformers' MoE checkpoint stores one tensor per expert, and so does its head here: the export writes the
-    trunk's experts fused and the head's as they were."""
+    trunk's experts fused and the head's as they were; that export is a model.path again, its head trained from
+    the per-expert tensors beside a fused trunk."""
+    from qwenft.models.qwen3_5 import adapter
+
     src, run_dir = tmp_path / "src", tmp_path / "run"
     make_hf_moe_model(_model_cfg("tiny_moe")).save_pretrained(src)
     head = _give_head(src, shards=False)
@@ -118,6 +121,13 @@ def test_moe_head_with_per_expert_tensors(tmp_path):
     train_alone(tiny_overrides(run_dir, f"model.path={src}", *ONE_STEP, "model.kernels.moe=loop",
                                "checkpoint.export_hf=true"))
     _assert_head(run_dir / "hf", head)
+    from qwenft.models.loader import checkpoint_files
+
+    assert adapter.detect_per_expert(checkpoint_files(run_dir / "hf")) == adapter.PerExpert(trunk=False, mtp=True)
+    again = tmp_path / "again"
+    train_alone(tiny_overrides(again, f"model.path={run_dir / 'hf'}", *ONE_STEP, "model.kernels.moe=loop",
+                               "model.mtp=train", "checkpoint.export_hf=false"))
+    assert "done: 1 steps" in (again / "train.log").read_text()
 
 
 def test_moe_head_with_fused_experts_through_merged_lora_exports(tmp_path, capfd):

@@ -99,6 +99,18 @@ def test_random_init_is_independent_of_the_split():
     assert not torch.equal(full.layers["0"].mlp.up_proj.weight, full.layers["1"].mlp.up_proj.weight)
 
 
+def test_random_init_starts_every_rmsnorm_of_the_model_and_its_mtp_head_at_one():
+    """Zero-centred RMSNorms scale by (1 + weight): a fresh model's, its MTP head's included (the head's two pre-fc
+    norms too), start at zeros, as transformers initialises them."""
+    from qwenft.models.loader import init_value
+
+    for name in ("norm.weight", "layers.0.input_layernorm.weight", "layers.3.self_attn.q_norm.weight",
+                 "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+                 "mtp.layers.0.post_attention_layernorm.weight"):
+        assert not init_value(name, (16,), seed=0).any(), name
+    assert init_value("layers.0.linear_attn.norm.weight", (16,), seed=0).eq(1).all()  # a plain-weight RMSNorm
+
+
 def _sharded_load(rank, world, ckpt, tp):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -223,7 +223,8 @@ def test_per_expert_checkpoint_reads_any_box_of_experts(tiny_pair):
     straddle the gate/up boundary, a column range, all from transformers' per-expert tensors."""
     cfg, hf, model, hf_dir = tiny_pair
     full = model.layers["1"].mlp.experts.gate_up_proj
-    src = adapter.hf_source("layers.1.mlp.experts.gate_up_proj", cfg.text, per_expert=True)
+    src = adapter.hf_source("layers.1.mlp.experts.gate_up_proj", cfg.text,
+                             per_expert=adapter.PerExpert(trunk=True))
     with safe_open(hf_dir / "model.safetensors", "pt") as f:
         box = read_expert_box(f.get_slice, src, full.shape, (3, 20, 16), (2, 22, 8))
         with pytest.raises(ValueError, match="shape mismatch"):

@@ -200,6 +200,49 @@ def test_bad_mtp_keys_fail_with_one_line(tmp_path, overrides, message):
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("on_nonfinite", ["error", "skip"])
+def test_head_mode_stops_or_skips_a_step_whose_head_gradient_is_not_finite(tmp_path, on_nonfinite):
+    """model.mtp=head clips the head's gradients apart from the trunk's: a head whose gradient overflows (a row of
+    mtp.fc at 1e38, finite in bf16) stops the run or skips the step as train.on_nonfinite says, as the trunk's
+    would, while the trunk's own norm stays finite; the head's norm is logged as mtp_grad_norm."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from test_export_mtp import ONE_STEP, _give_head, _model_cfg
+
+    src, run_dir = tmp_path / "src", tmp_path / "run"
+    make_hf_model(_model_cfg("tiny")).save_pretrained(src)
+    _give_head(src, shards=False)
+    weights = load_file(src / "model.safetensors")
+    weights["mtp.fc.weight"][0] = 1e38
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    overrides = tiny_overrides(run_dir, f"model.path={src}", *ONE_STEP, "model.mtp=head",
+                               f"train.on_nonfinite={on_nonfinite}", "checkpoint.export_hf=false")
+    if on_nonfinite == "error":
+        with pytest.raises(ValueError, match=r"^non-finite loss/grad norm at step 1 \(loss=[0-9.]+, grad_norm=[0-9.]+, "
+                                             r"mtp_grad_norm=(nan|inf)\); "):
+            train_alone(overrides)
+        return
+    train_alone(overrides)
+    (row,) = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert row["skipped_steps"] == 1 and math.isfinite(row["grad_norm"]) and not math.isfinite(row["mtp_grad_norm"])
+
+
+def test_lora_with_a_trained_head_exports_merged_only(tmp_path):
+    """peft=lora with model.mtp=train and checkpoint.export_hf=true is refused before anything is written: a peft
+    adapter dir cannot carry the head."""
+    from qwenft.train.build import model_config
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError) as info:
+        model_config(compose(tiny_overrides(run_dir, "peft=lora", "model.mtp=train", "checkpoint.export_hf=true")))
+    assert str(info.value) == ("model.mtp=train with peft=lora and checkpoint.export_hf=true: a peft adapter dir cannot "
+                               "carry the trained MTP head (peft and vLLM load adapters onto the trunk alone); set "
+                               "checkpoint.export_hf=merged, or false")
+    assert not run_dir.exists()
+
+
 def test_training_a_head_the_checkpoint_lacks_fails_with_one_line(tmp_path):
     from helpers import save_random_checkpoint
     from qwenft.models.qwen3_5.configs import named_config
@@ -382,9 +425,10 @@ def test_qwenft_export_of_a_checkpoint_writes_the_trained_head(tmp_path, capfd):
 
 
 @pytest.mark.slow
-def test_lora_on_the_head_merges_the_same_at_the_end_of_the_run_and_in_qwenft_export(tmp_path):
+def test_lora_on_the_head_merges_the_same_at_the_end_of_the_run_and_in_qwenft_export(tmp_path, capfd):
     """peft=lora with model.mtp=train on a checkpoint with a head: the run's merged export and `qwenft export
-    merged=true` of its checkpoint write the same head, its adapters merged (not the kept source tensors)."""
+    merged=true` of its checkpoint write the same head, its adapters merged (not the kept source tensors); its
+    adapters alone (no merged=true) are refused."""
     from safetensors import safe_open
 
     from helpers import qwenft_alone
@@ -412,6 +456,11 @@ def test_lora_on_the_head_merges_the_same_at_the_end_of_the_run_and_in_qwenft_ex
         assert torch.equal(ran[key], exported[key]), key
     q_proj = "mtp.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(ran[q_proj], source[q_proj].to(ran[q_proj].dtype))
+    capfd.readouterr()
+    assert qwenft_alone("export", f"run_dir={run_dir}", f"out={tmp_path / 'adapter'}") == 2
+    assert "trained the MTP head with peft=lora (model.mtp=train), which a peft adapter dir cannot carry; export it " \
+           "with merged=true" in capfd.readouterr().err
+    assert not (tmp_path / "adapter").exists()
 
 
 @pytest.mark.parametrize("before, after", [("keep", "train"), ("head", "keep")])

@@ -359,7 +359,7 @@ def _init_value(name: str, shape, gen: torch.Generator, std: float) -> torch.Ten
         return torch.ones(shape)
     if name.startswith("visual.") and ".norm" in name and leaf == "weight":  # vision LayerNorms: plain weight
         return torch.ones(shape)
-    if name.endswith("norm.weight"):  # zero-centred RMSNorm: (1 + weight)
+    if leaf == "weight" and "norm" in name.rsplit(".", 2)[-2]:  # zero-centred RMSNorm: (1 + weight)
         return torch.zeros(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)

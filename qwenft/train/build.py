@@ -82,6 +82,10 @@ def _check_mtp(cfg: Config, model_cfg) -> None:
         raise ValueError(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} must be >= 0")
     if mode == "keep":
         return
+    if cfg.peft.method != "none" and cfg.checkpoint.export_hf == "true":
+        raise ValueError(f"model.mtp={mode} with peft={cfg.peft.method} and checkpoint.export_hf=true: a peft adapter "
+                         f"dir cannot carry the trained MTP head (peft and vLLM load adapters onto the trunk alone); "
+                         f"set checkpoint.export_hf=merged, or false")
     if cfg.model.path is None:
         model_cfg.text.mtp_num_hidden_layers = 1
     elif model_cfg.text.mtp_num_hidden_layers == 0:

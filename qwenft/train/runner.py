@@ -165,10 +165,12 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     params = job.params
     # LowPrecisionAdamW applies the clip coefficient inside its step (no pass of its own over the gradients)
     deferred = job.optimizer if isinstance(job.optimizer, LowPrecisionAdamW) else None
+    head_norm = None
     if job.cfg.model.mtp == "head":  # the head's gradients clipped alone: the trunk's norm and clipping as without it
         head = {id(p) for p in job.head_params}
         params = [p for p in params if id(p) not in head]
-        clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
+        head_norm = clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device,
+                                    optimizer=deferred)
     grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
     lr = job.scheduler.get_last_lr()[0]
     # the step's wait for the GPU (a dense model's only one; an MoE's routing metrics and the MTP head's read
@@ -179,19 +181,23 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
         job.data.make_ahead(job.spec.batching.num_microbatches)
     loss_value = step_loss.item()
     norm_value, token_count, stop_signal = grad_norm.item(), int(label_tokens.item()), signals.agreed_signal(stop_flag)
-    # loss and grad norm are reduced over every rank, so all ranks take the same branch
-    if math.isfinite(loss_value) and math.isfinite(norm_value):
+    norms = f"grad_norm={norm_value}"
+    if head_norm is not None:  # model.mtp=head: the head's own norm, which the trunk's leaves out
+        mtp_metrics["mtp_grad_norm"] = head_norm.item()
+        norms += f", mtp_grad_norm={mtp_metrics['mtp_grad_norm']}"
+    # the loss and the norms are reduced over every rank, so all ranks take the same branch
+    if math.isfinite(loss_value) and math.isfinite(norm_value) and math.isfinite(mtp_metrics.get("mtp_grad_norm", 0)):
         job.optimizer.step()
         job.scheduler.step()
     elif cfg.train.on_nonfinite == "error":
         job.checkpointer.wait()  # checkpoint.async_save: publish the save in flight (every rank is on this branch)
-        raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, grad_norm={norm_value}); "
+        raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, {norms}); "
                          "lower optim.lr, keep optim.max_grad_norm > 0, or set train.on_nonfinite=skip to skip such "
                          "steps")
     else:
         result.skipped_steps += 1
-        log.warning("step %d skipped: non-finite loss=%s or grad_norm=%s (train.on_nonfinite=skip, %d skipped "
-                    "so far)", step, loss_value, norm_value, result.skipped_steps)
+        log.warning("step %d skipped: non-finite loss=%s or %s (train.on_nonfinite=skip, %d skipped so far)", step,
+                    loss_value, norms, result.skipped_steps)
     job.optimizer.zero_grad(set_to_none=True)
     return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics, stop_signal)
 

@@ -26,7 +26,6 @@ from .configs import TextConfig
 CAUSAL_LM_PREFIX = "model."
 VLM_PREFIX = "model.language_model."
 VISUAL_PREFIX = "model.visual."
-# In released checkpoints but not part of this model: the multi-token-prediction head (qwenft.checkpoint.mtp keeps
 # The multi-token-prediction head: top-level `mtp.*` in released checkpoints, the same names natively (mtp.py);
 # skipped by a model without the head (model.mtp=keep, which passes the tensors through to exports untouched)
 MTP_PREFIX = "mtp."
@@ -54,9 +53,18 @@ class ExpertSource(NamedTuple):
 _EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def detect_per_expert(hf_keys) -> bool:
-    """True if the checkpoint stores one tensor per expert (`mlp.experts.0.gate_proj.weight`), not fused ones."""
-    return any(k.endswith(".mlp.experts.0.gate_proj.weight") for k in hf_keys)
+class PerExpert(NamedTuple):
+    """Which experts a checkpoint stores one tensor per expert (`mlp.experts.0.gate_proj.weight`), not fused: the
+    trunk's, the MTP head's. They may differ: an export of a run that kept its source's head (model.mtp=keep) writes
+    the trunk's experts fused beside the head as the source stored it."""
+    trunk: bool = False
+    mtp: bool = False
+
+
+def detect_per_expert(hf_keys) -> PerExpert:
+    first = [k for k in hf_keys if k.endswith(".mlp.experts.0.gate_proj.weight")]
+    return PerExpert(trunk=any(not k.startswith(MTP_PREFIX) for k in first),
+                     mtp=any(k.startswith(MTP_PREFIX) for k in first))
 
 
 def source_keys(src, num_experts: int) -> list[str]:
@@ -72,18 +80,19 @@ def detect_prefix(hf_keys) -> str:
 
 
 def hf_source(native_key: str, cfg: TextConfig, prefix: str = CAUSAL_LM_PREFIX, tied: bool = False,
-              per_expert: bool = False) -> Source | ExpertSource:
-    """Where a native tensor comes from in an HF checkpoint (`per_expert`: experts stored one per tensor)."""
+              per_expert: PerExpert = PerExpert()) -> Source | ExpertSource:
+    """Where a native tensor comes from in an HF checkpoint (`per_expert`: whose experts are stored one per
+    tensor)."""
     if native_key.startswith("visual."):
         return Source(VISUAL_PREFIX + native_key[len("visual."):])
     if native_key == "lm_head.weight":
         return Source(prefix + "embed_tokens.weight") if tied else Source("lm_head.weight")
     parts = native_key.split(".")
     if parts[0] == "mtp":  # top-level, native names; its layer is full attention (no GDN splits)
-        if per_expert and parts[1] == "layers" and parts[3:5] == ["mlp", "experts"]:
+        if per_expert.mtp and parts[1] == "layers" and parts[3:5] == ["mlp", "experts"]:
             return ExpertSource(".".join(parts[:5]) + ".", _EXPERT_PROJECTIONS[parts[5]])
         return Source(native_key)
-    if per_expert and parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
+    if per_expert.trunk and parts[0] == "layers" and parts[2:4] == ["mlp", "experts"]:
         return ExpertSource(prefix + ".".join(parts[:4]) + ".", _EXPERT_PROJECTIONS[parts[4]])
     if parts[0] == "layers" and parts[2] == "linear_attn":
         name = ".".join(parts[3:])
@@ -139,6 +148,7 @@ def to_hf_state_dict(native_sd: dict, cfg: TextConfig, prefix: str = CAUSAL_LM_P
     return out
 
 
-def expected_hf_keys(native_keys, cfg: TextConfig, prefix: str, tied: bool, per_expert: bool = False) -> set[str]:
+def expected_hf_keys(native_keys, cfg: TextConfig, prefix: str, tied: bool,
+                     per_expert: PerExpert = PerExpert()) -> set[str]:
     return {key for k in native_keys if not (tied and k == "lm_head.weight")
             for key in source_keys(hf_source(k, cfg, prefix, tied, per_expert), cfg.num_experts)}
