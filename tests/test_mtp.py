@@ -190,7 +190,8 @@ def test_every_mesh_trains_the_head_as_one_process(tmp_path, reference, mesh):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.mtp=yes"], "model.mtp='yes' is not valid; choose one of keep, train, head"),
-    (["model.mtp=train", "model.mtp_loss_weight=-1"], "model.mtp_loss_weight=-1.0 must be >= 0"),
+    (["model.mtp=train", "model.mtp_loss_weight=-1"], "model.mtp_loss_weight=-1.0 must be a finite number >= 0"),
+    (["model.mtp=head", "model.mtp_loss_weight=inf"], "model.mtp_loss_weight=inf must be a finite number >= 0"),
 ])
 def test_bad_mtp_keys_fail_with_one_line(tmp_path, overrides, message):
     from qwenft.train.build import model_config

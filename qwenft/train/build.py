@@ -78,8 +78,8 @@ def _check_mtp(cfg: Config, model_cfg) -> None:
     mode = cfg.model.mtp
     if mode not in MODES:
         raise ValueError(f"model.mtp={mode!r} is not valid; choose one of {', '.join(MODES)}")
-    if not cfg.model.mtp_loss_weight >= 0:
-        raise ValueError(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} must be >= 0")
+    if not 0 <= cfg.model.mtp_loss_weight < float("inf"):
+        raise ValueError(f"model.mtp_loss_weight={cfg.model.mtp_loss_weight} must be a finite number >= 0")
     if mode == "keep":
         return
     if cfg.peft.method != "none" and cfg.checkpoint.export_hf == "true":
