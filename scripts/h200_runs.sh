@@ -174,13 +174,17 @@ fake_tp_sp_graphs)  # tensor parallel's ceiling with sequence parallelism: one G
 # world fills every collective's output from the rank's own data (fake_pg.LocalCopyGroup), so the losses are finite
 # but not a real run's, and can grow past bf16's range through the layers: train.on_nonfinite=skip keeps such a step
 # timed (its optimizer step skipped, 1-2% of a step; the log's "step N skipped" lines say which); per GPU = tokens/s
-# against tp1's. FAKE_TPS (default "2 4") picks the worlds; the limits allow a cold machine's compiles. Ten steps, the
-# last five timed: a graphed fake world's step can keep getting faster for several steps after the first
+# against tp1's. FAKE_TPS (default "2 4") picks the worlds, FAKE_SP (default "true") sequence parallelism on or off
+# for each (FAKE_SP="true false": both, named fake_tpN_sp_graphs and fake_tpN_graphs); the limits allow a cold
+# machine's compiles. Ten steps, the last five timed: a graphed fake world's step can keep getting faster for several
+# steps after the first
 bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
 for tp in ${FAKE_TPS:-2 4}; do
-  bench fake_tp${tp}_sp_graphs 250 1 0 "--warmup 5 --fake-world $tp" train.max_steps=10 $bf16 \
-    model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp mesh.sequence_parallel=true \
-    train.on_nonfinite=skip
+  for sp in ${FAKE_SP:-true}; do
+    bench fake_tp${tp}$([ "$sp" = true ] && echo _sp)_graphs 250 1 0 "--warmup 5 --fake-world $tp" train.max_steps=10 \
+      $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
+      mesh.sequence_parallel=$sp train.on_nonfinite=skip
+  done
 done ;;
 tp_weight_grad)  # a tp rank's weight gradients added inside its shards' matmuls (model.kernels.weight_grad=in_matmul,
 # auto's choice) against autograd's adds, rank 0 of a fake tp2 world with sequence parallelism, compiled, bf16, AC
