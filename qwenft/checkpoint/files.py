@@ -101,7 +101,7 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
         if saved_head != (mtp != "keep"):
             there = "a trained MTP head (model.mtp=train or head)" if saved_head else "no MTP head (model.mtp=keep)"
             raise ValueError(f"checkpoint.resume={resume}: {path} holds {there}, this run has model.mtp={mtp}; "
-                             f"resume with the model.mtp it was trained with, or set checkpoint.resume=none")
+                             f"resume with the model.mtp it was trained with, or {afresh(resume)}")
     meta = read_meta(path)
     saved_peft, peft = meta.get("peft") or {"method": "none"}, peft or {"method": "none"}
     # the frozen base is compared by train.resume.check_base (files fingerprint); alpha only where it was recorded
@@ -112,13 +112,13 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
         there = ", ".join(f"peft.{k}={saved_peft.get(k)}" for k in differ)
         here = ", ".join(f"peft.{k}={peft.get(k)}" for k in differ)
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
-                         f"with the peft.* it was trained with, or set checkpoint.resume=none")
+                         f"with the peft.* it was trained with, or {afresh(resume)}")
     saved_dtypes = meta.get("optim_dtypes")
     if optim_dtypes is not None and saved_dtypes is not None and saved_dtypes != optim_dtypes:
         there = ", ".join(f"optim.{k}={v}" for k, v in sorted(saved_dtypes.items()))
         here = ", ".join(f"optim.{k}={v}" for k, v in sorted(optim_dtypes.items()))
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
-                         f"with the same optim.state_dtype and optim.master_dtype, or set checkpoint.resume=none")
+                         f"with the same optim.state_dtype and optim.master_dtype, or {afresh(resume)}")
     saved = _flat(meta["model_config"])
     now = _flat(json.loads(json.dumps(dataclasses.asdict(model_config))))  # lists and tuples as JSON has them
     diff = [f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(saved) | set(now))
@@ -126,8 +126,8 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
     if diff:
         more = f" (+{len(diff) - 3} more)" if len(diff) > 3 else ""
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved from another model ({'; '.join(diff[:3])}"
-                         f"{more}); resume with the model.* and data.tokenizer it was trained with, or set "
-                         f"checkpoint.resume=none")
+                         f"{more}); resume with the model.* and data.tokenizer it was trained with, or "
+                         f"{afresh(resume)}")
 
 
 def _crc32(path: Path) -> int:
@@ -181,6 +181,12 @@ def summary(problems: list[str]) -> str:
     return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
 
 
+def afresh(resume: str) -> str:
+    """How to start afresh instead of `checkpoint.resume=resume`: with auto the checkpoint is the run dir's own, and
+    checkpoint.resume=none is refused there (the runs' checkpoints would mix); another run's is left with none."""
+    return "start afresh in a new run_dir" if resume == "auto" else "set checkpoint.resume=none"
+
+
 def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
          valid: str = "auto or none") -> tuple[Path | None, list[str]]:
     """The checkpoint dir that `key=value` names, verified against its manifest before anything loads it;
@@ -214,7 +220,7 @@ def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",
         passed_over.append(f"{ckpt_root / name} is incomplete or corrupt ({summary(problems)})")
     if passed_over:
         raise ValueError(f"{key}={value}: no complete checkpoint in {ckpt_root}: {' | '.join(passed_over)}; "
-                         f"delete {ckpt_root} to start afresh, or set {key}=none")
+                         f"delete {ckpt_root} to start afresh in this run_dir, or give a new run_dir")
     return None, []
 
 
