@@ -65,10 +65,15 @@ def _local_workers_command(cfg: Config, overrides: list[str], run_dir: str) -> l
 
 def _launch_local_workers(cfg: Config, overrides: list[str]) -> int:
     """Plain `qwenft train launcher.nproc_per_node=N`: start N workers through torch.distributed.run."""
+    from qwenft.conf.layout import resolve_layout
     from qwenft.launch import signals
     from qwenft.launch.slurm import SHUTDOWN_TIMEOUT
     from qwenft.train.rundir import default_run_dir
 
+    nproc = cfg.launcher.nproc_per_node
+    # the mesh against the workers before any starts (each would stop on it without naming the launcher key)
+    resolve_layout(cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.dp, nproc,
+                   ranks=f"launcher.nproc_per_node={nproc} starts {nproc} ranks", ep=cfg.mesh.ep, cp=cfg.mesh.cp)
     run_dir = cfg.run_dir or default_run_dir(cfg.recipe)
     cmd = _local_workers_command(cfg, overrides, run_dir)
     signals.clear_marker(Path(run_dir))
@@ -113,10 +118,22 @@ def _slurm(args: list[str]) -> int:
     if shutil.which("sbatch") is None:
         raise ConfigError("sbatch not found on PATH; run qwenft slurm on a SLURM login node "
                           "(or add --dry-run to print the script)")
+    # a refused submission leaves no trace: the dirs it made go, an earlier slurm.sh comes back
+    made = next((d for d in reversed([Path(run_dir), *Path(run_dir).parents]) if not d.exists()), None)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     script_path = Path(run_dir) / "slurm.sh"
+    before = script_path.read_text() if script_path.is_file() else None
     script_path.write_text(script)
-    job_id = slurm.submit(str(script_path))
+    try:
+        job_id = slurm.submit(str(script_path))
+    except ValueError:
+        if made is not None:
+            shutil.rmtree(made)
+        elif before is not None:
+            script_path.write_text(before)
+        else:
+            script_path.unlink()
+        raise
     config = Path(run_dir) / "config.yaml"
     if not config.exists():  # a run dir's own config.yaml stays as its run wrote it: the job checks and rewrites it
         config.write_text(to_yaml(cfg, run_dir=run_dir))
@@ -130,20 +147,18 @@ def _check_as_train_starts(cfg: Config, layout: Layout, overrides: list[str]) ->
     train's one line (with the job's ranks where the layout matters). A model.path this machine cannot read (a
     container's mount) leaves the model's checks to the job's start: the note saying so, else None."""
     from qwenft.launch.slurm import ranks
-    from qwenft.train.build import lora_config, model_config
+    from qwenft.train.build import check_what_trains, model_config
     from qwenft.train.spec import checked_batching, resolve_spec
 
     readable = not cfg.model.path or Path(cfg.model.path).exists()  # a file there: train's one line about it
     model_cfg = model_config(cfg) if readable else None
-    if model_cfg is not None and (lora := lora_config(cfg)) is not None:
-        from qwenft.models.lora import check_targets
-
-        check_targets(model_cfg, lora)
     try:  # the packages the job needs (torchao, fla) are the job's machine's (or container's), not this one's
         if model_cfg is None:
             checked_batching(cfg, layout, packages_here=False)
         else:
-            resolve_spec(cfg, layout, model_cfg, "cuda" if cfg.launcher.gpus_per_node else "cpu", packages_here=False)
+            check_what_trains(cfg, model_cfg, resolve_spec(cfg, layout, model_cfg,
+                                                           "cuda" if cfg.launcher.gpus_per_node else "cpu",
+                                                           packages_here=False))
     except ValueError as e:
         cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
         where = f"{ranks(cfg, overrides)[1]} = pp {layout.pp} x dp {layout.dp}{cp} x tp {layout.tp}"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, compose, read_metrics, run_qwenft
 from qwenft.cli import main
@@ -354,18 +355,76 @@ def test_unwritable_kernel_cache_dir_is_one_line_and_leaves_no_run_dir(tmp_path,
     assert not run_dir.exists()
 
 
-def test_settings_that_do_nothing_are_named_at_the_start():
+def _moot(overrides, max_steps=150):
+    from qwenft.train.build import model_config
     from qwenft.train.moot import moot_settings
+    from qwenft.train.plan import resolve_plan_layout
+    from qwenft.train.spec import resolve_spec
 
-    assert moot_settings(compose(["recipe=tiny"]), max_steps=150) == []
-    cfg = compose(["recipe=tiny", "lr_scheduler=constant", "lr_scheduler.warmup_steps=10",
-                   "logger.wandb_project=mine", "model.mtp_loss_weight=0.3", "pipeline.schedule=gpipe",
-                   "pipeline.virtual_stages=2"])
-    assert moot_settings(cfg, max_steps=5) == [
+    cfg = compose(overrides)
+    model_cfg = model_config(cfg)
+    spec = resolve_spec(cfg, resolve_plan_layout(cfg), model_cfg, "cpu")
+    return cfg, moot_settings(cfg, max_steps, spec, model_cfg.vision is not None)
+
+
+def test_settings_that_do_nothing_are_named_at_the_start():
+    assert _moot(["recipe=tiny"])[1] == []
+    cfg, notes = _moot(["recipe=tiny", "lr_scheduler=constant", "lr_scheduler.warmup_steps=10",
+                        "logger.wandb_project=mine", "model.mtp_loss_weight=0.3", "pipeline.schedule=gpipe",
+                        "pipeline.virtual_stages=2", "pipeline.stage_layers=[[0,1],[2,3]]", "mesh.vocab_parallel=false",
+                        "mesh.cp_balanced_attention=false", "model.freeze_vision=true",
+                        "model.vision_activation_checkpointing=true"], max_steps=5)
+    assert notes == [
         "lr_scheduler.min_lr_ratio=0.1 has no effect with lr_scheduler.decay=constant",
         f"lr_scheduler.warmup_steps=10 is not below the run's 5 steps: the whole run warms up (the lr reaches "
         f"optim.lr={cfg.optim.lr} at step 10) and no decay follows",
         "logger.wandb_project=mine has no effect without logger.wandb=true (logger=wandb)",
-        "pipeline.schedule=gpipe, pipeline.virtual_stages=2 have no effect with mesh.pp=1 (no pipeline)",
+        "mesh.vocab_parallel=false has no effect with mesh.tp=1",
+        "mesh.cp_balanced_attention=false has no effect with mesh.cp=1",
+        "model.freeze_vision=true, model.vision_activation_checkpointing=true have no effect on a text model (no "
+        "vision tower)",
+        "pipeline.schedule=gpipe, pipeline.virtual_stages=2, pipeline.stage_layers=[[0, 1], [2, 3]] have no effect "
+        "with mesh.pp=1 (no pipeline)",
         "model.mtp_loss_weight=0.3 has no effect with model.mtp=keep (no MTP head trains); set model.mtp=train"]
-    assert moot_settings(compose(["recipe=tiny_pp2"]), max_steps=150) == []
+    assert _moot(["recipe=tiny_pp2"])[1] == []
+    assert _moot(["recipe=tiny_vlm", "model.freeze_vision=true"])[1] == []
+    assert _moot(["recipe=tiny", "mesh.dp=2", "train.global_batch_size=4", "train.micro_batch_size=2",
+                  "pipeline.reduce_grad_per_microbatch=true"])[1] == [
+        "pipeline.reduce_grad_per_microbatch=true has no effect when a step is one forward and backward (one "
+        "microbatch a rank, mesh.pp=1): its gradients are reduce-scattered once anyway"]
+
+
+def test_a_recipes_pipeline_keys_do_not_stop_a_run_without_a_pipeline():
+    """A pipeline recipe's schedule and virtual stages meeting mesh.pp=1 on the command line are named as settings
+    that do nothing (above), not refused."""
+    from helpers import qwenft_alone
+
+    assert qwenft_alone("plan", "recipe=qwen3_5_122b_a10b", "mesh.pp=1", "model.num_layers=4") == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_nccl_without_cuda_is_one_line(tmp_path, capfd):
+    from helpers import qwenft_alone, tiny_overrides
+
+    assert qwenft_alone("train", *tiny_overrides(tmp_path / "run", "mesh.backend=nccl")) == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        "qwenft: error: mesh.backend=nccl needs CUDA GPUs, and this machine has none; use mesh.backend=auto or gloo")
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_names_an_expert_count_that_mesh_ep_does_not_divide(capfd):
+    """`qwenft plan` sets dp from mesh.ep: the expert count is the error, not the batch split over that dp."""
+    from helpers import qwenft_alone
+
+    assert qwenft_alone("plan", "recipe=tiny_moe", "mesh.ep=3") == 2
+    assert capfd.readouterr().err.strip() == ("qwenft: error: mesh.ep=3 does not divide num_experts=8; valid mesh.ep: "
+                                              "[1, 2, 4, 8] (that also divide mesh.dp)")
+
+
+def test_local_workers_that_cannot_fill_the_mesh_are_refused_before_they_start(tmp_path, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["train", "recipe=tiny", "launcher.nproc_per_node=2", "mesh.tp=4", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.strip() == ("qwenft: error: launcher.nproc_per_node=2 starts 2 ranks, but "
+                                               "mesh.tp=4 x mesh.pp=1 = 4 does not divide 2")
+    assert not (tmp_path / "run").exists()

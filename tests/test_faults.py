@@ -157,7 +157,8 @@ def test_torchrun_mistake_rank0_only(tmp_path):
     args = ("mesh.dp=4", f"run_dir={tmp_path / 'run'}", *FAST)
     one_line_error(qwenft(*TORCHRUN, *args, module="qwenft.launch.torchrun"),
                    "mesh.dp=4 = 4 but the world size is 2")
-    one_line_error(qwenft("train", "launcher.nproc_per_node=2", *args), "mesh.dp=4 = 4 but the world size is 2")
+    one_line_error(qwenft("train", "launcher.nproc_per_node=2", *args),
+                   "launcher.nproc_per_node=2 starts 2 ranks, but mesh.tp=1 x mesh.pp=1 x mesh.dp=4 = 4; set mesh.dp=-1")
     plain = qwenft(*TORCHRUN, *args, module="torch.distributed.run")
     assert plain.stderr.count("qwenft: error:") == 1, plain.stderr[-3000:]
 
@@ -233,7 +234,7 @@ def test_no_complete_checkpoint_is_one_line_and_leaves_the_run_dir(tmp_path, sav
     before = _files(run)
     line = one_line_error(qwenft("train", "train.max_steps=5", "optim.lr=1e-3", f"run_dir={run}", *FAST, *CKPT),
                           "checkpoint.resume=auto: no complete checkpoint in", "extra.pt is 10 bytes",
-                          "checkpoint.resume=none")
+                          "or give a new run_dir")
     assert "step-000004" in line and "step-000001" in line
     _assert_unchanged(run, before)  # config.yaml keeps the old run's values
     assert "Traceback" in (run / "train.log").read_text()[len(before[run / "train.log"]):]

@@ -253,6 +253,48 @@ def test_split_overrides_and_errors():
         split_layers(4, 2, stage_layers=[[0, 2], [1, 3]])
     with pytest.raises(ValueError, match="fewer than the 8 pipeline stages"):
         split_layers(4, 8)
+    for bad, message in (({"stage_layers": [1, 3]}, r"pipeline.stage_layers=\[1, 3\]: expected a list of each stage's "
+                                                     r"layer indices, e.g. \[\[0, 1\], \[2, 3\]\]$"),
+                         ({"layers_per_stage": [2.5, 1.5]}, r"pipeline.layers_per_stage=\[2.5, 1.5\]: expected a list "
+                                                            r"of each stage's layer count, e.g. \[2, 2\]$"),
+                         ({"layers_per_stage": ["a", "b"]}, r"pipeline.layers_per_stage=\['a', 'b'\]: expected"),
+                         ({"layers_per_stage": [[2], [2]]}, r"pipeline.layers_per_stage=\[\[2\], \[2\]\]: expected")):
+        with pytest.raises(ValueError, match=message):
+            split_layers(4, 2, **bad)
+
+
+@pytest.mark.parametrize("schedule, batch, message", [
+    ("1f1b", 2, "train.global_batch_size=2 makes 1 microbatches a step (train.micro_batch_size=2, dp=1), and it needs "
+                "at least as many microbatches as stages (2); set train.global_batch_size=4, or another "
+                "pipeline.schedule"),
+    ("interleaved_1f1b", 10, "train.global_batch_size=10 makes 5 microbatches a step (train.micro_batch_size=2, "
+                             "dp=1), and it needs a multiple of its rounds (microbatches // mesh.pp = 2); set "
+                             "train.global_batch_size=12, or another pipeline.schedule"),
+    ("dualpipev", 6, "train.global_batch_size=6 makes 3 microbatches a step (train.micro_batch_size=2, dp=1), and it "
+                     "needs at least as many microbatches as stages (4); set train.global_batch_size=8, or another "
+                     "pipeline.schedule"),
+])
+def test_microbatches_a_schedule_refuses_are_refused_at_the_start(capfd, schedule, batch, message):
+    """torch's schedules check the microbatch count when the step is built, after the run dir and the model:
+    `qwenft plan` (and so train and slurm, through the same spec) refuses it first, naming the batch that fits,
+    which then plans."""
+    from helpers import qwenft_alone
+
+    args = ["recipe=tiny", "mesh.pp=2", f"pipeline.schedule={schedule}", "train.micro_batch_size=2"]
+    assert qwenft_alone("plan", *args, f"train.global_batch_size={batch}") == 2
+    assert capfd.readouterr().err.strip() == (f"qwenft: error: pipeline.schedule={schedule} with mesh.pp=2: "
+                                              f"{message}")
+    fits = message.split("set train.global_batch_size=")[1].split(",")[0]
+    assert qwenft_alone("plan", *args, f"train.global_batch_size={fits}") == 0
+
+
+def test_sequence_parallel_sequence_length_is_checked_at_the_start(capfd):
+    from helpers import qwenft_alone
+
+    assert qwenft_alone("plan", "recipe=tiny", "mesh.tp=2", "mesh.sequence_parallel=true", "data.seq_len=127") == 2
+    assert capfd.readouterr().err.strip() == ("qwenft: error: mesh.sequence_parallel=true splits each row's "
+                                              "data.seq_len=127 tokens over mesh.tp=2 ranks; set data.seq_len to a "
+                                              "multiple of 2")
 
 
 def test_bad_schedule_is_one_line_listing_valid_ones():
@@ -279,12 +321,6 @@ def test_microbatch_size_is_one_setting_under_two_names():
     assert str(e.value) == ("pipeline.microbatch_size=2 and train.micro_batch_size=1 disagree; they are one setting "
                             "(sequences per microbatch): set train.micro_batch_size=2 and leave "
                             "pipeline.microbatch_size=null")
-
-
-@pytest.mark.distributed
-def test_stage_keys_without_pipeline_are_refused(tmp_path):
-    with pytest.raises(RuntimeError, match=r"pipeline.layers_per_stage=\[2, 2\] is set but mesh.pp=1"):
-        run_distributed(train_with_state, 1, _overrides(tmp_path, "nopp", "pipeline.layers_per_stage=[2,2]"))
 
 
 @pytest.mark.distributed
@@ -425,3 +461,30 @@ def test_tp2_pp2_fused_vocab_parallel_head_equals_one_process(tmp_path, referenc
     for result in (results[0], results[-1]):
         assert_same_training(result, reference)
         assert_same_training(result, tp2_reference)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["recipe=tiny_vlm", "mesh.pp=2", "model.freeze_language=true"],
+     "pipeline stage 1 of 2 (layers 2-3) has nothing to train with model.freeze_language=true; unfreeze part of it, "
+     "or use fewer pipeline stages (mesh.pp)"),
+    (["recipe=tiny_lora", "mesh.pp=2", r"peft.target_modules=[layers\.0\..*]"],
+     r"pipeline stage 1 of 2 (layers 2-3) has nothing to train: peft.target_modules=['layers\\.0\\..*'] matches no "
+     r"linear there; widen peft.target_modules or move layers between stages (pipeline.stage_layers)"),
+    (["recipe=tiny_lora", "peft.target_modules=[zzz]"], "peft.target_modules entry 'zzz' matches no module; "),
+])
+def test_a_stage_with_nothing_to_train_is_refused_at_the_start(capfd, args, message):
+    """The optimizer of a rank with no trained parameter would fail after the run dir is written (under a pipeline,
+    on that rank alone): `qwenft plan`, and train and slurm through the same check, refuse it first."""
+    from helpers import qwenft_alone
+
+    assert qwenft_alone("plan", *args) == 2
+    assert capfd.readouterr().err.strip().startswith(f"qwenft: error: {message}")
+
+
+def test_a_frozen_model_is_refused_before_the_run_dir_has_a_config(tmp_path, capfd):
+    from helpers import qwenft_alone, tiny_overrides
+
+    assert qwenft_alone("train", *tiny_overrides(tmp_path, "model.freeze_language=true")) == 2
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        "qwenft: error: the model has nothing to train with model.freeze_language=true; unfreeze part of it")
+    assert not (tmp_path / "config.yaml").exists()

@@ -43,7 +43,7 @@ def test_dry_run_script_lines(tmp_path, capsys, monkeypatch):
         "launcher.time=04:00:00", "launcher.qos=high", "launcher.job_name=ft",
         "launcher.container_image='nvcr.io#nvidia/pytorch:25.01-py3'",
         "launcher.container_mounts=[/data:/data,/ckpt:/ckpt]", "launcher.sbatch_extra=[--exclusive]",
-        "launcher.env={NCCL_DEBUG: WARN, HF_TOKEN: null}", "mesh.tp=2", "mesh.pp=2", "train.global_batch_size=16",
+        "launcher.env={NCCL_DEBUG: WARN, HF_TOKEN: null}", "mesh.tp=2", "mesh.pp=2", "train.global_batch_size=32",
         f"run_dir={tmp_path}/run")
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=04:00:00",
@@ -255,7 +255,7 @@ def _fake_sbatch(directory, script: str) -> None:
 def test_a_submission_leaves_a_run_dirs_config_as_its_run_wrote_it(tmp_path, capsys, monkeypatch):
     """`qwenft slurm` into a run dir that holds a run: its config.yaml (which a resume compares against and an
     export reads) stays as that run wrote it, whether sbatch fails or submits; a new run dir gets one after a
-    submission, none after a failed one."""
+    submission, and a failed one leaves no dir or script behind."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
@@ -266,8 +266,9 @@ def test_a_submission_leaves_a_run_dirs_config_as_its_run_wrote_it(tmp_path, cap
     _fake_sbatch(bin_dir, "echo 'sbatch: error: Invalid account' >&2; exit 1")
     assert main([*args, f"run_dir={run_dir}"]) == 2 and "Invalid account" in capsys.readouterr().err
     assert (run_dir / "config.yaml").read_text() == "written by the run\n"
-    assert main([*args, f"run_dir={tmp_path / 'new'}"]) == 2
-    assert not (tmp_path / "new" / "config.yaml").exists()
+    assert not (run_dir / "slurm.sh").exists()
+    assert main([*args, f"run_dir={tmp_path / 'new' / 'deeper'}"]) == 2
+    assert not (tmp_path / "new").exists()  # no dir it made stays behind
     _fake_sbatch(bin_dir, "echo 123")
     assert main([*args, f"run_dir={run_dir}"]) == 0 and "submitted job 123" in capsys.readouterr().out
     assert (run_dir / "config.yaml").read_text() == "written by the run\n"

@@ -31,6 +31,8 @@ def init_process_group(backend: str = "auto") -> None:
         return
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("mesh.backend=nccl needs CUDA GPUs, and this machine has none; use mesh.backend=auto or gloo")
     os.environ.update(env_from_slurm())  # a hand-written `srun qwenft train`: one task per rank, no torchrun
     if "RANK" not in os.environ:  # a single process started without torchrun
         with socket.socket() as s:

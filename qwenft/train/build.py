@@ -189,6 +189,48 @@ def _parallelize(module: nn.Module, cfg: Config, spec: RunSpec, mesh) -> None:
                 cp_balanced_attention=cfg.mesh.cp_balanced_attention)
 
 
+def check_what_trains(cfg: Config, model_cfg, spec: RunSpec) -> None:
+    """LoRA's targets (`lora.check_targets`), and that model.freeze_* or those targets leave no pipeline stage (at
+    pp = 1 the model) without a parameter to train, which the optimizer would refuse once the run dir is written;
+    each stage built on meta, unparallelized (what trains does not depend on the sharding)."""
+    frozen = [f"model.{key}={getattr(cfg.model, key)}".lower() for key in ("freeze_language", "freeze_vision",
+                                                                            "freeze_projector")
+              if getattr(cfg.model, key)]
+    lora = lora_config(cfg)
+    if lora is not None:
+        from qwenft.models.lora import check_targets
+
+        check_targets(model_cfg, lora)
+    elif not frozen:
+        return
+    from qwenft.distributed.pipeline import stage as pp_stage
+    from qwenft.models.loader import build_model
+
+    layers = spec.parallel.stage_layers
+    kwargs = dict(kernels="torch", mtp=cfg.model.mtp)
+    for i, stage_layers in enumerate(layers):
+        if spec.layout.pp == 1:
+            module = build_model(model_cfg, device="meta", **kwargs)
+        else:
+            module = pp_stage.build_stage_model(model_cfg, list(stage_layers), embed=i == 0,
+                                                head=i == len(layers) - 1, **kwargs)
+        if lora is not None:
+            from qwenft.models.lora import apply_lora
+
+            apply_lora(module, lora, adapter_dtype=torch.float32)
+        _freeze(module, cfg)
+        if any(p.requires_grad for p in module.parameters()):
+            continue
+        where = ("the model" if spec.layout.pp == 1 else
+                 f"pipeline stage {i} of {len(layers)} (layers {stage_layers[0]}-{stage_layers[-1]})")
+        if lora is not None:
+            raise ValueError(f"{where} has nothing to train: peft.target_modules={list(lora.target_modules)} matches "
+                             f"no linear there; widen peft.target_modules" +
+                             ("" if spec.layout.pp == 1 else " or move layers between stages (pipeline.stage_layers)"))
+        raise ValueError(f"{where} has nothing to train with {', '.join(frozen)}; unfreeze part of it" +
+                         ("" if spec.layout.pp == 1 else ", or use fewer pipeline stages (mesh.pp)"))
+
+
 def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:
     """This rank's share of the model as (pipeline stage index, module) pairs: the whole model at pp = 1, else
     its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded.
@@ -361,15 +403,12 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
         raise ValueError("logger.wandb=true but wandb is not installed; pip install 'qwenft[wandb]' or set "
                          "logger.wandb=false")
     model_cfg = model_config(cfg)
-    if (lora := lora_config(cfg)) is not None:
-        from qwenft.models.lora import check_targets
-
-        check_targets(model_cfg, lora)
     if cfg.model.path:  # every weight file's header and size, before config.yaml is written
         with input_file("model.path", cfg.model.path):
             checkpoint_files(Path(cfg.model.path))
     dtypes = resolve_dtypes(cfg, device.type)
     spec = RunSpec(layout, batching, dtypes, resolve_parallel(cfg, layout, model_cfg, batching, device.type, dtypes))
+    check_what_trains(cfg, model_cfg, spec)
     attention = resolve_attention_kernel(cfg.model.kernels.attention, True, device, dtypes.compute)  # fails at start
     if not spec.parallel.fsdp:
         moot = [f"{key}={str(value).lower()}" for key, value in (
@@ -404,8 +443,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     max_steps = cfg.train.max_steps
     if max_steps is None:
         max_steps = max(1, math.ceil(cfg.train.epochs * data.rows_in_epoch(0) / cfg.train.global_batch_size))
-    for note in moot_settings(cfg, max_steps):
-        log.warning("config: %s", note)
+    for note in moot_settings(cfg, max_steps, spec, model_cfg.vision is not None) if is_main else ():
+        log.warning("config: %s", note)  # once: every rank's console shows warnings
     log.info("data: %s rows%s; %d documents, %d packed rows of %d tokens per epoch; skipped rows: %s; %s",
              data.format, " (data.format=auto, found by their columns)" if cfg.data.format == "auto" else "",
              data.num_documents, data.rows_in_epoch(0), cfg.data.seq_len, dict(data.skipped) or "none",

@@ -437,6 +437,7 @@ def predict(cfg: Config, share_stages: bool = True) -> list[RankPlan]:
     layout = resolve_plan_layout(cfg)
     model_cfg = build.model_config(cfg)
     spec = resolve_spec(cfg, layout, model_cfg, "cuda")  # what the plan is for; nothing is allocated there
+    build.check_what_trains(cfg, model_cfg, spec)
     ctx = _Context(cfg, model_cfg, spec)
     plans, shares, names, where = [], defaultdict(list), ("pp", "dp", "tp"), None  # shares: pp rank -> [StageShare]
     for rank in range(layout.world_size):

@@ -7,6 +7,7 @@ placement and FSDP's resharding (`ParallelSpec`), all of it with the layout in a
 Raises `ValueError` naming the config keys for a config the layout cannot run.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -92,19 +93,13 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
     """Mesh and pipeline keys that contradict the layout; raised before anything is built."""
     if cfg.mesh.sequence_parallel and layout.tp == 1:
         raise ValueError("mesh.sequence_parallel=true needs mesh.tp > 1 (it shards over the tensor parallel ranks)")
+    if cfg.mesh.sequence_parallel and cfg.data.seq_len % layout.tp:
+        raise ValueError(f"mesh.sequence_parallel=true splits each row's data.seq_len={cfg.data.seq_len} tokens over "
+                         f"mesh.tp={layout.tp} ranks; set data.seq_len to a multiple of {layout.tp}")
     if layout.pp > 1 and cfg.eval.every_steps and cfg.pipeline.schedule in V_SHAPED:
         raise ValueError(f"eval.every_steps={cfg.eval.every_steps} with pipeline.schedule={cfg.pipeline.schedule}: "
                          f"torch's V-shaped schedules ({', '.join(V_SHAPED)}) cannot run a forward-only pass; use "
                          f"another pipeline.schedule (e.g. interleaved_zb) or eval.every_steps=0")
-    if layout.pp == 1:
-        if cfg.pipeline.schedule != "1f1b":
-            raise ValueError(f"pipeline.schedule={cfg.pipeline.schedule} is set but mesh.pp=1 (no pipeline); "
-                             f"set mesh.pp > 1 or leave pipeline.schedule at 1f1b")
-        for key in ("virtual_stages", "layers_per_stage", "stage_layers"):
-            if getattr(cfg.pipeline, key) is not None:
-                raise ValueError(f"pipeline.{key}={getattr(cfg.pipeline, key)} is set but mesh.pp=1 (no pipeline); "
-                                 f"set mesh.pp > 1 or pipeline.{key}=null")
-
 
 def checked_batching(cfg: Config, layout: Layout, packages_here: bool = True) -> Batching:
     """The batching of a run on `layout`, after the checks of the keys it depends on (the mesh's pipeline keys,
@@ -245,6 +240,7 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
     if layout.pp > 1:
         virtual = cfg.pipeline.virtual_stages or pp_split.default_virtual_stages(name)
         pp_split.check_virtual_stages(name, virtual)
+        check_microbatches(cfg, layout, batching, virtual)
         if model_cfg.tie_word_embeddings:
             check_tied_stages(cfg, layout)
         layers = pp_split.split_layers(num_layers, layout.pp * virtual, model_cfg.vision is not None,
@@ -262,6 +258,22 @@ def resolve_parallel(cfg: Config, layout: Layout, model_cfg, batching: Batching,
         activation_checkpointing=cfg.model.activation_checkpointing,
         compile=cfg.model.compile, cuda_graphs=cuda_graphs,
         weight_grad=weight_grad, fsdp=fsdp, mtp_weight=check_mtp(cfg, layout, ce_kernel))
+
+
+def check_microbatches(cfg: Config, layout: Layout, batching: Batching, virtual_stages: int) -> None:
+    """The step's microbatches against what the pipeline schedule takes (it validates its eval too: the same count)."""
+    from qwenft.distributed.pipeline.schedule import microbatch_rule
+
+    name, n = cfg.pipeline.schedule, batching.num_microbatches
+    why = microbatch_rule(name, n, layout.pp, virtual_stages)
+    if why is None:
+        return
+    fits = next(m for m in itertools.count(n + 1) if microbatch_rule(name, m, layout.pp, virtual_stages) is None)
+    per = batching.microbatch_size * layout.dp
+    raise ValueError(f"pipeline.schedule={name} with mesh.pp={layout.pp}: train.global_batch_size="
+                     f"{cfg.train.global_batch_size} makes {n} microbatches a step (train.micro_batch_size="
+                     f"{batching.microbatch_size}, dp={layout.dp}), and {why}; set train.global_batch_size="
+                     f"{fits * per}, or another pipeline.schedule")
 
 
 def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bool = True) -> None:
@@ -337,10 +349,10 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
     (several microbatches' forwards before their backwards)."""
     if not cfg.model.cuda_graphs:
         return False
-    if not cfg.model.compile:
-        why = "it replays model.compile's graphs; set model.compile=true"
-    elif device != "cuda":
+    if device != "cuda":
         why = f"it needs CUDA, and this run is on {device}"
+    elif not cfg.model.compile:
+        why = "it replays model.compile's graphs; set model.compile=true"
     elif fsdp:
         why = f"the weights must stay at fixed addresses, which FSDP2 does not keep: {fsdp_cause(cfg, layout, dtypes)}"
     elif cfg.model.activation_checkpointing not in ("false", "auto"):  # auto chooses off under CUDA graphs
@@ -356,6 +368,7 @@ def check_cuda_graphs(cfg: Config, layout: Layout, device: str, fsdp: bool, dtyp
 def resolve_spec(cfg: Config, layout: Layout, model_cfg, device: str, packages_here: bool = True) -> RunSpec:
     """Every spec of a run on `layout` whose model is `model_cfg`, for `device` ("cuda" or "cpu");
     `packages_here` as `checked_batching`'s."""
+    validate_ep(model_cfg.text, layout.ep)  # before the batch split over dp, which expert parallelism sets
     batching = checked_batching(cfg, layout, packages_here)
     dtypes = resolve_dtypes(cfg, device)
     return RunSpec(layout, batching, dtypes,

@@ -103,6 +103,18 @@ class TokenCE:
         return loss + self.mtp_weight * mtp / self.mtp_tokens.clamp(min=1)
 
 
+def microbatch_rule(name: str, n_microbatches: int, pp: int, virtual_stages: int) -> str | None:
+    """Why torch's schedule `name` refuses `n_microbatches` on `pp` ranks of `virtual_stages` stages each, or None:
+    the checks of its constructor, restated so that a run refuses them before it builds or writes anything."""
+    stages = pp * virtual_stages
+    if name in ("1f1b", "dualpipev") and n_microbatches < stages:
+        return f"it needs at least as many microbatches as stages ({stages})"
+    rounds = max(1, n_microbatches // pp)
+    if name in ("interleaved_1f1b", "interleaved_zb") and n_microbatches % rounds:
+        return f"it needs a multiple of its rounds (microbatches // mesh.pp = {rounds})"
+    return None
+
+
 def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
     cls = getattr(torch_schedules, SCHEDULES[name])
     if name in SINGLE_STAGE:

@@ -67,7 +67,10 @@ def split_layers(num_layers: int, num_stages: int, has_vision: bool = False, lay
     if layers_per_stage is not None and stage_layers is not None:
         raise ValueError("pipeline.layers_per_stage and pipeline.stage_layers are both set; set one of them")
     if stage_layers is not None:
-        stage_layers = [list(map(int, s)) for s in stage_layers]
+        if not all(isinstance(s, (list, tuple)) and all(_is_int(i) for i in s) for s in stage_layers):
+            raise ValueError(f"pipeline.stage_layers={stage_layers}: expected a list of each stage's layer indices, "
+                             f"e.g. [[0, 1], [2, 3]]")
+        stage_layers = [list(s) for s in stage_layers]
         if len(stage_layers) != num_stages:
             raise ValueError(f"pipeline.stage_layers has {len(stage_layers)} stages but the pipeline has "
                              f"{num_stages} (mesh.pp x pipeline.virtual_stages)")
@@ -77,7 +80,10 @@ def split_layers(num_layers: int, num_stages: int, has_vision: bool = False, lay
                              f"once, in order, with at least one layer per stage")
         return stage_layers
     if layers_per_stage is not None:
-        counts = [int(n) for n in layers_per_stage]
+        if not all(_is_int(n) for n in layers_per_stage):
+            raise ValueError(f"pipeline.layers_per_stage={layers_per_stage}: expected a list of each stage's layer "
+                             f"count, e.g. [2, 2]")
+        counts = list(layers_per_stage)
         if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(f"pipeline.layers_per_stage={counts} must have {num_stages} entries "
                              f"(mesh.pp x pipeline.virtual_stages), each >= 1, summing to {num_layers} layers")
@@ -89,6 +95,10 @@ def split_layers(num_layers: int, num_stages: int, has_vision: bool = False, lay
                                  HEAD_COST)
     starts = [sum(counts[:s]) for s in range(num_stages)]
     return [list(range(start, start + n)) for start, n in zip(starts, counts)]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, virtual: int, v_shaped: bool) -> list[int]:
