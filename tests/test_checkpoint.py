@@ -148,9 +148,11 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, uninterrupted_run):
 @pytest.mark.distributed
 @pytest.mark.parametrize("override, expected", [
     ("model.num_layers=2", ("checkpoint.resume=auto: ", "was saved from another model (",
-                            "text.num_hidden_layers=4 there, 2 here", "or start afresh in a new run_dir")),
+                            "text.num_hidden_layers=4 there, 2 here",
+                            "or start afresh with checkpoint.resume=none in a new run_dir")),
     ("optim.state_dtype=bfloat16", ("was saved with optim.master_dtype=float32, optim.state_dtype=float32, this run has ",
-                                    "optim.state_dtype=bfloat16", "or start afresh in a new run_dir")),
+                                    "optim.state_dtype=bfloat16",
+                                    "or start afresh with checkpoint.resume=none in a new run_dir")),
 ], ids=["another_model", "other_optimizer_dtypes"])
 def test_incompatible_checkpoint_is_refused_before_loading(tmp_path, uninterrupted_run, override, expected):
     run_dir = tmp_path / "run"
@@ -202,7 +204,8 @@ def test_resume_refuses_a_change_of_the_data_position(tmp_path, uninterrupted_ru
         key, value = change.split("=")
         saved = {"train.global_batch_size": "4", "data.seq_len": "128", "seed": "0"}[key]
         override, expected = change, (f"checkpoint.resume=auto: {change}, but {step4} was saved with {key}={saved} (",
-                                      f"resume with {key}={saved}, or start afresh in a new run_dir")
+                                      f"resume with {key}={saved}, or start afresh with checkpoint.resume=none "
+                                      f"in a new run_dir")
         changed_line = f"resume: {key}: {saved} -> {value}"
     else:
         data = _other_data(tmp_path, change)
@@ -210,7 +213,8 @@ def test_resume_refuses_a_change_of_the_data_position(tmp_path, uninterrupted_ru
             f"tiny_chat.jsonl: {_size_of_tiny()} bytes then, {data.stat().st_size} now"
         override, expected = f"data.path={data}", (
             f"checkpoint.resume=auto: data.path={data} holds other data than {step4} was trained on ({what}); "
-            f"resume with the data it was trained on, or start afresh in a new run_dir",)
+            f"resume with the data it was trained on, or start afresh with checkpoint.resume=none in a new "
+            f"run_dir",)
         changed_line = f"resume: data.path: tiny -> {data}"
     before = _assert_refused(run_dir, override, expected)
     log = (run_dir / "train.log").read_text()[len(before[run_dir / "train.log"]):]

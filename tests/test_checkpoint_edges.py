@@ -201,5 +201,5 @@ def test_a_resume_with_other_mixture_weights_is_refused_before_the_config_is_rew
     config = (run_dir / "config.yaml").read_text()
     message, = run_distributed(_refused, 1, tiny_overrides(run_dir, *SMALL, "train.max_steps=2", sources(3)))
     assert "data.sources (name, weight) are [['tiny_chat', 1.0], ['tiny_chat_val', 3.0]], but" in message, message
-    assert message.endswith("resume with those, or start afresh in a new run_dir")
+    assert message.endswith("resume with those, or start afresh with checkpoint.resume=none in a new run_dir")
     assert (run_dir / "config.yaml").read_text() == config

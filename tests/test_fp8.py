@@ -121,7 +121,8 @@ def test_tensor_parallel_fp8_follows_one_process(tmp_path):
                                             "adapters yet; use peft=none or model.fp8=off"),
     (["model.fp8=rowwise", "data.seq_len=100", "train.micro_batch_size=1", "train.global_batch_size=1"],
      "model.fp8=rowwise: a microbatch holds 100 tokens a rank (train.micro_batch_size x data.seq_len / mesh.cp, "
-     "rounded up), and float8 GEMMs need a multiple of 16; change data.seq_len or train.micro_batch_size"),
+     "rounded up), and float8 GEMMs need a multiple of 16; set data.seq_len=112 (or another "
+     "train.micro_batch_size)"),
 ])
 def test_bad_fp8_settings_fail_with_one_line(tmp_path, overrides, message):
     """Through `qwenft train`'s own checks, with activation checkpointing given (not `auto`, whose plan resolves the

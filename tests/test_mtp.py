@@ -478,6 +478,6 @@ def test_resuming_with_the_head_switched_on_or_off_fails_in_one_line(tmp_path, b
     there = ("a trained MTP head (model.mtp=train or head)" if before != "keep" else "no MTP head (model.mtp=keep)")
     assert raised_line(info) == (f"ValueError: checkpoint.resume=auto: {run_dir / 'checkpoints' / 'step-000001'} "
                                  f"holds {there}, this run has model.mtp={after}; resume with the model.mtp it was "
-                                 f"trained with, or start afresh in a new run_dir")
+                                 f"trained with, or start afresh with checkpoint.resume=none in a new run_dir")
     if before == "head":
         train_alone(tiny_overrides(run_dir, "train.max_steps=2", "model.mtp=train", *common))

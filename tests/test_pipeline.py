@@ -264,14 +264,14 @@ def test_split_overrides_and_errors():
 
 
 @pytest.mark.parametrize("schedule, batch, message", [
-    ("1f1b", 2, "train.global_batch_size=2 makes 1 microbatches a step (train.micro_batch_size=2, dp=1), and it needs "
-                "at least as many microbatches as stages (2); set train.global_batch_size=4, or another "
+    ("1f1b", 2, "train.global_batch_size=2 makes 1 microbatch a step (train.micro_batch_size=2, mesh.dp=1), and it "
+                "needs at least as many microbatches as stages (2); set train.global_batch_size=4, or another "
                 "pipeline.schedule"),
     ("interleaved_1f1b", 10, "train.global_batch_size=10 makes 5 microbatches a step (train.micro_batch_size=2, "
-                             "dp=1), and it needs a multiple of its rounds (microbatches // mesh.pp = 2); set "
+                             "mesh.dp=1), and it needs a multiple of its rounds (microbatches // mesh.pp = 2); set "
                              "train.global_batch_size=12, or another pipeline.schedule"),
-    ("dualpipev", 6, "train.global_batch_size=6 makes 3 microbatches a step (train.micro_batch_size=2, dp=1), and it "
-                     "needs at least as many microbatches as stages (4); set train.global_batch_size=8, or another "
+    ("dualpipev", 6, "train.global_batch_size=6 makes 3 microbatches a step (train.micro_batch_size=2, mesh.dp=1), and "
+                     "it needs at least as many microbatches as stages (4); set train.global_batch_size=8, or another "
                      "pipeline.schedule"),
 ])
 def test_microbatches_a_schedule_refuses_are_refused_at_the_start(capfd, schedule, batch, message):
@@ -488,3 +488,38 @@ def test_a_frozen_model_is_refused_before_the_run_dir_has_a_config(tmp_path, cap
     assert capfd.readouterr().err.strip().splitlines()[-1] == (
         "qwenft: error: the model has nothing to train with model.freeze_language=true; unfreeze part of it")
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_microbatch_rule_is_the_rule_of_torchs_schedules():
+    """`microbatch_rule` restates the checks of torch's schedule constructors: on every schedule, 2-4 ranks and
+    1-3 stages a rank, it refuses exactly the microbatch counts the installed torch refuses (rank 0's stages, built
+    on a group of its own that sends nothing)."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining.schedules as torch_schedules
+    from torch.distributed.pipelining import PipelineStage
+
+    from qwenft.distributed.fake_pg import init_fake_process_group
+    from qwenft.distributed.pipeline.schedule import microbatch_rule
+    from qwenft.distributed.pipeline.split import SINGLE_STAGE, V_SHAPED, stage_ids_for_rank
+
+    differ = []
+    for pp in (2, 3, 4):
+        init_fake_process_group(pp, 0)
+        try:
+            for name, cls in SCHEDULES.items():
+                for virtual in (1,) if name in SINGLE_STAGE else (2,) if name in V_SHAPED else (2, 3):
+                    stages = [PipelineStage(torch.nn.Linear(2, 2), i, pp * virtual, torch.device("cpu"),
+                                            group=dist.group.WORLD)
+                              for i in stage_ids_for_rank(0, pp, virtual, name in V_SHAPED)]
+                    for n in range(1, 3 * pp * virtual + 2):
+                        try:
+                            getattr(torch_schedules, cls)(stages[0] if name in SINGLE_STAGE else stages,
+                                                          n_microbatches=n, loss_fn=lambda out, target: out.sum())
+                            torch_takes = True
+                        except ValueError:
+                            torch_takes = False
+                        if torch_takes != (microbatch_rule(name, n, pp, virtual) is None):
+                            differ.append((name, pp, virtual, n, torch_takes))
+        finally:
+            dist.destroy_process_group()
+    assert not differ, differ

@@ -267,6 +267,9 @@ def test_a_submission_leaves_a_run_dirs_config_as_its_run_wrote_it(tmp_path, cap
     assert main([*args, f"run_dir={run_dir}"]) == 2 and "Invalid account" in capsys.readouterr().err
     assert (run_dir / "config.yaml").read_text() == "written by the run\n"
     assert not (run_dir / "slurm.sh").exists()
+    (run_dir / "slurm.sh").write_text("# the earlier job's script\n")
+    assert main([*args, f"run_dir={run_dir}"]) == 2
+    assert (run_dir / "slurm.sh").read_text() == "# the earlier job's script\n"
     assert main([*args, f"run_dir={tmp_path / 'new' / 'deeper'}"]) == 2
     assert not (tmp_path / "new").exists()  # no dir it made stays behind
     _fake_sbatch(bin_dir, "echo 123")

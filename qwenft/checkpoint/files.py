@@ -101,7 +101,7 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
         if saved_head != (mtp != "keep"):
             there = "a trained MTP head (model.mtp=train or head)" if saved_head else "no MTP head (model.mtp=keep)"
             raise ValueError(f"checkpoint.resume={resume}: {path} holds {there}, this run has model.mtp={mtp}; "
-                             f"resume with the model.mtp it was trained with, or {afresh(resume)}")
+                             f"resume with the model.mtp it was trained with, or {AFRESH}")
     meta = read_meta(path)
     saved_peft, peft = meta.get("peft") or {"method": "none"}, peft or {"method": "none"}
     # the frozen base is compared by train.resume.check_base (files fingerprint); alpha only where it was recorded
@@ -112,13 +112,13 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
         there = ", ".join(f"peft.{k}={saved_peft.get(k)}" for k in differ)
         here = ", ".join(f"peft.{k}={peft.get(k)}" for k in differ)
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
-                         f"with the peft.* it was trained with, or {afresh(resume)}")
+                         f"with the peft.* it was trained with, or {AFRESH}")
     saved_dtypes = meta.get("optim_dtypes")
     if optim_dtypes is not None and saved_dtypes is not None and saved_dtypes != optim_dtypes:
         there = ", ".join(f"optim.{k}={v}" for k, v in sorted(saved_dtypes.items()))
         here = ", ".join(f"optim.{k}={v}" for k, v in sorted(optim_dtypes.items()))
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved with {there}, this run has {here}; resume "
-                         f"with the same optim.state_dtype and optim.master_dtype, or {afresh(resume)}")
+                         f"with the same optim.state_dtype and optim.master_dtype, or {AFRESH}")
     saved = _flat(meta["model_config"])
     now = _flat(json.loads(json.dumps(dataclasses.asdict(model_config))))  # lists and tuples as JSON has them
     diff = [f"{k}={saved.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(saved) | set(now))
@@ -127,7 +127,7 @@ def check_model_config(path: Path, model_config, resume: str, optim_dtypes: dict
         more = f" (+{len(diff) - 3} more)" if len(diff) > 3 else ""
         raise ValueError(f"checkpoint.resume={resume}: {path} was saved from another model ({'; '.join(diff[:3])}"
                          f"{more}); resume with the model.* and data.tokenizer it was trained with, or "
-                         f"{afresh(resume)}")
+                         f"{AFRESH}")
 
 
 def _crc32(path: Path) -> int:
@@ -181,10 +181,9 @@ def summary(problems: list[str]) -> str:
     return "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
 
 
-def afresh(resume: str) -> str:
-    """How to start afresh instead of `checkpoint.resume=resume`: with auto the checkpoint is the run dir's own, and
-    checkpoint.resume=none is refused there (the runs' checkpoints would mix); another run's is left with none."""
-    return "start afresh in a new run_dir" if resume == "auto" else "set checkpoint.resume=none"
+# how to start afresh instead of a refused resume: valid whichever checkpoint was refused (checkpoint.resume=none is
+# refused in a run dir that holds checkpoints)
+AFRESH = "start afresh with checkpoint.resume=none in a new run_dir"
 
 
 def find(value: str, ckpt_root: Path, key: str = "checkpoint.resume",

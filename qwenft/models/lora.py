@@ -102,16 +102,17 @@ def _matches(entry: str, hf_name: str) -> bool:
     return entry == ALL_LINEAR or entry == hf_name.rsplit(".", 1)[-1] or re.fullmatch(entry, hf_name) is not None
 
 
-def check_targets(model_cfg, lora: LoRAConfig) -> None:
-    """Raise before anything is built when a peft.* value cannot work for this model: a target_modules entry
-    that matches no module (naming those that exist), vision without a vision tower. (rank, alpha and dropout
-    are checked with the rest of the config, in qwenft.conf.schema.)"""
+def check_targets(model_cfg, lora: LoRAConfig, mtp: str = "keep") -> None:
+    """Raise before anything is built when a peft.* value cannot work for this model (with its MTP head where
+    `mtp`, model.mtp, trains one): a target_modules entry that matches no module (naming those that exist), vision
+    without a vision tower. (rank, alpha and dropout are checked with the rest of the config, in
+    qwenft.conf.schema.)"""
     from .qwen3_5.model import Qwen3_5Model
 
     if lora.vision and model_cfg.vision is None:
         raise ValueError("peft.vision=true but the model has no vision tower; set peft.vision=false")
     with torch.device("meta"):
-        full = Qwen3_5Model(model_cfg, kernels="torch")
+        full = Qwen3_5Model(model_cfg, kernels="torch", mtp=mtp)
     names = list(_candidates(full, model_cfg.text, lora.vision))
     for entry in lora.target_modules:
         try:
@@ -214,7 +215,7 @@ def peft_target_modules(model_cfg, lora: LoRAConfig) -> list[str]:
     from .qwen3_5.model import Qwen3_5Model
 
     with torch.device("meta"):
-        full = Qwen3_5Model(model_cfg, kernels="torch")
+        full = Qwen3_5Model(model_cfg, kernels="torch", mtp=mtp)
     candidates = list(_candidates(full, model_cfg.text, vision=True))
     chosen = [n for n in candidates if any(_matches(e, n) for e in lora.target_modules)
               and (lora.vision or not n.startswith("visual."))]

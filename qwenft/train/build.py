@@ -200,35 +200,46 @@ def check_what_trains(cfg: Config, model_cfg, spec: RunSpec) -> None:
     if lora is not None:
         from qwenft.models.lora import check_targets
 
-        check_targets(model_cfg, lora)
+        check_targets(model_cfg, lora, cfg.model.mtp)  # some linear of the model matches: the model trains
+        if spec.layout.pp == 1:
+            return
     elif not frozen:
         return
-    from qwenft.distributed.pipeline import stage as pp_stage
-    from qwenft.models.loader import build_model
-
     layers = spec.parallel.stage_layers
-    kwargs = dict(kernels="torch", mtp=cfg.model.mtp)
     for i, stage_layers in enumerate(layers):
-        if spec.layout.pp == 1:
-            module = build_model(model_cfg, device="meta", **kwargs)
-        else:
-            module = pp_stage.build_stage_model(model_cfg, list(stage_layers), embed=i == 0,
-                                                head=i == len(layers) - 1, **kwargs)
-        if lora is not None:
-            from qwenft.models.lora import apply_lora
-
-            apply_lora(module, lora, adapter_dtype=torch.float32)
-        _freeze(module, cfg)
+        module = _stage_module(cfg, model_cfg, spec, i, torch.float32, torch.float32, kernels="torch",
+                               mtp=cfg.model.mtp)
         if any(p.requires_grad for p in module.parameters()):
             continue
         where = ("the model" if spec.layout.pp == 1 else
                  f"pipeline stage {i} of {len(layers)} (layers {stage_layers[0]}-{stage_layers[-1]})")
         if lora is not None:
             raise ValueError(f"{where} has nothing to train: peft.target_modules={list(lora.target_modules)} matches "
-                             f"no linear there; widen peft.target_modules" +
-                             ("" if spec.layout.pp == 1 else " or move layers between stages (pipeline.stage_layers)"))
+                             f"no linear there; widen peft.target_modules or move layers between stages "
+                             f"(pipeline.stage_layers)")
         raise ValueError(f"{where} has nothing to train with {', '.join(frozen)}; unfreeze part of it" +
                          ("" if spec.layout.pp == 1 else ", or use fewer pipeline stages (mesh.pp)"))
+
+
+def _stage_module(cfg: Config, model_cfg, spec: RunSpec, stage: int, dtype: torch.dtype, adapter_dtype: torch.dtype,
+                  **model_kwargs) -> nn.Module:
+    """Pipeline stage `stage` of the model (at pp = 1 the whole model) on meta in `dtype`, with LoRA's adapters in
+    `adapter_dtype` and model.freeze_* applied."""
+    from qwenft.distributed.pipeline import stage as pp_stage
+    from qwenft.models.loader import build_model
+
+    layers = spec.parallel.stage_layers
+    if spec.layout.pp == 1:
+        module = build_model(model_cfg, device="meta", dtype=dtype, **model_kwargs)
+    else:
+        module = pp_stage.build_stage_model(model_cfg, list(layers[stage]), embed=stage == 0,
+                                            head=stage == len(layers) - 1, **model_kwargs).to_dtype(dtype)
+    if (lora := lora_config(cfg)) is not None:
+        from qwenft.models.lora import apply_lora
+
+        apply_lora(module, lora, adapter_dtype=adapter_dtype)
+    _freeze(module, cfg)
+    return module
 
 
 def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple[int, nn.Module]]:
@@ -236,27 +247,13 @@ def build_model_parts(cfg: Config, model_cfg, spec: RunSpec, mesh) -> list[tuple
     its stages. Built on meta, frozen and parallelized (TP -> activation checkpointing -> FSDP2), not loaded.
     With peft=lora the base is built in the compute dtype (frozen: no master copy) and the adapters in the
     master dtype, added before tensor parallelism shards them with their projections."""
-    from qwenft.distributed.pipeline import stage as pp_stage
-    from qwenft.models.loader import build_model
-
-    lora = lora_config(cfg)
-    dtype = spec.dtypes.master if lora is None else spec.dtypes.compute
+    dtype = spec.dtypes.master if cfg.peft.method == "none" else spec.dtypes.compute
     model_kwargs = dict(kernels=cfg.model.kernels.gdn, attention_kernel=cfg.model.kernels.attention,
                         ce_chunk_tokens=cfg.model.ce_chunk_tokens, ce_kernel=spec.parallel.ce_kernel,
                         moe_kernel=cfg.model.kernels.moe, mtp=cfg.model.mtp)
-    layers = spec.parallel.stage_layers
     out = []
     for i in spec.stage_ids(mesh["pp"].get_local_rank()):
-        if spec.layout.pp == 1:
-            module = build_model(model_cfg, device="meta", dtype=dtype, **model_kwargs)
-        else:
-            module = pp_stage.build_stage_model(model_cfg, list(layers[i]), embed=i == 0, head=i == len(layers) - 1,
-                                                **model_kwargs).to_dtype(dtype)
-        if lora is not None:
-            from qwenft.models.lora import apply_lora
-
-            apply_lora(module, lora, adapter_dtype=spec.dtypes.master)
-        _freeze(module, cfg)
+        module = _stage_module(cfg, model_cfg, spec, i, dtype, spec.dtypes.master, **model_kwargs)
         _parallelize(module, cfg, spec, mesh)
         if spec.parallel.weight_grad == "in_matmul":
             from qwenft.models import weight_grad

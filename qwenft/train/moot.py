@@ -28,9 +28,6 @@ def moot_settings(cfg: Config, max_steps: int, spec: RunSpec, has_vision: bool) 
     for key, size in (("vocab_parallel", "tp"), ("cp_balanced_attention", "cp")):
         if getattr(layout, size) == 1 and getattr(cfg.mesh, key) != getattr(MeshOptions(), key):
             notes.append(f"mesh.{key}={str(getattr(cfg.mesh, key)).lower()} has no effect with mesh.{size}=1")
-    if cfg.pipeline.reduce_grad_per_microbatch and spec.parallel.fsdp and spec.parallel.single_pass:
-        notes.append("pipeline.reduce_grad_per_microbatch=true has no effect when a step is one forward and backward "
-                     "(one microbatch a rank, mesh.pp=1): its gradients are reduce-scattered once anyway")
     if not has_vision:
         moot = [f"model.{key}={str(getattr(cfg.model, key)).lower()}" for key in
                 ("freeze_vision", "freeze_projector", "vision_activation_checkpointing")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from qwenft.checkpoint.files import EXTRA, afresh, read_meta
+from qwenft.checkpoint.files import AFRESH, EXTRA, read_meta
 from qwenft.conf import as_written, load_run_config
 from qwenft.conf.schema import Config
 from qwenft.train.optim import decays
@@ -61,7 +61,7 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
     if saved.get("files") is not None and now["files"] is not None and saved["files"] != now["files"]:
         raise ValueError(f"{prefix}: {data_key} holds other data than {path} was trained on "
                          f"({_files_difference(saved['files'], now['files'])}); resume with the data it was trained "
-                         f"on, or {afresh(cfg.checkpoint.resume)}")
+                         f"on, or {AFRESH}")
     state = torch.load(path / EXTRA, weights_only=True)["data"]
     values = {"train.global_batch_size": (saved.get("global_batch_size"), now["global_batch_size"]),
               "data.seq_len": (state["seq_len"], cfg.data.seq_len), "data.packing": (state["packing"], data.packing),
@@ -70,17 +70,17 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
         if then is not None and then != current:
             raise ValueError(f"{prefix}: {key}={current}, but {path} was saved with {key}={then} "
                              f"({_POSITION_KEYS[key]}); resume with {key}={then}, or "
-                             f"{afresh(cfg.checkpoint.resume)}")
+                             f"{AFRESH}")
     mixture = [[s.name, s.weight] for s in getattr(data, "sources", [])]
     if state.get("sources") is not None and state["sources"] != mixture:
         raise ValueError(f"{prefix}: data.sources (name, weight) are {mixture}, but {path} was saved with "
                          f"{state['sources']} (the mixture's draws follow them); resume with those, or "
-                         f"{afresh(cfg.checkpoint.resume)}")
+                         f"{AFRESH}")
     if state["num_documents"] != data.num_documents:
         raise ValueError(f"{prefix}: {data_key} gives {data.num_documents} documents, {path} was "
                          f"trained on {state['num_documents']} (another data file, data.truncation, "
                          f"data.on_bad_row or tokenizer); resume with the data and data.* it was trained on, or "
-                         f"{afresh(cfg.checkpoint.resume)}")
+                         f"{AFRESH}")
 
 
 def check_base(path: Path, cfg: Config, base: dict | None) -> None:

@@ -271,9 +271,9 @@ def check_microbatches(cfg: Config, layout: Layout, batching: Batching, virtual_
     fits = next(m for m in itertools.count(n + 1) if microbatch_rule(name, m, layout.pp, virtual_stages) is None)
     per = batching.microbatch_size * layout.dp
     raise ValueError(f"pipeline.schedule={name} with mesh.pp={layout.pp}: train.global_batch_size="
-                     f"{cfg.train.global_batch_size} makes {n} microbatches a step (train.micro_batch_size="
-                     f"{batching.microbatch_size}, dp={layout.dp}), and {why}; set train.global_batch_size="
-                     f"{fits * per}, or another pipeline.schedule")
+                     f"{cfg.train.global_batch_size} makes {n} microbatch{'es' if n > 1 else ''} a step "
+                     f"(train.micro_batch_size={batching.microbatch_size}, mesh.dp={layout.dp}), and {why}; set "
+                     f"train.global_batch_size={fits * per}, or another pipeline.schedule")
 
 
 def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bool = True) -> None:
@@ -290,11 +290,14 @@ def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bo
     if cfg.peft.method != "none":
         raise ValueError(f"model.fp8={recipe} with peft={cfg.peft.method}: float8 linears do not take LoRA adapters "
                          f"yet; use peft=none or model.fp8=off")
-    tokens = -(-batching.microbatch_size * cfg.data.seq_len // layout.cp)  # cp pads the stream to a multiple of cp
-    if tokens % 16:
-        raise ValueError(f"model.fp8={recipe}: a microbatch holds {tokens} tokens a rank (train.micro_batch_size x "
-                         f"data.seq_len / mesh.cp, rounded up), and float8 GEMMs need a multiple of 16; change "
-                         f"data.seq_len or train.micro_batch_size")
+    def rank_tokens(seq_len: int) -> int:  # cp pads the stream to a multiple of cp
+        return -(-batching.microbatch_size * seq_len // layout.cp)
+
+    if rank_tokens(cfg.data.seq_len) % 16:
+        fits = next(n for n in itertools.count(cfg.data.seq_len + 1) if rank_tokens(n) % 16 == 0)
+        raise ValueError(f"model.fp8={recipe}: a microbatch holds {rank_tokens(cfg.data.seq_len)} tokens a rank "
+                         f"(train.micro_batch_size x data.seq_len / mesh.cp, rounded up), and float8 GEMMs need a "
+                         f"multiple of 16; set data.seq_len={fits} (or another train.micro_batch_size)")
 
 
 def check_mtp(cfg: Config, layout: Layout, ce_kernel: str) -> float | None:
