@@ -598,3 +598,29 @@ def test_dropouts_draws_are_one_per_tensor_parallel_group():
     assert all(torch.equal(draws[a], draws[b]) for a, b in groups)
     firsts = [draws[a] for a, _ in groups]
     assert all(not torch.equal(x, y) for i, x in enumerate(firsts) for y in firsts[i + 1:])
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_peft_adapts_on_transformers_vlm_exactly_the_modules_qwenft_trains(vision):
+    """adapter_config.json's target_modules, given to peft on transformers' VLM, adapt exactly the linears qwenft
+    adapts: leaf names where every module of that name is adapted and no module of another type has it (the vision
+    tower's Conv3d patch_embed.proj shares `proj` with its attention's output linears), full names else."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    from helpers import tiny_vlm
+    from qwenft.models.loader import build_model
+    from qwenft.models.lora import LoRAConfig, peft_adapter_config, target_modules
+    from qwenft.models.qwen3_5.configs import to_hf_config
+
+    cfg = tiny_vlm()
+    lora = LoRAConfig(rank=4, alpha=8, vision=vision)
+    written = peft_adapter_config(cfg, lora, "base")["target_modules"]
+    assert ("proj" in written) is False
+    hf = get_peft_model(Qwen3_5ForConditionalGeneration(to_hf_config(cfg)),
+                        LoraConfig(r=4, lora_alpha=8, target_modules=written))
+    adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in hf.named_modules()
+               if n.endswith(".lora_A")}
+    ours = target_modules(build_model(cfg, kernels="torch"), cfg.text, lora)
+    assert adapted == {"model." + n if n.startswith("visual.") else "model.language_model." + n for n in ours}
+    assert any(n.startswith("model.visual.") for n in adapted) == vision

@@ -215,15 +215,22 @@ def peft_target_modules(model_cfg, lora: LoRAConfig) -> list[str]:
     from .qwen3_5.model import Qwen3_5Model
 
     with torch.device("meta"):
-        full = Qwen3_5Model(model_cfg, kernels="torch", mtp=mtp)
+        full = Qwen3_5Model(model_cfg, kernels="torch")
     candidates = list(_candidates(full, model_cfg.text, vision=True))
     chosen = [n for n in candidates if any(_matches(e, n) for e in lora.target_modules)
               and (lora.vision or not n.startswith("visual."))]
-    leaves = {n.rsplit(".", 1)[-1] for n in chosen}
-    if all(n in chosen for n in candidates if n.rsplit(".", 1)[-1] in leaves):
-        return sorted(leaves)
-    return sorted(adapter.VISUAL_PREFIX + n[len("visual."):] if n.startswith("visual.") else _hf_prefix(model_cfg) + n
-                  for n in chosen)
+    # peft adapts a module of any type whose name ends in a target (the vision tower's Conv3d patch_embed.proj
+    # shares `proj` with its attention's output linears)
+    not_linear = {n.rsplit(".", 1)[-1] for n, m in full.named_modules() if not isinstance(m, nn.Linear)}
+    names = []
+    for leaf in sorted({n.rsplit(".", 1)[-1] for n in chosen}):
+        of_leaf = [n for n in candidates if n.rsplit(".", 1)[-1] == leaf]
+        if leaf not in not_linear and all(n in chosen for n in of_leaf):
+            names.append(leaf)
+        else:
+            names += [adapter.VISUAL_PREFIX + n[len("visual."):] if n.startswith("visual.") else
+                      _hf_prefix(model_cfg) + n for n in of_leaf if n in chosen]
+    return sorted(names)
 
 
 def peft_adapter_config(model_cfg, lora: LoRAConfig, base_model: str) -> dict:
