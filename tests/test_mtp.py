@@ -230,6 +230,16 @@ def test_head_mode_stops_or_skips_a_step_whose_head_gradient_is_not_finite(tmp_p
     assert row["skipped_steps"] == 1 and math.isfinite(row["grad_norm"]) and not math.isfinite(row["mtp_grad_norm"])
 
 
+def test_lora_may_target_the_heads_own_linears_alone():
+    """`mtp.fc` is a linear LoRA adapts when the head trains: a target naming it alone passes the target check
+    (`qwenft plan`, as train and slurm check), and without a trained head it matches nothing."""
+    from helpers import qwenft_alone
+
+    args = ("plan", "recipe=tiny_lora", "peft.target_modules=[fc]", "checkpoint.export_hf=merged")
+    assert qwenft_alone(*args, "model.mtp=train") == 0
+    assert qwenft_alone(*args, "model.mtp=keep") == 2
+
+
 def test_lora_with_a_trained_head_exports_merged_only(tmp_path):
     """peft=lora with model.mtp=train and checkpoint.export_hf=true is refused before anything is written: a peft
     adapter dir cannot carry the head."""
