@@ -101,6 +101,7 @@ def check_mesh_keys(cfg: Config, layout: Layout) -> None:
                          f"torch's V-shaped schedules ({', '.join(V_SHAPED)}) cannot run a forward-only pass; use "
                          f"another pipeline.schedule (e.g. interleaved_zb) or eval.every_steps=0")
 
+
 def checked_batching(cfg: Config, layout: Layout, packages_here: bool = True) -> Batching:
     """The batching of a run on `layout`, after the checks of the keys it depends on (the mesh's pipeline keys,
     model.fp8): the first decisions of every run, before anything is built. `packages_here`: whether this
@@ -290,6 +291,7 @@ def check_fp8(cfg: Config, layout: Layout, batching: Batching, packages_here: bo
     if cfg.peft.method != "none":
         raise ValueError(f"model.fp8={recipe} with peft={cfg.peft.method}: float8 linears do not take LoRA adapters "
                          f"yet; use peft=none or model.fp8=off")
+
     def rank_tokens(seq_len: int) -> int:  # cp pads the stream to a multiple of cp
         return -(-batching.microbatch_size * seq_len // layout.cp)
 
