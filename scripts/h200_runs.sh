@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|tp2_trace|side_by_side|defaults_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad}
+part=${1:?which part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
@@ -78,6 +78,12 @@ wait ;;
 profile_fastest)  # the kernel breakdown of the side-by-side's fastest setting: bf16 numerics, AC off, compiled (steps 3-4)
 bench profile_bf16_ac_off_compile 300 1 0 "--warmup 2 --profile $out/profile_bf16_ac_off_compile.txt" train.max_steps=4 \
   $bf16 model.activation_checkpointing=false model.compile=true ;;
+fake_tp_profile)  # the kernel breakdown of rank 0 of a fake tp world (FAKE_TP, default 4) compiled with CUDA graphs and
+# sequence parallelism, in_matmul weight gradients, bf16, AC off (steps 6-7: a graphed fake world's step settles after a few)
+tp=${FAKE_TP:-4}
+bench profile_fake_tp${tp}_sp_graphs 330 1 0 "--warmup 5 --fake-world $tp --profile $out/profile_fake_tp${tp}_sp_graphs.txt" \
+  train.max_steps=7 $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
+  mesh.sequence_parallel=true train.on_nonfinite=skip ;;
 compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
  bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
@@ -110,13 +116,26 @@ bench defaults_vs_automodel 250 1 0 "--warmup 2 --plan" train.max_steps=6 model.
 echo "=== automodel $(date +%T)"
 # an OUT_DIR of its own, emptied first: a ratio never comes from another part's Automodel run
 rm -rf "$out/automodel_defaults"
-GBS=8 STEPS=8 WARMUP=2 WALL=$(limit_by_deadline 280) OUT_DIR="$out/automodel_defaults" bash .amodel/run.sh \
+GBS=8 STEPS=${AMODEL_STEPS:-8} WARMUP=2 WALL=$(limit_by_deadline 280) OUT_DIR="$out/automodel_defaults" bash .amodel/run.sh \
   > "$out/automodel_defaults.log" 2>&1
 echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
 bench fp8_tensorwise_ac_off_compile 140 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
   model.compile=true model.fp8=tensorwise
 against_automodel "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" \
   "$out/fp8_tensorwise_ac_off_compile.json"
+;;
+graphs_side_by_side)  # the model group's defaults as in defaults_side_by_side, then NeMo Automodel 0.7.0, then the defaults
+# with model.cuda_graphs=true (the compiled graphs replayed as CUDA graphs, AC off: a one-GPU step's launch gaps go);
+# the last lines are each run's tokens/s against Automodel's; DEADLINE as in defaults_side_by_side. AMODEL_STEPS (default
+# 8, the first 2 not timed) sets Automodel's steps in both side-by-sides: more on a warm machine, whose compiles are cached
+bench defaults_vs_automodel 250 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
+echo "=== automodel $(date +%T)"
+rm -rf "$out/automodel_defaults"
+GBS=8 STEPS=${AMODEL_STEPS:-8} WARMUP=2 WALL=$(limit_by_deadline 280) OUT_DIR="$out/automodel_defaults" bash .amodel/run.sh \
+  > "$out/automodel_defaults.log" 2>&1
+echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
+bench defaults_graphs 150 1 0 "--warmup 2" train.max_steps=6 model.compile=true model.cuda_graphs=true
+against_automodel "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" "$out/defaults_graphs.json"
 ;;
 moe_side_by_side)  # NeMo Automodel 0.7.0's native Qwen3.5-MoE (torch._grouped_mm experts) and qwenft on the 35B-A3B
 # shape cut to 4 layers, Automodel's numerics, AC off, one after the other on this GPU: qwenft eager (the MoE groups'
@@ -326,6 +345,6 @@ mtp)  # the MTP head's cost: the benchmark without (keep) and with a trained hea
 # first run compiles fla's kernels on a fresh machine
 bench mtp_keep 230 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=keep
 bench mtp_train 90 1 0 "--warmup 1" train.max_steps=4 $bf16 model.mtp=train ;;
-*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, tp2_trace, side_by_side, defaults_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad" >&2
+*) echo "unknown part $part: two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad" >&2
    exit 2 ;;
 esac
