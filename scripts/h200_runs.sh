@@ -78,12 +78,13 @@ wait ;;
 profile_fastest)  # the kernel breakdown of the side-by-side's fastest setting: bf16 numerics, AC off, compiled (steps 3-4)
 bench profile_bf16_ac_off_compile 300 1 0 "--warmup 2 --profile $out/profile_bf16_ac_off_compile.txt" train.max_steps=4 \
   $bf16 model.activation_checkpointing=false model.compile=true ;;
-fake_tp_profile)  # the kernel breakdown of rank 0 of a fake tp world (FAKE_TP, default 4) compiled with CUDA graphs and
-# sequence parallelism, in_matmul weight gradients, bf16, AC off (steps 6-7: a graphed fake world's step settles after a few)
-tp=${FAKE_TP:-4}
-bench profile_fake_tp${tp}_sp_graphs 330 1 0 "--warmup 5 --fake-world $tp --profile $out/profile_fake_tp${tp}_sp_graphs.txt" \
-  train.max_steps=7 $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
-  mesh.sequence_parallel=true train.on_nonfinite=skip ;;
+fake_tp_profile)  # the kernel breakdown of rank 0 of a fake tp world (FAKE_TP, default 4) compiled with CUDA graphs,
+# in_matmul weight gradients, bf16, AC off, with sequence parallelism unless FAKE_SP=false (steps 6-7: a graphed fake
+# world's step settles after a few)
+tp=${FAKE_TP:-4}; sp=${FAKE_SP:-true}; name=profile_fake_tp${tp}$([ "$sp" = true ] && echo _sp)_graphs
+bench "$name" 330 1 0 "--warmup 5 --fake-world $tp --profile $out/$name.txt" train.max_steps=7 $bf16 \
+  model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
+  mesh.sequence_parallel=$sp train.on_nonfinite=skip ;;
 compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
  bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &
