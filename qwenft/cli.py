@@ -1,17 +1,20 @@
 """`qwenft` command line: dispatch a subcommand on the config that qwenft.conf composes."""
 
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Mapping
 
 from qwenft.conf import RECIPES_ENV, ConfigError, compose, group_options, list_recipes, load_run_config, to_yaml
 from qwenft.conf.layout import Layout
 from qwenft.conf.schema import Config
+from qwenft.launch import ERROR_PREFIX, LINE_TO_LAUNCHER
 
 USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]
 
@@ -403,17 +406,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(e: BaseException, message: str) -> int:
-    """A user-fixable fault: one line on stderr (rank 0 only under torchrun: every rank fails the same way),
-    the traceback in train.log when the run got that far; exit code 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"qwenft: error: {message}", file=sys.stderr)
+    """A user-fixable fault: one line, the traceback in train.log when the run got that far; exit code 2.
+
+    Under qwenft's torchrun (`qwenft.launch.torchrun`: launcher.nproc_per_node, SLURM) every rank writes the line
+    into its torchrun error file instead, and the launcher prints the first failed rank's, once: a fault of one
+    rank alone (a path missing on its node) is shown as well as one that every rank meets. Under another launcher,
+    rank 0 prints it (the ranks' lines would repeat it once each)."""
+    line = f"{ERROR_PREFIX}{message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(LINE_TO_LAUNCHER) and error_file:
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    elif os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
     _log_traceback(e)
     return 2
 
 
 def _log_traceback(e: BaseException) -> None:
     """The traceback into train.log only (the console shows the one line), when this rank has train.log open."""
-    _log_to_file(logging.ERROR, "qwenft: error: %s", e, exc_info=(type(e), e, e.__traceback__))
+    _log_to_file(logging.ERROR, f"{ERROR_PREFIX}%s", e, exc_info=(type(e), e, e.__traceback__))
 
 
 def _log_to_file(level: int, message: str, *args, exc_info=None) -> None:

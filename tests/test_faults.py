@@ -165,6 +165,23 @@ def test_torchrun_mistake_rank0_only(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_torchrun_one_rank_mistake_is_shown(tmp_path):
+    """A mistake that one rank alone meets (a path missing on its node; rank 1 here, while rank 0 goes on): qwenft's
+    torchrun prints that rank's line once, naming the rank, and exits 2. Plain torchrun is left as it was."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, sys, time\n"
+                      "from qwenft.cli import _fail\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(_fail(FileNotFoundError(), 'data.path=/nfs/d.jsonl: no such file on this node'))\n"
+                      "time.sleep(120)\n")
+    out = qwenft("--standalone", "--nproc-per-node=2", str(worker), module="qwenft.launch.torchrun", timeout=120)
+    assert one_line_error(out) == "qwenft: error: data.path=/nfs/d.jsonl: no such file on this node (rank 1)"
+    plain = qwenft("--standalone", "--nproc-per-node=2", str(worker), module="torch.distributed.run", timeout=120)
+    assert plain.returncode != 0 and "qwenft: error:" not in plain.stderr, plain.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_rank0_file_fault_reaches_every_rank(tmp_path):
     """run_dir is made by rank 0 only; its failure stops every rank at once (none waits in a collective)."""
     (tmp_path / "file").write_text("x")

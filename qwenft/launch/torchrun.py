@@ -1,7 +1,9 @@
 """`python -m qwenft.launch.torchrun ARGS` = `torchrun ARGS`, except that torchrun ignores SIGUSR1 and SIGINT and that
-workers that stop on a user mistake (exit code 2, the one line printed by rank 0), after a signal with a checkpoint
-(75) or on a second Ctrl-C (130) leave that exit code and their own lines alone, not torchrun's ChildFailedError
-traceback and exit code 1.
+workers that stop on a user mistake (exit code 2), after a signal with a checkpoint (75) or on a second Ctrl-C (130)
+leave that exit code and their own lines, not torchrun's ChildFailedError traceback and exit code 1. A user
+mistake's one line comes from here: each failing rank writes it into its torchrun error file (`qwenft.cli._fail`),
+and the first failed rank's is printed once, naming the rank when it is not rank 0, so a mistake that one rank alone
+meets (a path missing on its node) is shown too.
 
 SLURM delivers a step's signal to every process of the step: torchrun and its workers. torchrun does not
 handle SIGUSR1 by default, so the signal would kill it (and then its workers); told to handle it
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 
+from qwenft.launch import ERROR_PREFIX, LINE_TO_LAUNCHER
 from qwenft.launch.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_USER_ERROR = 2  # qwenft.cli's exit code for a config, input or file fault
@@ -47,6 +50,14 @@ def _children() -> list[int]:
     return found
 
 
+def user_error_line(rank: int, message) -> str | None:
+    """The line to print for a worker that exited on a user mistake: its error file's line (`message`, as torch's
+    ProcessFailure read it), with the rank named unless it is 0; None when the worker wrote none."""
+    if not isinstance(message, str) or not message.startswith(ERROR_PREFIX):
+        return None
+    return message if rank == 0 else f"{message} (rank {rank})"
+
+
 def _pass_to_workers(signum, frame) -> None:
     for pid in _children():
         try:
@@ -59,6 +70,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, _pass_to_workers)
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGHUP,SIGQUIT")  # torchrun's default less SIGINT
+    os.environ[LINE_TO_LAUNCHER] = "1"
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -67,7 +79,9 @@ if __name__ == "__main__":
     try:
         main()
     except ChildFailedError as e:
-        _, first = e.get_first_failure()  # the others were stopped by torchrun after it
+        rank, first = e.get_first_failure()  # the others were stopped by torchrun after it
+        if first.exitcode == EXIT_USER_ERROR and (line := user_error_line(rank, first.message)):
+            print(line, file=sys.stderr)
         if first.exitcode in _PASSED_ON:
             sys.exit(first.exitcode)
         raise
