@@ -413,13 +413,23 @@ def _fail(e: BaseException, message: str) -> int:
     rank alone (a path missing on its node) is shown as well as one that every rank meets. Under another launcher,
     rank 0 prints it (the ranks' lines would repeat it once each)."""
     line = f"{ERROR_PREFIX}{message}"
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if os.environ.get(LINE_TO_LAUNCHER) and error_file:
-        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
-    elif os.environ.get("RANK", "0") == "0":
+    if not (os.environ.get(LINE_TO_LAUNCHER) and _to_error_file(line)) and os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr)
     _log_traceback(e)
     return 2
+
+
+def _to_error_file(line: str) -> bool:
+    """`line` into this worker's torchrun error file (the message torchrun's agent reads back); False when there
+    is none or it cannot be written (rank 0 then prints the line itself)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    try:
+        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    except OSError:
+        return False
+    return True
 
 
 def _log_traceback(e: BaseException) -> None:
