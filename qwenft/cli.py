@@ -410,24 +410,32 @@ def _fail(e: BaseException, message: str) -> int:
 
     Under qwenft's torchrun (`qwenft.launch.torchrun`: launcher.nproc_per_node, SLURM) every rank writes the line
     into its torchrun error file instead, and the launcher prints the first failed rank's, once: a fault of one
-    rank alone (a path missing on its node) is shown as well as one that every rank meets. Under another launcher,
-    rank 0 prints it (the ranks' lines would repeat it once each)."""
+    rank alone (a path missing on its node) is shown as well as one that every rank meets (a rank that cannot
+    write the file prints its line itself). Under another launcher, rank 0 prints it (the ranks' lines would
+    repeat it once each)."""
     line = f"{ERROR_PREFIX}{message}"
-    if not (os.environ.get(LINE_TO_LAUNCHER) and _to_error_file(line)) and os.environ.get("RANK", "0") == "0":
+    rank = os.environ.get("RANK", "0")
+    if os.environ.get(LINE_TO_LAUNCHER):
+        if not _to_error_file(line):  # the launcher will not see it: this rank's own line, then
+            print(line if rank == "0" else f"{line} (rank {rank})", file=sys.stderr)
+    elif rank == "0":
         print(line, file=sys.stderr)
     _log_traceback(e)
     return 2
 
 
 def _to_error_file(line: str) -> bool:
-    """`line` into this worker's torchrun error file (the message torchrun's agent reads back); False when there
-    is none or it cannot be written (rank 0 then prints the line itself)."""
+    """`line` into this worker's torchrun error file (the message torchrun's agent reads back), whole or not at all
+    (the agent fails on a half-written one); False when there is none or it cannot be written."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return False
+    partial = Path(f"{error_file}.partial")
     try:
-        Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        partial.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        os.replace(partial, error_file)
     except OSError:
+        partial.unlink(missing_ok=True)
         return False
     return True
 

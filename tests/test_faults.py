@@ -176,8 +176,40 @@ def test_torchrun_one_rank_mistake_is_shown(tmp_path):
                       "time.sleep(120)\n")
     out = qwenft("--standalone", "--nproc-per-node=2", str(worker), module="qwenft.launch.torchrun", timeout=120)
     assert one_line_error(out) == "qwenft: error: data.path=/nfs/d.jsonl: no such file on this node (rank 1)"
+    assert "error file" not in out.stderr, out.stderr[-3000:]  # torchrun's bookkeeping about it, filtered out
     plain = qwenft("--standalone", "--nproc-per-node=2", str(worker), module="torch.distributed.run", timeout=120)
     assert plain.returncode != 0 and "qwenft: error:" not in plain.stderr, plain.stderr[-3000:]
+
+
+def test_launcher_takes_the_earliest_mistake_line(tmp_path, monkeypatch, capsys):
+    """Through torch's own reader of the error files: the earliest line wins whatever its worker's exit code (one
+    stopped by torchrun after writing it), a failure without a line (a crash) never; a worker that cannot write
+    its file prints its line itself, naming its rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from qwenft.cli import _fail
+    from qwenft.launch import LINE_TO_LAUNCHER
+    from qwenft.launch.torchrun import first_user_error
+
+    monkeypatch.setenv(LINE_TO_LAUNCHER, "1")
+    failures = {}
+    for rank, exitcode, stamp in ((0, 1, None), (1, 2, 200), (2, -15, 100), (3, 2, 300)):
+        error_file = tmp_path / f"{rank}.json"
+        if stamp is not None:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+            monkeypatch.setattr("time.time", lambda stamp=stamp: stamp)
+            assert _fail(ValueError(), f"mistake seen by rank {rank}") == 2
+        failures[rank] = ProcessFailure(local_rank=rank, pid=1, exitcode=exitcode, error_file=str(error_file))
+    monkeypatch.undo()
+    assert first_user_error(failures) == "qwenft: error: mistake seen by rank 2 (rank 2)"
+    assert first_user_error({0: failures[0]}) is None
+    assert capsys.readouterr().err == ""  # the lines went to the files
+    monkeypatch.setenv(LINE_TO_LAUNCHER, "1")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no such dir" / "error.json"))
+    assert _fail(ValueError(), "data.path=x: no such file") == 2
+    assert capsys.readouterr().err == "qwenft: error: data.path=x: no such file (rank 3)\n"
+    assert not list((tmp_path).glob("*.partial"))
 
 
 @pytest.mark.slow

@@ -35,7 +35,9 @@ class _QuietUserErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not any(f"exitcode: {code})" in message for code in _PASSED_ON) and "closing signal" not in message
+        # "child error file": torchrun's own error-file bookkeeping about the file a worker's mistake wrote
+        return (not any(f"exitcode: {code})" in message for code in _PASSED_ON) and "closing signal" not in message
+                and "child error file" not in message)
 
 
 def _children() -> list[int]:
@@ -51,11 +53,20 @@ def _children() -> list[int]:
 
 
 def user_error_line(rank: int, message) -> str | None:
-    """The line to print for a worker that exited on a user mistake: its error file's line (`message`, as torch's
+    """The line to print for a worker that stopped on a user mistake: its error file's line (`message`, as torch's
     ProcessFailure read it), with the rank named unless it is 0; None when the worker wrote none."""
     if not isinstance(message, str) or not message.startswith(ERROR_PREFIX):
         return None
     return message if rank == 0 else f"{message} (rank {rank})"
+
+
+def first_user_error(failures: dict) -> str | None:
+    """The line of the earliest of the failed workers (rank -> torch's ProcessFailure) that wrote a user mistake's
+    line, whatever its exit code: one may be stopped by torchrun between writing it and exiting, and the ranks that
+    a mistake leaves waiting in a collective may fail before torchrun stops them."""
+    lines = sorted((f.timestamp, rank, line) for rank, f in failures.items()
+                   if (line := user_error_line(rank, f.message)))
+    return lines[0][2] if lines else None
 
 
 def _pass_to_workers(signum, frame) -> None:
@@ -74,14 +85,16 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.errors.error_handler"):
         logging.getLogger(name).addFilter(_QuietUserErrors())
     try:
         main()
     except ChildFailedError as e:
-        rank, first = e.get_first_failure()  # the others were stopped by torchrun after it
-        if first.exitcode == EXIT_USER_ERROR and (line := user_error_line(rank, first.message)):
+        if line := first_user_error(e.failures):
             print(line, file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+        _, first = e.get_first_failure()  # the others were stopped by torchrun after it
         if first.exitcode in _PASSED_ON:
             sys.exit(first.exitcode)
         raise
