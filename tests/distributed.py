@@ -50,6 +50,12 @@ def _worker(rank, world_size, port, fn, args, queue, stacks):
     import torch.distributed as dist
 
     torch.set_num_threads(threads_per_rank())
+    # Inductor compiles through a pool of worker processes once it has made one, and a parent that ran a compile
+    # in-process (a test of one compiled module) holds such a pool, whose reader thread a forked child lacks: a
+    # child's compile would wait on it forever. Each rank compiles in its own process instead.
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
     # the runner sets its own thread count unless OMP_NUM_THREADS names one (train.rundir.set_cpu_threads)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank())
     # the parent sends SIGUSR2 to a rank that outlives the timeout: every thread's stack goes to `stacks`
