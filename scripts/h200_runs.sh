@@ -43,6 +43,15 @@ bench() {  # name limit_s nproc gpus bench-args overrides...
   [ -f "$out/$name.json" ] && cat "$out/$name.json"
 }
 
+automodel_defaults() {  # NeMo Automodel 0.7.0 on the benchmark, for the side-by-sides: AMODEL_STEPS (default 8, the first
+  # 2 not timed) steps, in an OUT_DIR of its own, emptied first: a ratio never comes from another part's Automodel run
+  echo "=== automodel $(date +%T)"
+  rm -rf "$out/automodel_defaults"
+  GBS=8 STEPS=${AMODEL_STEPS:-8} WARMUP=2 WALL=$(limit_by_deadline 280) OUT_DIR="$out/automodel_defaults" \
+    bash .amodel/run.sh > "$out/automodel_defaults.log" 2>&1
+  echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
+}
+
 against_automodel() {  # automodel_result.json bench.json...: each bench run's tokens/s against Automodel's, one line each
   python3 - "$@" <<'PY'
 import json, sys
@@ -114,12 +123,7 @@ defaults_side_by_side)  # the model group's defaults (bf16 numerics, compile, mo
 # DEADLINE set (the call's start + 590 s), the fp8 run gets what is left ($base turns compile off for the eager runs;
 # the model group compiles, so the defaults run turns it back on)
 bench defaults_vs_automodel 250 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
-echo "=== automodel $(date +%T)"
-# an OUT_DIR of its own, emptied first: a ratio never comes from another part's Automodel run
-rm -rf "$out/automodel_defaults"
-GBS=8 STEPS=${AMODEL_STEPS:-8} WARMUP=2 WALL=$(limit_by_deadline 280) OUT_DIR="$out/automodel_defaults" bash .amodel/run.sh \
-  > "$out/automodel_defaults.log" 2>&1
-echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
+automodel_defaults
 bench fp8_tensorwise_ac_off_compile 140 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false \
   model.compile=true model.fp8=tensorwise
 against_automodel "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" \
@@ -127,14 +131,10 @@ against_automodel "$out/automodel_defaults/result.json" "$out/defaults_vs_automo
 ;;
 graphs_side_by_side)  # the model group's defaults as in defaults_side_by_side, then NeMo Automodel 0.7.0, then the defaults
 # with model.cuda_graphs=true (the compiled graphs replayed as CUDA graphs, AC off: a one-GPU step's launch gaps go);
-# the last lines are each run's tokens/s against Automodel's; DEADLINE as in defaults_side_by_side. AMODEL_STEPS (default
-# 8, the first 2 not timed) sets Automodel's steps in both side-by-sides: more on a warm machine, whose compiles are cached
+# the last lines are each run's tokens/s against Automodel's; DEADLINE as in defaults_side_by_side; AMODEL_STEPS: more
+# Automodel steps on a warm machine, whose compiles are cached
 bench defaults_vs_automodel 250 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true
-echo "=== automodel $(date +%T)"
-rm -rf "$out/automodel_defaults"
-GBS=8 STEPS=${AMODEL_STEPS:-8} WARMUP=2 WALL=$(limit_by_deadline 280) OUT_DIR="$out/automodel_defaults" bash .amodel/run.sh \
-  > "$out/automodel_defaults.log" 2>&1
-echo "=== automodel rc=$? $(date +%T)"; grep AMODEL_RESULT "$out/automodel_defaults.log"
+automodel_defaults
 bench defaults_graphs 150 1 0 "--warmup 2" train.max_steps=6 model.compile=true model.cuda_graphs=true
 against_automodel "$out/automodel_defaults/result.json" "$out/defaults_vs_automodel.json" "$out/defaults_graphs.json"
 ;;
