@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
 from helpers import PATCH_DIM, assert_within, fp32_rtol, save_random_checkpoint, tiny_vlm, vlm_row
@@ -429,3 +430,49 @@ def test_shard_extent_is_each_ranks_own():
         finally:
             torch.distributed.destroy_process_group()
     assert seen[0] != seen[3]  # rank 1's offset is not rank 0's
+
+
+def _clip_norm_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from qwenft.distributed.tensor_parallel import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(0)  # the same full gradients on every rank
+    fulls, params = [], []
+    for shape, placements in (((6, 5), [Shard(0), Shard(1)]), ((7, 3), [Shard(0), Replicate()]),  # 7 rows: uneven
+                              ((5, 4), [Replicate(), Shard(0)]), ((3,), [Replicate(), Replicate()]),
+                              ((4, 2), [Shard(1), Shard(0)]),
+                              ((8, 3), [_StridedShard(0, split_factor=2), Shard(0)])):  # FSDP2 over tp's rows
+        full = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, placements))
+        p.grad = distribute_tensor(full, mesh, placements)
+        fulls.append(full)
+        params.append(p)
+    partial = torch.randn(4, generator=gen, dtype=torch.float64)  # tp rank t holds (t + 1) x it: the sum is 3 x it
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, dtype=torch.float64), mesh, [Replicate(), Replicate()]))
+    p.grad = DTensor.from_local(partial * (rank % 2 + 1), mesh, [Replicate(), Partial()], run_check=False)
+    fulls.append(3 * partial)
+    params.append(p)
+    plain = torch.randn(3, 3, generator=gen, dtype=torch.float64)
+    q = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))
+    q.grad = plain.clone()
+    out = {}
+    for norm_type in (2.0, float("inf")):
+        out[norm_type] = clip_grad_norm_(params + [q], max_norm=1e9, norm_type=norm_type).item()
+    return out, fulls + [plain], rank
+
+
+@pytest.mark.distributed
+def test_clip_grad_norm_from_local_shards():
+    """clip_grad_norm_ reduces a DTensor gradient's norm from its local shard over the mesh dimensions it is
+    sharded over (2-D mesh, shards on either dimension or both, FSDP2's strided shard, an uneven split, replicated
+    copies counted once) and a partial one through DTensor: the norm of the full gradients, 2-norm and max, on every
+    rank."""
+    for out, fulls, rank in run_distributed(_clip_norm_rank, 4):
+        flat = torch.cat([f.flatten() for f in fulls])
+        # the norms are formed in fp32: within a few of its roundings of the fp64 one
+        assert abs(out[2.0] - flat.norm().item()) < 1e-6 * flat.norm().item(), (rank, out)
+        assert out[float("inf")] == flat.abs().max().float().item(), (rank, out)

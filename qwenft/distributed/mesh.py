@@ -77,4 +77,6 @@ def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def cp_size(mesh: DeviceMesh) -> int:
     """The mesh's context-parallel size (1 where it has no cp dimension)."""
-    return mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
+    names = mesh.mesh_dim_names or ()
+    # the size straight from the mesh's shape: slicing out mesh["cp"] costs a tenth of a ms, once a microbatch
+    return mesh.size(names.index("cp")) if "cp" in names else 1
