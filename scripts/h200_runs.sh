@@ -89,9 +89,10 @@ bench profile_bf16_ac_off_compile 300 1 0 "--warmup 2 --profile $out/profile_bf1
   $bf16 model.activation_checkpointing=false model.compile=true ;;
 fake_tp_profile)  # the kernel breakdown of rank 0 of a fake tp world (FAKE_TP, default 4) compiled with CUDA graphs,
 # in_matmul weight gradients, bf16, AC off, with sequence parallelism unless FAKE_SP=false (steps 6-7: a graphed fake
-# world's step settles after a few)
+# world's step settles after a few); FAKE_TRACE=1 also writes the profiled steps' timeline (for `bench.py idle`)
 tp=${FAKE_TP:-4}; sp=${FAKE_SP:-true}; name=profile_fake_tp${tp}$([ "$sp" = true ] && echo _sp)_graphs
-bench "$name" 330 1 0 "--warmup 5 --fake-world $tp --profile $out/$name.txt" train.max_steps=7 $bf16 \
+trace=$([ -n "${FAKE_TRACE:-}" ] && echo "--trace $out/${name}_trace")
+bench "$name" 330 1 0 "--warmup 5 --fake-world $tp --profile $out/$name.txt $trace" train.max_steps=7 $bf16 \
   model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
   mesh.sequence_parallel=$sp train.on_nonfinite=skip ;;
 compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
