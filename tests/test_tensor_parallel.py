@@ -433,23 +433,27 @@ def test_shard_extent_is_each_ranks_own():
 
 
 def _clip_norm_rank(rank, world_size):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from qwenft.distributed import tensor_parallel
     from qwenft.distributed.tensor_parallel import clip_grad_norm_
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     gen = torch.Generator().manual_seed(0)  # the same full gradients on every rank
     fulls, params = [], []
-    for shape, placements in (((6, 5), [Shard(0), Shard(1)]), ((7, 3), [Shard(0), Replicate()]),  # 7 rows: uneven
-                              ((5, 4), [Replicate(), Shard(0)]), ((3,), [Replicate(), Replicate()]),
-                              ((4, 2), [Shard(1), Shard(0)]),
-                              ((8, 3), [_StridedShard(0, split_factor=2), Shard(0)])):  # FSDP2 over tp's rows
-        full = torch.randn(*shape, generator=gen, dtype=torch.float64)
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, placements))
+    for shape, placements, dtype in (
+            ((6, 5), [Shard(0), Shard(1)], torch.float64), ((7, 3), [Shard(0), Replicate()], torch.float64),  # uneven
+            ((5, 4), [Replicate(), Shard(0)], torch.bfloat16), ((3,), [Replicate(), Replicate()], torch.float64),
+            ((4, 2), [Shard(1), Shard(0)], torch.float64),
+            ((8, 3), [_StridedShard(0, split_factor=2), Shard(0)], torch.bfloat16),  # FSDP2 over tp's rows
+            ((1, 3), [Shard(0), Replicate()], torch.float64)):  # dp rank 1's shard holds no element
+        full = torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, placements))
         p.grad = distribute_tensor(full, mesh, placements)
-        fulls.append(full)
+        fulls.append(full.double())
         params.append(p)
     partial = torch.randn(4, generator=gen, dtype=torch.float64)  # tp rank t holds (t + 1) x it: the sum is 3 x it
     p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, dtype=torch.float64), mesh, [Replicate(), Replicate()]))
@@ -459,20 +463,36 @@ def _clip_norm_rank(rank, world_size):
     plain = torch.randn(3, 3, generator=gen, dtype=torch.float64)
     q = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))
     q.grad = plain.clone()
+    fulls.append(plain)
+    calls = []
+    all_reduce = dist.all_reduce
+    tensor_parallel.dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
     out = {}
-    for norm_type in (2.0, float("inf")):
-        out[norm_type] = clip_grad_norm_(params + [q], max_norm=1e9, norm_type=norm_type).item()
-    return out, fulls + [plain], rank
+    try:
+        for norm_type in (2.0, float("inf")):
+            calls.clear()
+            out[norm_type] = clip_grad_norm_(params + [q], max_norm=1e9, norm_type=norm_type).item(), len(calls)
+    finally:
+        tensor_parallel.dist.all_reduce = all_reduce
+    try:
+        clip_grad_norm_(params, max_norm=1.0, norm_type=0.0)
+    except ValueError as e:
+        out["error"] = str(e)
+    return out, fulls, rank
 
 
 @pytest.mark.distributed
 def test_clip_grad_norm_from_local_shards():
     """clip_grad_norm_ reduces a DTensor gradient's norm from its local shard over the mesh dimensions it is
-    sharded over (2-D mesh, shards on either dimension or both, FSDP2's strided shard, an uneven split, replicated
-    copies counted once) and a partial one through DTensor: the norm of the full gradients, 2-norm and max, on every
-    rank."""
+    sharded over (2-D mesh, shards on either dimension or both, FSDP2's strided shard, an uneven split, an empty
+    shard, bf16 gradients, replicated copies counted once) and a partial one through DTensor: the norm of the full
+    gradients, 2-norm and max, on every rank. The split groups take one all-reduce per mesh dimension they are
+    split over, not DTensor's dispatch (four: (dp, tp), dp, tp)."""
     for out, fulls, rank in run_distributed(_clip_norm_rank, 4):
         flat = torch.cat([f.flatten() for f in fulls])
-        # the norms are formed in fp32: within a few of its roundings of the fp64 one
-        assert abs(out[2.0] - flat.norm().item()) < 1e-6 * flat.norm().item(), (rank, out)
-        assert out[float("inf")] == flat.abs().max().float().item(), (rank, out)
+        # each tensor's norm is formed in fp32: within a few of its roundings of the fp64 one
+        norm, calls = out[2.0]
+        assert abs(norm - flat.norm().item()) < 1e-6 * flat.norm().item() and calls == 4, (rank, out)
+        norm, calls = out[float("inf")]
+        assert norm == flat.abs().max().float().item() and calls == 4, (rank, out)
+        assert out["error"] == "clip_grad_norm_: norm_type=0.0; valid: a positive number or inf", out

@@ -378,16 +378,28 @@ def _norm_group(grad: torch.Tensor):
     return grad.device_mesh, tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate())
 
 
-def _sharded_norm(local_grads: list[torch.Tensor], norm_type: float, mesh, sharded_dims: tuple) -> torch.Tensor:
-    """The norm of DTensor gradients from their local shards: each rank's norm over its own elements, combined
-    over the mesh dimensions the gradients are sharded over (replicated ones hold equal copies). The same value as
-    DTensor's own reduction, without its dispatch per gradient: host time a step, while the GPU may wait."""
-    norm = torch.nn.utils.get_total_norm(local_grads, norm_type).float()
+def _local_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of these tensors' elements, each tensor's norm formed in fp32 at least (a bf16 gradient's too, an
+    fp64 one's in fp64); 0 where they hold no element (a rank's empty shard: the neutral value of the sum or max
+    it joins)."""
+    by_dtype = defaultdict(list)
+    for t in tensors:
+        if t.numel():
+            by_dtype[torch.promote_types(t.dtype, torch.float32)].append(t)
+    if not by_dtype:
+        return torch.zeros((), device=tensors[0].device)
+    norms = [n for dtype, ts in by_dtype.items() for n in torch._foreach_norm(ts, norm_type, dtype=dtype)]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _reduce_norm(norm: torch.Tensor, norm_type: float, groups) -> torch.Tensor:
+    """This rank's norm combined with those of the other ranks of each process group in `groups`: their max for
+    the inf-norm, else (sum of norm^p)^(1/p)."""
     inf = math.isinf(norm_type)
     if not inf:
         norm = norm**norm_type
-    for dim in sharded_dims:
-        dist.all_reduce(norm, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    for group in groups:
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     return norm if inf else norm ** (1.0 / norm_type)
 
 
@@ -396,34 +408,35 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_grou
     """`torch.nn.utils.clip_grad_norm_` for parameters on different meshes, optionally over pipeline stages.
 
     TP + FSDP leaves (dp, tp) DTensors for sharded weights next to dp-only DTensors (or plain tensors) for
-    replicated ones, and torch's version refuses to stack norms from different meshes. Each mesh's norm is
-    reduced on its own, then combined (and over `pp_group`, each stage holding its own parameters). Returns
+    replicated ones, and torch's version refuses to stack norms from different meshes. The gradients are grouped by
+    mesh and by the mesh dimensions they are split over; a group's norm is formed from each rank's local shards and
+    summed over those dimensions' ranks (replicated copies counted once), then the groups' norms are combined (and
+    over `pp_group`, each stage holding its own parameters). Each tensor's norm is formed in fp32. Returns
     the total norm as a plain tensor, equal on all ranks, as one process would compute it. `device`: where the
     norm lives on a rank without gradients (a pipeline stage that holds none of `parameters`).
     `optimizer`: one with `scale_grads(params, coef)` (`LowPrecisionAdamW`) takes the clip coefficient into its
     next step instead of a pass of its own over every gradient here.
     """
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type}; valid: a positive number or inf")
     params = [p for p in parameters if p.grad is not None]
     groups = defaultdict(list)
     for p in params:
         groups[_norm_group(p.grad)].append(p.grad)
     norms = []
-    for key, grads in groups.items():  # each group's norm in fp32
+    for key, grads in groups.items():  # each group's norm, in fp32
         if key is None:
-            norms.append(torch.nn.utils.get_total_norm(grads, norm_type).float())
+            norms.append(_local_norm(grads, norm_type))
         elif key[1] is None:  # a partial gradient: DTensor's own reduction
             norms.append(torch.nn.utils.get_total_norm(grads, norm_type).full_tensor().float())
-        else:
-            norms.append(_sharded_norm([g._local_tensor for g in grads], norm_type, *key))
+        else:  # from the local shards, without DTensor's dispatch per gradient (host time a step, the GPU waiting)
+            mesh, dims = key
+            norms.append(_reduce_norm(_local_norm([g._local_tensor for g in grads], norm_type), norm_type,
+                                      [mesh.get_group(dim) for dim in dims]))
     device = params[0].device if params else device
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     if pp_group is not None:
-        if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
-        else:
-            total = total**norm_type
-            dist.all_reduce(total, group=pp_group)
-            total = total ** (1.0 / norm_type)
+        total = _reduce_norm(total, norm_type, [pp_group])
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     if optimizer is not None:
         optimizer.scale_grads(params, coef)
