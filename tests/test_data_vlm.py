@@ -413,7 +413,8 @@ def test_vision_activation_checkpointing_gives_the_same_grads(video_batch, peft)
     LoRA's adapters, peft.vision=true): the same tower grads, on a micro batch with a picture and a video."""
     from qwenft.conf import compose
     from qwenft.models.lora import apply_lora
-    from qwenft.train.build import _freeze, lora_config
+    from qwenft.train.build import _freeze
+    from qwenft.train.peft_setup import lora_config
 
     assert len(video_batch["video_grid_thw"]) >= 1 and len(video_batch["image_grid_thw"]) >= 1
     grads = []

@@ -100,7 +100,8 @@ def test_dp2_equals_one_process(tmp_path, reference, knob):
 def test_base_frozen_in_compute_dtype(tmp_path):
     """bf16 compute: the base is held in bf16 only, the adapters in fp32 (master), and only adapters are trained."""
     from qwenft.conf.layout import resolve_layout
-    from qwenft.train.build import build_model_parts, lora_config, model_config
+    from qwenft.train.build import build_model_parts, model_config
+    from qwenft.train.peft_setup import lora_config
     from qwenft.train.spec import resolve_spec
 
     cfg = compose(["recipe=tiny", "peft=lora", "model.dtype=bfloat16", "optim.master_dtype=float32"])

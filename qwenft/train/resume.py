@@ -85,7 +85,7 @@ def check_data_position(path: Path, cfg: Config, data) -> None:
 
 def check_base(path: Path, cfg: Config, base: dict | None) -> None:
     """Refuse (ValueError, one line) to resume LoRA adapters onto a frozen base other than the one they were
-    trained on (`base`: this run's `build.base_fingerprint`; a checkpoint saved before bases were recorded is not
+    trained on (`base`: this run's `peft_setup.base_fingerprint`; a checkpoint saved before bases were recorded is not
     checked): the same shapes would load and train on, silently wrong."""
     saved = (read_meta(path).get("peft") or {}).get("base")
     if saved is None or base is None or saved == base:

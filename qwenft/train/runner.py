@@ -18,8 +18,9 @@ from qwenft.checkpoint.hf_export import export_hf, export_merged_hf, export_peft
 from qwenft.conf.schema import Config
 from qwenft.distributed.tensor_parallel import clip_grad_norm_
 from qwenft.launch import signals
-from qwenft.train.build import Job, build_job, lora_config
+from qwenft.train.build import Job, build_job
 from qwenft.train.optim import LowPrecisionAdamW
+from qwenft.train.peft_setup import lora_config
 from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, with_mtp_labels
 from qwenft.models.loss import count_label_tokens
 from qwenft.models.weight_grad import prepare_grads
