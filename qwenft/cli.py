@@ -210,8 +210,8 @@ def _export(args: list[str]) -> int:
     from qwenft.checkpoint import dcp, files, hf_export, mtp
     from qwenft.data.tokenizer import BUILT_IN, TOKENIZER_FILES
     from qwenft.models.lora import in_adapter_dir
-    from qwenft.train.peft_setup import checkpoint_lora
     from qwenft.train.data_setup import load_preprocessors
+    from qwenft.train.peft_setup import checkpoint_lora
 
     opts = {"run_dir": None, "out": None, "checkpoint": "latest", "dtype": None, "tokenizer": None, "merged": "false"}
     for arg in args:

@@ -411,7 +411,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, pp_grou
     replicated ones, and torch's version refuses to stack norms from different meshes. The gradients are grouped by
     mesh and by the mesh dimensions they are split over; a group's norm is formed from each rank's local shards and
     summed over those dimensions' ranks (replicated copies counted once), then the groups' norms are combined (and
-    over `pp_group`, each stage holding its own parameters). Each tensor's norm is formed in fp32. Returns
+    over `pp_group`, each stage holding its own parameters). Each tensor's norm is formed in fp32 at least. Returns
     the total norm as a plain tensor, equal on all ranks, as one process would compute it. `device`: where the
     norm lives on a rank without gradients (a pipeline stage that holds none of `parameters`).
     `optimizer`: one with `scale_grads(params, coef)` (`LowPrecisionAdamW`) takes the clip coefficient into its
