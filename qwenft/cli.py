@@ -14,7 +14,7 @@ from typing import Mapping
 from qwenft.conf import RECIPES_ENV, ConfigError, compose, group_options, list_recipes, load_run_config, to_yaml
 from qwenft.conf.layout import Layout
 from qwenft.conf.schema import Config
-from qwenft.launch import ERROR_PREFIX, LINE_TO_LAUNCHER
+from qwenft.launch import ERROR_PREFIX, LINE_TO_LAUNCHER, with_rank
 
 USAGE = f"""usage: qwenft <command> [recipe=NAME] [key=value ...]
 
@@ -417,7 +417,7 @@ def _fail(e: BaseException, message: str) -> int:
     rank = os.environ.get("RANK", "0")
     if os.environ.get(LINE_TO_LAUNCHER):
         if not _to_error_file(line):  # the launcher will not see it: this rank's own line, then
-            print(line if rank == "0" else f"{line} (rank {rank})", file=sys.stderr)
+            print(with_rank(line, rank), file=sys.stderr)
     elif rank == "0":
         print(line, file=sys.stderr)
     _log_traceback(e)

@@ -3,3 +3,8 @@
 # to print once.
 ERROR_PREFIX = "qwenft: error: "
 LINE_TO_LAUNCHER = "QWENFT_ERROR_LINE_TO_LAUNCHER"
+
+
+def with_rank(line: str, rank) -> str:
+    """`line` as printed for a rank's mistake: the rank named unless it is rank 0."""
+    return line if int(rank) == 0 else f"{line} (rank {rank})"

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from qwenft.launch import ERROR_PREFIX, LINE_TO_LAUNCHER
+from qwenft.launch import ERROR_PREFIX, LINE_TO_LAUNCHER, with_rank
 from qwenft.launch.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_USER_ERROR = 2  # qwenft.cli's exit code for a config, input or file fault
@@ -57,7 +57,7 @@ def user_error_line(rank: int, message) -> str | None:
     ProcessFailure read it), with the rank named unless it is 0; None when the worker wrote none."""
     if not isinstance(message, str) or not message.startswith(ERROR_PREFIX):
         return None
-    return message if rank == 0 else f"{message} (rank {rank})"
+    return with_rank(message, rank)
 
 
 def first_user_error(failures: dict) -> str | None:
