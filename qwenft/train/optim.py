@@ -1,5 +1,6 @@
 """AdamW (torch's, or `LowPrecisionAdamW` for bf16 state / bf16 weights) and the warmup + decay lr schedule."""
 
+import functools
 import math
 
 import torch
@@ -99,8 +100,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     torch.optim.AdamW (foreach, decoupled weight decay), and written back in their own dtypes: bf16 moments
     and bf16 parameters rounded stochastically (`stochastic_rounding=False`: to nearest), fp32 ones as they
     are. With fp32 parameters and fp32 state it computes exactly what torch's foreach AdamW does.
-    `fused=True` (CUDA, Triton) does each tensor's whole update in one kernel (qwenft.train.adamw_kernel):
-    the same formulas, a tenth of the memory traffic, its own random bits.
+    `fused=True` (CUDA, Triton) does each tensor's whole update in one kernel pass, a parameter group's tensors
+    in one launch (qwenft.train.adamw_kernel): the same formulas, a tenth of the memory traffic, its own random
+    bits.
 
     Works on FSDP2 / TP DTensor parameters through their local shards. The work is foreach over views of at
     most `chunk_numel` elements at a time, so the fp32 temporaries stay under 6 x 4 x `chunk_numel` bytes (0.8 GB
@@ -121,8 +123,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         self.seed = seed
         self.chunk_numel = chunk_numel
         self.fused = fused
+        self._fused = None
+        if fused:
+            from qwenft.train.adamw_kernel import FusedAdamW
+
+            self._fused = FusedAdamW()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._grad_scales: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's factor in the next step
+        self._stepped: list[torch.Tensor] = []  # the parameters whose step counts the last step moved (`unstep`)
 
     def scale_grads(self, params, scale: torch.Tensor) -> None:
         """Multiply `params`' gradients by `scale` (a 0-dim fp32 tensor: gradient clipping's coefficient) inside
@@ -144,23 +152,40 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         return self._generators[device].manual_seed(seed)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skip_if: torch.Tensor | None = None):
+        """One AdamW step. `skip_if`: a bool tensor on the parameters' device; where it is true the step leaves
+        weights and moments as they were, decided by the fused kernel on the GPU (the host queues the step without
+        waiting for the flag; other paths read it). The step counts move on the host either way: `unstep` takes
+        them back once the host has read the flag."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._step()
+            self._step(skip_if)
         finally:
             self._grad_scales.clear()
         return loss
 
-    def _step(self) -> None:
+    def unstep(self) -> None:
+        """Take back the step counts of the last `step`, whose update `skip_if` skipped."""
+        for p in self._stepped:
+            self.state[p]["step"] -= 1
+        self._stepped = []
+
+    def _step(self, skip_if: torch.Tensor | None) -> None:
+        if self.fused:
+            from qwenft.train.adamw_kernel import AdamWTensor
+        @functools.cache
+        def host_skips() -> bool:  # the torch ops' path: the flag read on the host, once
+            return skip_if is not None and bool(skip_if.item())
+
+        self._stepped = []
         index = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = group["lr"]
-            batch, batch_numel = [], 0
+            batch, batch_numel, fused = [], 0, []
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -172,6 +197,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype,
                                                            memory_format=torch.preserve_format)
                 state["step"] += 1
+                self._stepped.append(p)
                 step = state["step"].item()
                 # as torch's foreach AdamW: Python-float bias corrections per parameter
                 step_size = (lr / (1 - beta1**step)) * -1
@@ -179,26 +205,27 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 scale = self._grad_scales.get(id(p))
                 if self.fused and all(t.is_cuda and t.is_contiguous() for t in tensors):
-                    from qwenft.train.adamw_kernel import adamw_update_
-
-                    adamw_update_(*tensors, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                                  weight_decay=group["weight_decay"], step_size=step_size,
-                                  bias_correction2_sqrt=bias_correction2_sqrt,
-                                  seed=_seed(self.seed, int(step), index), stochastic_rounding=self.stochastic_rounding,
-                                  grad_scale=scale)
+                    fused.append(AdamWTensor(*tensors, step_size, bias_correction2_sqrt,
+                                             _seed(self.seed, int(step), index), scale))
                     continue
                 parts = _chunks(tensors, self.chunk_numel)
                 for chunk_id, views in enumerate(parts):
                     if batch and batch_numel + views[0].numel() > self.chunk_numel:
-                        self._update(batch, group)
+                        self._update(batch, group, host_skips)
                         batch, batch_numel = [], 0
                     batch.append((views, step_size, bias_correction2_sqrt, _seed(self.seed, int(step), index, chunk_id),
                                   scale))
                     batch_numel += views[0].numel()
             if batch:
-                self._update(batch, group)
+                self._update(batch, group, host_skips)
+            if fused:
+                self._fused.update_(fused, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                                    weight_decay=group["weight_decay"], stochastic_rounding=self.stochastic_rounding,
+                                    skip_if=skip_if)
 
-    def _update(self, batch: list, group: dict) -> None:
+    def _update(self, batch: list, group: dict, host_skips) -> None:
+        if host_skips():
+            return
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         params, grads, exp_avgs, exp_avg_sqs = (list(ts) for ts in zip(*(views for views, *_ in batch)))

@@ -3,8 +3,11 @@
     python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv embed]
 
 - AdamW: `LowPrecisionAdamW` over bf16 weights, gradients and moments, foreach (torch ops) against fused (one
-  Triton kernel per tensor): ms per step per billion parameters, and the two paths' results with rounding to
-  nearest (max difference in bf16 ulps), plus the stochastic-rounding bias of the fused path.
+  Triton kernel pass): ms per step per billion parameters, and the two paths' results with rounding to nearest
+  (max difference in bf16 ulps), plus the stochastic-rounding bias of the fused path. Then the fused step over
+  the tensors of a tp4 rank of the 27B shape cut to 8 layers (each weight's first dim split 4 ways where it
+  divides), where launches and not bytes set the time: one launch per tensor (each in a parameter group of its
+  own) against one per group, the host's ms until `step()` returns and the step's ms between CUDA events.
 - Cross-entropy of the lm_head (hidden 5120, vocabulary 248,320): torch (bf16 logits, fp32 CE, as
   `model.kernels.ce=torch`) against the fused linear CE (`model.kernels.ce=fused`) whole and chunked:
   forward + backward ms, memory above the inputs, and gradient errors against an fp32 computation.
@@ -21,6 +24,7 @@
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +86,41 @@ def bench_adamw(total_params: float) -> dict:
     opt.step()
     out["sr_mean_update"] = (1.0 - p.float().mean().item())
     out["sr_expected_update"] = 1e-4
+    out["tp4_rank_8_layers"] = bench_adamw_launches(hyper)
+    return out
+
+
+def tp4_rank_shapes(layers: int = 8, tp: int = 4) -> list[torch.Size]:
+    """The parameter shapes of the 27B shape's first `layers` decoder layers, each first dim split `tp` ways where it
+    divides: a tensor parallel rank's count of tensors and about its sizes."""
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.models.qwen3_5.model import DecoderLayer
+
+    text = named_config("27b").text
+    with torch.device("meta"):
+        params = [p for i in range(layers) for p in DecoderLayer(text, i, kernels="torch").parameters()]
+    return [torch.Size((s[0] // tp if s[0] % tp == 0 else s[0], *s[1:])) for s in (p.shape for p in params)]
+
+
+def bench_adamw_launches(hyper: dict, iters: int = 10) -> dict:
+    shapes = tp4_rank_shapes()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {"tensors": len(shapes), "params": sum(s.numel() for s in shapes)}
+    for label, grouped in (("per_tensor", False), ("per_group", True)):
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).mul_(0.02).bfloat16()) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).mul_(1e-3).bfloat16()
+        opt = LowPrecisionAdamW([{"params": ps}] if grouped else [{"params": [p]} for p in ps], fused=True, **hyper)
+        opt.step()  # compiles, makes the moments
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            opt.step()
+            host.append((time.perf_counter() - start) * 1e3)
+            torch.cuda.synchronize()
+        out[label] = {"host_ms": sorted(host)[iters // 2], "step_ms": time_ms(opt.step, warmup=1, iters=iters)}
+        del ps, opt
     return out
 
 
