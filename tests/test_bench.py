@@ -283,7 +283,9 @@ def test_media_times_the_tower_of_an_fsdp_model():
 def test_idle_mode_sums_the_gaps_and_names_who_launched_late(tmp_path):
     """A timeline of one step: kernels at 0-100 and 100-150 us (back to back on two streams), then a 60 us gap whose
     next kernel was launched after it began from inside `aten::copy_` under `Optimizer.step` (host late), then a
-    30 us gap whose kernel was launched long before (the GPU waited), then a 5 us gap (under the threshold)."""
+    30 us gap whose kernel was launched long before (the GPU waited), then a 5 us gap (under the threshold). The
+    host was in the runner's `qwenft.optimizer_step` range when the first gap began and out of it at the second (a
+    range on another thread, such as autograd's, is not the loop's)."""
     from bench_modes import idle
 
     def x(cat, name, ts, dur, tid=1, corr=None):
@@ -295,7 +297,9 @@ def test_idle_mode_sums_the_gaps_and_names_who_launched_late(tmp_path):
     events = [
         x("user_annotation", "ProfilerStep#3", 0, 400),
         x("gpu_user_annotation", "ProfilerStep#3", 0, 300, tid=7),  # the step's range on the GPU: not a second step
-        x("cpu_op", "Optimizer.step#AdamW.step", 150, 100),
+        x("user_annotation", "qwenft.optimizer_step", 145, 104),
+        x("user_annotation", "qwenft.elsewhere", 240, 50, tid=2),
+        x("cpu_op", "Optimizer.step#AdamW.step", 150, 99),
         x("cpu_op", "aten::copy_", 200, 20),
         x("cuda_runtime", "cudaLaunchKernel", 205, 5, corr=7),
         x("cuda_runtime", "cudaLaunchKernel", 20, 5, corr=8),
@@ -310,8 +314,12 @@ def test_idle_mode_sums_the_gaps_and_names_who_launched_late(tmp_path):
     report = idle.summarize(str(trace), min_us=20)
     assert report["per_step"] == [{"step": "ProfilerStep#3", "wall_ms": 0.4, "idle_ms": 0.1, "host_late_ms": 0.1}]
     late, waited = report["largest_gaps"]
-    assert late == {"us": 60, "next": "adam_kernel", "host_late": True,
-                    "launched_in": "ProfilerStep#3 > Optimizer.step#AdamW.step > aten::copy_"}
+    assert late == {"us": 60, "next": "adam_kernel", "host_late": True, "host_phase": "qwenft.optimizer_step",
+                    "launched_in": "ProfilerStep#3 > qwenft.optimizer_step > Optimizer.step#AdamW.step > aten::copy_"}
     assert waited["us"] == 30 and not waited["host_late"] and waited["launched_in"] == "ProfilerStep#3"
+    assert waited["host_phase"] == "between phases"
+    assert report["idle_ms_per_step_by_host_phase"] == [
+        {"phase": "qwenft.optimizer_step", "ms_per_step": 0.06, "gaps_per_step": 1.0},
+        {"phase": "between phases", "ms_per_step": 0.03, "gaps_per_step": 1.0}]
     assert [(r["op"], r["host_late"]) for r in report["idle_ms_per_step_by_launching_op"]] == [
         ("aten::copy_", True), ("ProfilerStep#3", False)]

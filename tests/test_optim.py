@@ -119,6 +119,36 @@ def test_state_dict_round_trip_keeps_state_dtype():
             assert fresh.state[p]["step"].item() == 2
 
 
+def test_a_step_skipped_by_its_flag_changes_nothing_once_unstepped():
+    """step(skip_if=True), the runner's step whose loss or norm is not finite, then `unstep`: weights, moments and
+    step counts as they were, through both of the torch ops' flushes (chunk_numel below the tensors' sizes); the
+    step after it is bit for bit the one a run without the skipped step takes (its seeds follow the step count). A
+    flag that is false steps as no flag does."""
+    def state(opt, params):
+        return [(p.detach().clone(), *(opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq", "step")))
+                for p in params]
+
+    runs = []
+    for skipped in (False, True):
+        params = _params(dtype=torch.bfloat16)
+        opt = LowPrecisionAdamW(params, **HYPER, state_dtype=torch.bfloat16, chunk_numel=256)
+        _run(opt, params, 1)
+        if skipped:
+            before = state(opt, params)
+            for p, g in zip(params, _grads(params, 7)):
+                p.grad = g
+            opt.step(skip_if=torch.tensor(True))
+            opt.unstep()
+            for a, b in zip(state(opt, params), before):
+                assert all(torch.equal(x, y) for x, y in zip(a, b))
+        for p, g in zip(params, _grads(params, 1)):
+            p.grad = g
+        opt.step(skip_if=torch.tensor(False))
+        runs.append(state(opt, params))
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_build_optimizer_picks_the_optimizer():
     fp32 = _params()
     assert type(build_optimizer(fp32, 1e-3, 0.0, (0.9, 0.95), 1e-8, "auto")) is torch.optim.AdamW

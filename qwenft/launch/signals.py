@@ -113,9 +113,8 @@ class StopOnSignal:
         return " ".join([prefix, *map(shlex.quote, args), shlex.quote(f"run_dir={run_dir}")])
 
 
-def agreed_signal(flag: torch.Tensor) -> str | None:
-    """The name of the signal that `StopOnSignal.ask`'s all-reduce agreed on, or None (waits for it)."""
-    signum = int(flag.item())
+def agreed_signal(signum: int) -> str | None:
+    """The name of the signal that `StopOnSignal.ask`'s all-reduce agreed on (its flag's value), or None."""
     return signal.Signals(signum).name if signum else None
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from qwenft.checkpoint import mtp
 from qwenft.checkpoint.dcp import free_bytes, size_text
@@ -25,7 +26,7 @@ from qwenft.train.step import moe_step_metrics, mtp_step_metrics, span_labels, w
 from qwenft.models.loss import count_label_tokens
 from qwenft.models.weight_grad import prepare_grads
 from qwenft.train.metrics import peak_memory_gib
-from qwenft.transfer import copy_to_device
+from qwenft.transfer import copy_to_device, read_later
 
 log = logging.getLogger("qwenft")
 
@@ -97,12 +98,14 @@ def train(job: Job, stop: signals.StopOnSignal, return_state: bool = False, on_s
         for step in range(job.start_step, job.max_steps + 1):
             start = time.perf_counter()
             seed_step(cfg.seed, step, stream)
-            micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
+            with record_function("qwenft.next_batches"):
+                micro_batches = [next(batches) for _ in range(job.spec.batching.num_microbatches)]
             stats = train_step(job, micro_batches, step, result, stop, make_ahead=step < job.max_steps)
             elapsed = time.perf_counter() - start
             result.losses.append(stats.loss)
             if step % cfg.train.log_every == 0 or step == job.max_steps:
-                log_step(job, step, stats, elapsed, result.skipped_steps)
+                with record_function("qwenft.log_step"):
+                    log_step(job, step, stats, elapsed, result.skipped_steps)
             if job.validate is not None and (step % cfg.eval.every_steps == 0 or step == job.max_steps):
                 validate(job, step, result)
             if progress is not None:
@@ -139,6 +142,61 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
     the loss or grad norm is not finite (train.on_nonfinite); the stop signal agreed on (`stop`), read with the
     loss. `make_ahead`: make the next step's micro batches while the GPU finishes this one (`data.make_ahead`)."""
     cfg = job.cfg
+    micro_batches, label_tokens = step_inputs(job, micro_batches)
+    with record_function("qwenft.forward_backward"):
+        step_loss = job.step(micro_batches, label_tokens)
+    moe, mtp_metrics = moe_step_metrics(job), mtp_step_metrics(job)
+    grad_norm, head_norm = clip_step_grads(job)
+    lr = job.scheduler.get_last_lr()[0]
+    stop_flag = stop.ask(job.device)
+    # the step's one wait for the GPU (a dense model's; an MoE's routing metrics and the MTP head's read theirs
+    # above): the loss, the norms, the token count and the stop signal, copied before the optimizer's kernels are
+    # queued. LowPrecisionAdamW queues them now, skipped on the GPU if the loss or a norm is not finite, so they
+    # run while the host reads and prepares the next step; another optimizer steps once the host has read them
+    norms = [grad_norm] + ([] if head_norm is None else [head_norm])
+    reading = read_later([step_loss, label_tokens, stop_flag, *norms])
+    on_device = isinstance(job.optimizer, LowPrecisionAdamW)
+    if on_device:
+        finite = torch.stack([torch.isfinite(t.reshape(())) for t in (step_loss, *norms)]).all()
+        with record_function("qwenft.optimizer_step"):
+            job.optimizer.step(skip_if=~finite)
+    if make_ahead:  # host work that would otherwise keep the GPU idle between this step's optimizer and the next
+        with record_function("qwenft.make_ahead"):
+            job.data.make_ahead(job.spec.batching.num_microbatches)
+    with record_function("qwenft.wait_for_step"):
+        loss_value, token_count, signum, *norm_values = reading()
+    norm_value, token_count, stop_signal = norm_values[0], int(token_count), signals.agreed_signal(int(signum))
+    norms_text = f"grad_norm={norm_value}"
+    if head_norm is not None:  # model.mtp=head: the head's own norm, which the trunk's leaves out
+        mtp_metrics["mtp_grad_norm"] = norm_values[1]
+        norms_text += f", mtp_grad_norm={norm_values[1]}"
+    # the loss and the norms are reduced over every rank, so all ranks take the same branch
+    if all(math.isfinite(v) for v in (loss_value, *norm_values)):
+        if not on_device:
+            with record_function("qwenft.optimizer_step"):
+                job.optimizer.step()
+        job.scheduler.step()
+    else:
+        if on_device:  # its kernels changed nothing: its step counts go back
+            job.optimizer.unstep()
+        if cfg.train.on_nonfinite == "error":
+            job.checkpointer.wait()  # checkpoint.async_save: publish the save in flight (every rank is here)
+            raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, {norms_text}); "
+                             "lower optim.lr, keep optim.max_grad_norm > 0, or set train.on_nonfinite=skip to skip "
+                             "such steps")
+        result.skipped_steps += 1
+        log.warning("step %d skipped: non-finite loss=%s or %s (train.on_nonfinite=skip, %d skipped so far)", step,
+                    loss_value, norms_text, result.skipped_steps)
+    with record_function("qwenft.zero_grad"):
+        job.optimizer.zero_grad(set_to_none=True)
+    return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics, stop_signal)
+
+
+@record_function("qwenft.step_inputs")
+def step_inputs(job: Job, micro_batches: list[dict]) -> tuple[list[dict], torch.Tensor]:
+    """The step's micro batches with their labels as this rank trains on them (the MTP head's targets, a cp rank's
+    span) and the label tokens summed over the loss group, on the device; the gradient buffers that the step's
+    backward adds into (model.kernels.weight_grad=in_matmul, model.cuda_graphs) made or zeroed."""
     trains_head = job.spec.parallel.mtp_weight is not None
     if trains_head:  # the MTP head's targets from the whole rows, before a cp rank cuts its span
         micro_batches = [with_mtp_labels(mb) for mb in micro_batches]
@@ -159,48 +217,26 @@ def train_step(job: Job, micro_batches: list[dict], step: int, result: RunResult
                       mtp_scale=None if mtp_count is None else mtp_weight / max(int(mtp_count), 1))
     if job.spec.parallel.cuda_graphs:
         keep_grads(job.model_parts)  # the parameters that prepare_grads gave no buffer
-    step_loss = job.step(micro_batches, label_tokens)
-    moe, mtp_metrics = moe_step_metrics(job), mtp_step_metrics(job)
-    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+    return micro_batches, label_tokens
+
+
+@record_function("qwenft.clip")
+def clip_step_grads(job: Job) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip the step's gradients to optim.max_grad_norm; their norm and, with model.mtp=head, the MTP head's,
+    which is clipped alone (the trunk's norm and clipping as without it). 0-dim tensors on the device."""
+    max_norm = job.cfg.optim.max_grad_norm if job.cfg.optim.max_grad_norm > 0 else float("inf")
     pp_group = job.pp_group if job.spec.layout.pp > 1 else None
     params = job.params
     # LowPrecisionAdamW applies the clip coefficient inside its step (no pass of its own over the gradients)
     deferred = job.optimizer if isinstance(job.optimizer, LowPrecisionAdamW) else None
     head_norm = None
-    if job.cfg.model.mtp == "head":  # the head's gradients clipped alone: the trunk's norm and clipping as without it
+    if job.cfg.model.mtp == "head":
         head = {id(p) for p in job.head_params}
         params = [p for p in params if id(p) not in head]
         head_norm = clip_grad_norm_(job.head_params, max_norm, pp_group=pp_group, device=job.device,
                                     optimizer=deferred)
     grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, device=job.device, optimizer=deferred)
-    lr = job.scheduler.get_last_lr()[0]
-    # the step's wait for the GPU (a dense model's only one; an MoE's routing metrics and the MTP head's read
-    # theirs above): the norm, the token count and the stop signal are ready with the loss, so the optimizer's
-    # kernels, once queued, run while the host prepares the next step (a validation or a save waits for them)
-    stop_flag = stop.ask(job.device)
-    if make_ahead:  # host work that would otherwise keep the GPU idle between this step's optimizer and the next
-        job.data.make_ahead(job.spec.batching.num_microbatches)
-    loss_value = step_loss.item()
-    norm_value, token_count, stop_signal = grad_norm.item(), int(label_tokens.item()), signals.agreed_signal(stop_flag)
-    norms = f"grad_norm={norm_value}"
-    if head_norm is not None:  # model.mtp=head: the head's own norm, which the trunk's leaves out
-        mtp_metrics["mtp_grad_norm"] = head_norm.item()
-        norms += f", mtp_grad_norm={mtp_metrics['mtp_grad_norm']}"
-    # the loss and the norms are reduced over every rank, so all ranks take the same branch
-    if math.isfinite(loss_value) and math.isfinite(norm_value) and math.isfinite(mtp_metrics.get("mtp_grad_norm", 0)):
-        job.optimizer.step()
-        job.scheduler.step()
-    elif cfg.train.on_nonfinite == "error":
-        job.checkpointer.wait()  # checkpoint.async_save: publish the save in flight (every rank is on this branch)
-        raise ValueError(f"non-finite loss/grad norm at step {step} (loss={loss_value}, {norms}); "
-                         "lower optim.lr, keep optim.max_grad_norm > 0, or set train.on_nonfinite=skip to skip such "
-                         "steps")
-    else:
-        result.skipped_steps += 1
-        log.warning("step %d skipped: non-finite loss=%s or %s (train.on_nonfinite=skip, %d skipped so far)", step,
-                    loss_value, norms, result.skipped_steps)
-    job.optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_value, norm_value, token_count, lr, moe, mtp_metrics, stop_signal)
+    return grad_norm, head_norm
 
 
 def seed_stream(mesh) -> int:

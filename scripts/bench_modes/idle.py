@@ -6,7 +6,10 @@ The GPU's busy time is the union of its kernels, copies and memsets on every str
 recorded steps with none of them. Each gap is put down to the kernel after it: the host launched it late (its
 launch call started after the gap began: the host was busy elsewhere, and the op that launched it says where) or
 on time (the GPU waited for something else, an event or a copy from the host). Gaps are summed per profiled step
-(the ProfilerStep#N ranges) and grouped by the op that launched the kernel after them.
+(the ProfilerStep#N ranges) and grouped by the op that launched the kernel after them, and by the training loop's
+phase the host was in when the GPU ran dry (the innermost `qwenft.*` range the runner marks: step_inputs,
+forward_backward, clip, make_ahead, wait_for_step, optimizer_step, zero_grad, log_step, next_batches; "between
+phases" outside them).
 """
 
 import argparse
@@ -61,6 +64,19 @@ def open_ops(events: list[dict]):
     return at
 
 
+def loop_phases(events: list[dict], tid):
+    """A lookup: time -> the innermost `qwenft.*` range open then on the training loop's thread `tid` (the one that
+    marks the steps; the backward's kernels come from autograd's own thread, while this one waits in the
+    forward_backward range), or "between phases"."""
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e["name"].startswith("qwenft.") and e.get("cat") in HOST_CATEGORIES and e.get("tid") == tid))
+
+    def at(ts: float) -> str:
+        open_ranges = [r for r in ranges[:bisect.bisect_right(ranges, (ts, float("inf"), ""))] if r[1] >= ts]
+        return open_ranges[-1][2] if open_ranges else "between phases"
+    return at
+
+
 def summarize(path: str, min_us: float = 20.0, top: int = 15) -> dict:
     events = load_events(path)
     # the host's step ranges (the profiler marks each step on the GPU's timeline too: "gpu_user_annotation")
@@ -70,6 +86,7 @@ def summarize(path: str, min_us: float = 20.0, top: int = 15) -> dict:
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     busy = busy_intervals(events)
     ops_at = open_ops(events)
+    phase_at = loop_phases(events, steps[0]["tid"] if steps else None)
     if steps:  # the recorded steps only: the profiler's start and the trace's tail stay out
         lo, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
         busy = [b for b in busy if lo <= b[0] <= hi]
@@ -82,7 +99,7 @@ def summarize(path: str, min_us: float = 20.0, top: int = 15) -> dict:
         late = launch is not None and launch["ts"] > prev_end
         ops = ops_at(launch.get("tid"), launch["ts"]) if launch is not None else []
         gaps.append({"us": round(gap, 1), "at": prev_end, "next": nxt["name"][:100], "host_late": late,
-                     "launched_in": " > ".join(o[:60] for o in ops[-4:]) or "?"})
+                     "launched_in": " > ".join(o[:60] for o in ops[-4:]) or "?", "host_phase": phase_at(prev_end)})
     report = {"trace": path, "steps": len(steps), "gap_threshold_us": min_us}
     per_step = []
     for s in steps:
@@ -100,6 +117,13 @@ def summarize(path: str, min_us: float = 20.0, top: int = 15) -> dict:
     report["idle_ms_per_step_by_launching_op"] = [
         {"op": op, "host_late": late, "ms_per_step": round(us / 1e3 / n, 2), "gaps_per_step": round(count / n, 1)}
         for (op, late), (us, count) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]]
+    by_phase: dict = defaultdict(lambda: [0.0, 0])
+    for g in gaps:
+        by_phase[g["host_phase"]][0] += g["us"]
+        by_phase[g["host_phase"]][1] += 1
+    report["idle_ms_per_step_by_host_phase"] = [
+        {"phase": phase, "ms_per_step": round(us / 1e3 / n, 2), "gaps_per_step": round(count / n, 1)}
+        for phase, (us, count) in sorted(by_phase.items(), key=lambda kv: -kv[1][0])]
     report["largest_gaps"] = [{k: v for k, v in g.items() if k != "at"}
                               for g in sorted(gaps, key=lambda g: -g["us"])[:top]]
     return report
