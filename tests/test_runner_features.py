@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import REPO, save_random_checkpoint, train, train_with_state
+from helpers import REPO, save_random_checkpoint, tiny_overrides, train, train_job, train_with_state
 from qwenft.conf import list_recipes
 
 
@@ -205,7 +205,6 @@ def test_export_from_pp2_run_loads_in_transformers(tmp_path):
 @pytest.mark.parametrize("bar", ["false", "true"])
 def test_train_log_has_a_line_every_log_every_steps(tmp_path, bar):
     """train.log gets the step lines whether or not the progress bar shows them on the console."""
-    from helpers import tiny_overrides
 
     overrides = tiny_overrides(tmp_path, "train.max_steps=5", "train.log_every=2", f"train.progress_bar={bar}",
                                "checkpoint.export_hf=false")
@@ -213,3 +212,38 @@ def test_train_log_has_a_line_every_log_every_steps(tmp_path, bar):
     lines = [line for line in (tmp_path / "train.log").read_text().splitlines() if " | loss " in line]
     assert [line.split("step ")[1].split(" ")[0] for line in lines] == ["2/5", "4/5", "5/5"], lines
     assert f"loss {result.losses[-1]:.4f}" in lines[-1]
+
+
+def _step_and_read_order(rank, world_size, overrides):
+    """The order of the optimizer's step and the read of the step's numbers over a run's steps."""
+    from qwenft.train import runner
+
+    events = []
+    queue_read = runner.read_later
+
+    def read_later(tensors):
+        wait = queue_read(tensors)
+        return lambda: events.append("read") or wait()
+
+    def prepare(job):
+        step = job.optimizer.step
+        job.optimizer.step = lambda *a, **kw: events.append("step") or step(*a, **kw)
+
+    runner.read_later = read_later
+    try:
+        train_job(overrides, prepare)
+    finally:
+        runner.read_later = queue_read
+    return events
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("state_dtype, order", [("bfloat16", ["step", "read"]), ("float32", ["read", "step"])])
+def test_the_optimizer_is_queued_before_the_read_where_the_gpu_can_skip_it(tmp_path, state_dtype, order):
+    """LowPrecisionAdamW (bf16 moments) steps before the host reads the step's loss and norms, so its kernels run
+    while the host waits and prepares the next step (skipped on the device if a value is not finite); torch's
+    AdamW (fp32) steps after the read, as it cannot."""
+    events, = run_distributed(_step_and_read_order, 1, tiny_overrides(
+        tmp_path / "run", "train.max_steps=2", f"optim.state_dtype={state_dtype}", "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false"))
+    assert events == order * 2
