@@ -205,7 +205,6 @@ def test_export_from_pp2_run_loads_in_transformers(tmp_path):
 @pytest.mark.parametrize("bar", ["false", "true"])
 def test_train_log_has_a_line_every_log_every_steps(tmp_path, bar):
     """train.log gets the step lines whether or not the progress bar shows them on the console."""
-
     overrides = tiny_overrides(tmp_path, "train.max_steps=5", "train.log_every=2", f"train.progress_bar={bar}",
                                "checkpoint.export_hf=false")
     (result,) = run_distributed(train, 1, overrides)
