@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|fake_tp_ab|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,10 +13,11 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-parts="two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad"
+parts="two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, fake_tp_ab, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad"
 part=${1:?which part: $parts}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: fake_tp_ab runs the older tree's bench from its own directory
 # eager unless a run says model.compile=true (the qwen3_5_27b model group itself compiles)
 shape="model=qwen3_5_27b model.num_layers=8"  # the model group and its cut; moe_side_by_side sets its own
 base="data.seq_len=4096 train.global_batch_size=8
@@ -207,6 +208,19 @@ for tp in ${FAKE_TPS:-2 4}; do
       $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
       mesh.sequence_parallel=$sp train.on_nonfinite=skip
   done
+done ;;
+fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAKE_TP), compiled with CUDA graphs, bf16, AC
+# off, without sequence parallelism (FAKE_SP=true: with), on this tree and on FAKE_OLD (a tree of the older commit:
+# `git archive COMMIT qwenft scripts | tar -x -C DIR`) in turn: this tree, the older, this tree again, after tp1 (this
+# tree) for the per-GPU ratios. The first run compiles; the two of this tree bracket the older one's machine state
+tp=${FAKE_TP:-4}; sp=${FAKE_SP:-false}
+: "${FAKE_OLD:?FAKE_OLD: a tree of the older commit (git archive COMMIT qwenft scripts | tar -x -C DIR)}"
+old=$(cd "$FAKE_OLD" && pwd) || exit 1
+bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+for run in new old new_again; do
+  (cd "$([ $run = old ] && echo "$old" || pwd)" && bench fake_tp${tp}_$run 250 1 0 "--warmup 5 --fake-world $tp" \
+    train.max_steps=10 $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true \
+    mesh.tp=$tp mesh.sequence_parallel=$sp train.on_nonfinite=skip)
 done ;;
 tp_weight_grad)  # a tp rank's weight gradients added inside its shards' matmuls (model.kernels.weight_grad=in_matmul,
 # auto's choice) against autograd's adds, rank 0 of a fake tp2 world with sequence parallelism, compiled, bf16, AC
