@@ -176,6 +176,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     def _step(self, skip_if: torch.Tensor | None) -> None:
         if self.fused:
             from qwenft.train.adamw_kernel import AdamWTensor
+
         @functools.cache
         def host_skips() -> bool:  # the torch ops' path: the flag read on the host, once
             return skip_if is not None and bool(skip_if.item())
