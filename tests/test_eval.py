@@ -102,8 +102,10 @@ def test_nonfinite_error_raises_one_line(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # torch's AdamW; LowPrecisionAdamW (queued before
-def test_nonfinite_skip_keeps_params_finite(tmp_path, state_dtype):  # the step's numbers are read, skipped by a flag)
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_nonfinite_skip_keeps_params_finite(tmp_path, state_dtype):
+    """With torch's AdamW (fp32 state), stepped after the step's numbers are read, and with LowPrecisionAdamW (bf16
+    state), queued before the read and skipped by a flag."""
     (result,) = run_distributed(train_with_state, 1, _overrides(tmp_path, "skip", *HUGE_LR, "train.on_nonfinite=skip",
                                                                 f"optim.state_dtype={state_dtype}"))
     state, skipped, losses = result.state_dict, result.skipped_steps, result.losses

@@ -193,7 +193,6 @@ class FusedAdamW:
                 1 - lr * weight_decay, beta1, beta2, eps, P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype],
                 M_DTYPE=_TL_DTYPES[m_dtype], STOCHASTIC=stochastic_rounding, ALIGNED=aligned,
                 GUARDED=skip_if is not None, BLOCK=block, CHUNK=chunk, num_warps=warps)
-            del scales  # the launch is queued: the caching allocator frees the scales' memory in stream order
 
     def _owner(self, key: tuple, numels: tuple[int, ...], chunk: int, device: torch.device
                ) -> tuple[torch.Tensor, list[int]]:
