@@ -143,6 +143,7 @@ def reference(path, batches, max_norm=math.inf, lr=0.0):
 
 def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm=math.inf, lr=0.0,
              sequence_parallel=False, activation_checkpointing=False, ce_kernel="torch", compile_layers=False):
+    from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwenft.distributed.parallelize import apply_compile, parallelize
@@ -172,9 +173,11 @@ def _tp_rank(rank, world_size, path, batches, dp, vocab_parallel, fsdp, max_norm
     label_tokens = _label_tokens(batches)
     if dp > 1:
         batches = [_row(b, mesh["dp"].get_local_rank()) for b in batches]
+    counters.clear()
     out = _train(model, batches, clip_grad_norm_, max_norm, lr, label_tokens, mesh["dp"].get_group())
     seq = batches[0]["input_ids"].shape[1]
     assert set(tokens_seen) == {seq // mesh["tp"].size() if sequence_parallel else seq}, tokens_seen
+    out["graph_breaks"] = dict(counters["graph_break"])  # compiled: each layer's pieces traced whole
     return out
 
 
@@ -208,11 +211,13 @@ def test_tp2_logits_loss_grads(text_ckpt, vocab_parallel, fsdp, sequence_paralle
     batches = text_batch()
     ref = reference(text_ckpt, batches)
     # the FSDP cases also recompute each layer (activation checkpointing), as parallelize orders it; compiled:
-    # the graphs trace the sequence-parallel block hooks and take the parameters' local tensors under FSDP2
+    # the graphs trace the sequence-parallel block hooks, collectives included, without a graph break, and take
+    # the parameters' local tensors under FSDP2
     for out in run_distributed(_tp_rank, 2, text_ckpt, batches, 1, vocab_parallel, fsdp, math.inf, 0.0,
                                sequence_parallel, fsdp, ce_kernel, compile_layers):
         assert_same(out, ref)
         assert out["logits_type"] == ("DTensor" if vocab_parallel else "Tensor")
+        assert out["graph_breaks"] == {}, out["graph_breaks"]
 
 
 @pytest.mark.distributed
@@ -228,6 +233,7 @@ def test_tp2_attention_biases(attention_bias_ckpt, fsdp, sequence_parallel, comp
     for out in run_distributed(_tp_rank, 2, attention_bias_ckpt, batches, 1, True, fsdp, math.inf, 0.0,
                                sequence_parallel, fsdp, "torch", compile_layers):
         assert_same(out, ref)
+        assert out["graph_breaks"] == {}, out["graph_breaks"]
 
 
 @pytest.mark.distributed

@@ -304,24 +304,29 @@ def _all_reduce(x, mesh):
     return x
 
 
+# Both token collectives work on dim 0, rank-major, and lay the tokens out themselves, traced or not: given
+# another dim, torch 2.11's functional all-gather rearranges its output through a helper that Dynamo does not
+# trace, a graph break at every sequence-parallel block input that splits each compiled layer into pieces.
 def _all_gather_tokens(x, mesh):
     """[B, t, ...] on each rank -> [B, tp * t, ...], the ranks' tokens in rank order."""
-    if torch.compiler.is_compiling():
-        return _wait(_funcol_all_gather(x.contiguous(), 1, mesh))
     n = mesh.size()
-    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' [B, t, ...] one after the other
-    _c10d_all_gather(out, x.contiguous(), group=mesh.get_group())
-    return out.view(n, *x.shape).movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])  # a view when B = 1
+    if torch.compiler.is_compiling():
+        out = _wait(_funcol_all_gather(x.contiguous(), 0, mesh))
+    else:
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        _c10d_all_gather(out, x.contiguous(), group=mesh.get_group())
+    # the ranks' [B, t, ...] one after the other -> [B, tp * t, ...]: a view when B = 1
+    return out.view(n, *x.shape).movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
 
 
 def _reduce_scatter_tokens(x, mesh):
     """[B, T, ...] partial sums on each rank -> this rank's [B, T / tp, ...] of their sum."""
-    if torch.compiler.is_compiling():
-        return _wait(_funcol_reduce_scatter(x.contiguous(), "sum", 1, mesh))
     n = mesh.size()
     b, t = x.shape[0], x.shape[1] // n
     # rank-major [tp * B, t, ...]: no copy when B = 1
     chunks = x.reshape(b, n, t, *x.shape[2:]).movedim(1, 0).reshape(n * b, t, *x.shape[2:])
+    if torch.compiler.is_compiling():
+        return _wait(_funcol_reduce_scatter(chunks.contiguous(), "sum", 0, mesh))
     out = x.new_empty((b, t, *x.shape[2:]))
     _c10d_reduce_scatter(out, chunks, group=mesh.get_group())
     return out
