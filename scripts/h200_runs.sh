@@ -200,8 +200,9 @@ fake_tp_sp_graphs)  # tensor parallel's ceiling with sequence parallelism: one G
 # against tp1's. FAKE_TPS (default "2 4") picks the worlds, FAKE_SP (default "true") sequence parallelism on or off
 # for each (FAKE_SP="true false": both, named fake_tpN_sp_graphs and fake_tpN_graphs); the limits allow a cold
 # machine's compiles. Ten steps, the last five timed: a graphed fake world's step can keep getting faster for several
-# steps after the first
-bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+# steps after the first. FAKE_TP1=false leaves out the tp1 run (one this call made already)
+[ "${FAKE_TP1:-true}" = true ] && bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 \
+  model.activation_checkpointing=false model.compile=true
 for tp in ${FAKE_TPS:-2 4}; do
   for sp in ${FAKE_SP:-true}; do
     bench fake_tp${tp}$([ "$sp" = true ] && echo _sp)_graphs 250 1 0 "--warmup 5 --fake-world $tp" train.max_steps=10 \
@@ -211,10 +212,10 @@ for tp in ${FAKE_TPS:-2 4}; do
 done ;;
 fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAKE_TP), compiled with CUDA graphs, bf16, AC
 # off, without sequence parallelism (FAKE_SP=true: with), on this tree and on FAKE_OLD (a tree of the older commit:
-# `git archive COMMIT qwenft scripts | tar -x -C DIR`) in turn: this tree, the older, this tree again, after tp1 (this
+# `git archive COMMIT qwenft scripts recipes | tar -x -C DIR`) in turn: this tree, the older, this tree again, after tp1 (this
 # tree) for the per-GPU ratios. The first run compiles; the two of this tree bracket the older one's machine state
 tp=${FAKE_TP:-4}; sp=${FAKE_SP:-false}
-: "${FAKE_OLD:?FAKE_OLD: a tree of the older commit (git archive COMMIT qwenft scripts | tar -x -C DIR)}"
+: "${FAKE_OLD:?FAKE_OLD: a tree of the older commit (git archive COMMIT qwenft scripts recipes | tar -x -C DIR)}"
 old=$(cd "$FAKE_OLD" && pwd) || exit 1
 bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
 for run in new old new_again; do
