@@ -76,7 +76,8 @@ class ModelOptions:
     # kernels.ce=torch, recomputed in the backward: not on a vocab-parallel head); 0 = off (docs/performance.md,
     # "Memory options")
     ce_chunk_tokens: int = 0
-    # torch.compile each decoder layer's norms, MLP and the mixers' fixed-shape pieces around their kernels
+    # torch.compile each decoder layer's norms, MLP and the mixers' fixed-shape pieces around their kernels, and
+    # the final norm
     # (docs/performance.md, "torch.compile per block")
     compile: bool = False
     # replay model.compile's graphs as CUDA graphs (torch.compile's reduce-overhead mode): one launch a graph

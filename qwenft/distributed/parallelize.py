@@ -49,8 +49,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
     """`fp8` (model.fp8): the decoder layers' large linears become torchao float8 linears first
     (qwenft.distributed.float8). TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"]
     (when the mesh has it), then context parallel over mesh["cp"] (`apply_cp`; `cp_balanced_attention`: attention
-    by halves), then activation checkpointing, then (compile_layers) per-layer torch.compile (`cuda_graphs`:
-    replayed as CUDA graphs, which `qwenft.train.spec.check_cuda_graphs` allows), then (`fsdp`, see
+    by halves), then activation checkpointing, then (compile_layers) per-layer torch.compile and the final norm's
+    (`cuda_graphs`: the layers' replayed as CUDA graphs, which `qwenft.train.spec.check_cuda_graphs` allows), then (`fsdp`, see
     `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp_cp"] (the experts over mesh["dp_outer_cp"], the ranks with
     the same experts), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the
     parameters must already be stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32

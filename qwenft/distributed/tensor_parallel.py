@@ -328,7 +328,7 @@ def _reduce_scatter_tokens(x, mesh):
     if torch.compiler.is_compiling():
         return _wait(_funcol_reduce_scatter(chunks.contiguous(), "sum", 0, mesh))
     out = x.new_empty((b, t, *x.shape[2:]))
-    _c10d_reduce_scatter(out, chunks, group=mesh.get_group())
+    _c10d_reduce_scatter(out, chunks.contiguous(), group=mesh.get_group())
     return out
 
 

@@ -156,8 +156,8 @@ def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False, gdn_graphs: bo
 
 
 def compile_final_norm(model: "Qwen3_5Model") -> None:
-    """torch.compile the final norm of a module that holds the head (`model.compile=true`), in place, as
-    `_compile` does a layer's pieces. Eager, its fp32 cast, square, mean, products and cast back each pass over
+    """torch.compile the final norm of a module that holds the head (`model.compile=true`), in place, through
+    `_compile` as `compile_layer` does a layer's pieces. Eager, its fp32 cast, square, mean, products and cast back each pass over
     the whole [B, T, hidden] stream, and their backward more: on every tensor-parallel rank alike, where the
     layers' norms are in their graphs. One graph reads and writes the stream once each way. Never a CUDA graph
     (model.cuda_graphs): a kernel or two each way cost the host little, and its output and its weight's
