@@ -151,6 +151,39 @@ def test_compiled_layers_under_pp2_train_like_eager(tmp_path, eager, compiled, s
     assert [n for _, n in results] == graphs
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_mtp_head_trains_like_eager(tmp_path, compiled):
+    """model.mtp=train, compiled: the head's full-attention layer runs the trunk's attention graphs and its three
+    norms the final norm's graph (one code, the same shapes), so no graph beyond the 6 of the run without a head
+    and no recompile; every step's loss and every parameter, the head's included, within fp32_rtol of eager."""
+    mtp = ("model.mtp=train", f"model.kernels.cache_dir={compiled[2]}")
+    ((eager, eager_graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "mtp-eager", *mtp))
+    ((result, graphs),) = run_distributed(_train, 1, _overrides(tmp_path, "mtp-compiled", *mtp, "model.compile=true"))
+    assert any(name.startswith("mtp.") for name in eager.state_dict)
+    assert_same_training(result, eager, lr=LR)
+    assert eager_graphs == 0
+    assert graphs == 6, f"{graphs} graphs compiled; expected 6 (a recompile?)"
+
+
+def test_the_norms_outside_the_layers_compile():
+    """apply_compile compiles the final norm and the MTP head's three norms (`model.compile_norms`) as it does the
+    layers' pieces: each module's `forward` is the compiled call; a pipeline stage without the head has none."""
+    from qwenft.distributed.parallelize import apply_compile
+    from qwenft.models.qwen3_5.configs import named_config
+    from qwenft.models.qwen3_5.model import Qwen3_5Model
+
+    cfg = named_config("tiny")
+    cfg.text.mtp_num_hidden_layers = 1  # a random-init run's head, as model.mtp=train builds it
+    model = Qwen3_5Model(cfg, kernels="torch", mtp="train")
+    apply_compile(model)
+    norms = [model.norm, model.mtp.pre_fc_norm_embedding, model.mtp.pre_fc_norm_hidden, model.mtp.norm]
+    assert all("forward" in vars(norm) for norm in norms)
+    stage = Qwen3_5Model(cfg, kernels="torch", layer_ids=[0, 1], head=False, mtp="train")
+    apply_compile(stage)
+    assert stage.norm is None and stage.mtp is None
+
+
 def _vlm_overrides(tmp_path, name, *extra):
     """tiny_vlm, 3 steps of 4 microbatches of one 256-token row (an image or two and text), lr 2e-4 as above."""
     return ["recipe=tiny_vlm", "model.kernels.gdn=torch", "train.progress_bar=false", "train.max_steps=3",

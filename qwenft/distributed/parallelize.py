@@ -12,15 +12,15 @@ from qwenft.distributed.tensor_parallel import apply_tp
 
 
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool = False) -> None:
-    """torch.compile each decoder layer's fixed-shape pieces and the final norm, never the whole model
-    (model.compile_layer says which, and why the kernels and cu_seqlens stay out), so FSDP2's per-layer hooks run
-    as without it; `cuda_graphs` replays each layer's graphs as CUDA graphs, `gdn_graphs` fla's GatedDeltaNet
+    """torch.compile each decoder layer's fixed-shape pieces and the norms outside the layers (the final norm,
+    the MTP head's: `compile_norms`), never the whole model (model.compile_layer says which, and why the kernels
+    and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it; `cuda_graphs` replays each layer's graphs as CUDA graphs, `gdn_graphs` fla's GatedDeltaNet
     kernels too."""
-    from qwenft.models.qwen3_5.model import compile_final_norm, compile_layer
+    from qwenft.models.qwen3_5.model import compile_layer, compile_norms
 
     for layer in model.decoder_layers():
         compile_layer(layer, cuda_graphs, gdn_graphs)
-    compile_final_norm(model)
+    compile_norms(model)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, balanced_attention: bool = False) -> None:

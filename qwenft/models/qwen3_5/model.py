@@ -155,15 +155,20 @@ def compile_layer(layer: DecoderLayer, cuda_graphs: bool = False, gdn_graphs: bo
             mixer.graphs = GraphedMix(mixer.fla_kernels)
 
 
-def compile_final_norm(model: "Qwen3_5Model") -> None:
-    """torch.compile the final norm of a module that holds the head (`model.compile=true`), in place, through
-    `_compile` as `compile_layer` does a layer's pieces. Eager, its fp32 cast, square, mean, products and cast back each pass over
-    the whole [B, T, hidden] stream, and their backward more: on every tensor-parallel rank alike, where the
-    layers' norms are in their graphs. One graph reads and writes the stream once each way. Never a CUDA graph
-    (model.cuda_graphs): a kernel or two each way cost the host little, and its output and its weight's
-    gradient stay ordinary tensors, outside a graph's pool that the next replay overwrites (`runner.keep_grads`)."""
-    if model.norm is not None:
-        model.norm.forward = _compile(model.norm.forward, model.norm)
+def compile_norms(model: "Qwen3_5Model") -> None:
+    """torch.compile the norms outside the decoder layers (`model.compile=true`), in place, through `_compile` as
+    `compile_layer` does a layer's pieces: the final norm of a module that holds the head, and the MTP head's
+    three. Eager, a norm's fp32 cast, square, mean, products and cast back each pass over the whole [B, T,
+    hidden] stream, and their backward more: on every tensor-parallel rank alike, where the layers' norms are in
+    their graphs. One graph, which all of them share (one code, the same shapes), reads and writes the stream
+    once each way. Never a CUDA graph (model.cuda_graphs): a kernel or two each way cost the host little, and the
+    outputs and the weights' gradients stay ordinary tensors, outside a graph's pool that the next replay
+    overwrites (`runner.keep_grads`)."""
+    norms = [model.norm] if model.norm is not None else []
+    if model.mtp is not None:
+        norms += [model.mtp.pre_fc_norm_embedding, model.mtp.pre_fc_norm_hidden, model.mtp.norm]
+    for norm in norms:
+        norm.forward = _compile(norm.forward, norm)
 
 
 class Qwen3_5Model(nn.Module):
