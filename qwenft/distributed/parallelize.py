@@ -14,8 +14,8 @@ from qwenft.distributed.tensor_parallel import apply_tp
 def apply_compile(model: nn.Module, cuda_graphs: bool = False, gdn_graphs: bool = False) -> None:
     """torch.compile each decoder layer's fixed-shape pieces and the norms outside the layers (the final norm,
     the MTP head's: `compile_norms`), never the whole model (model.compile_layer says which, and why the kernels
-    and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it; `cuda_graphs` replays each layer's graphs as CUDA graphs, `gdn_graphs` fla's GatedDeltaNet
-    kernels too."""
+    and cu_seqlens stay out), so FSDP2's per-layer hooks run as without it; `cuda_graphs` replays each layer's
+    graphs as CUDA graphs, `gdn_graphs` fla's GatedDeltaNet kernels too."""
     from qwenft.models.qwen3_5.model import compile_layer, compile_norms
 
     for layer in model.decoder_layers():
@@ -47,14 +47,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                 fsdp: bool = True,
                 fsdp_prefetch: int = 0, fp8: str = "off", cp_balanced_attention: bool = False) -> nn.Module:
     """`fp8` (model.fp8): the decoder layers' large linears become torchao float8 linears first
-    (qwenft.distributed.float8). TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"]
-    (when the mesh has it), then context parallel over mesh["cp"] (`apply_cp`; `cp_balanced_attention`: attention
-    by halves), then activation checkpointing, then (compile_layers) per-layer torch.compile and the final norm's
-    (`cuda_graphs`: the layers' replayed as CUDA graphs, which `qwenft.train.spec.check_cuda_graphs` allows), then (`fsdp`, see
-    `qwenft.train.spec.uses_fsdp`) FSDP2 over mesh["dp_cp"] (the experts over mesh["dp_outer_cp"], the ranks with
-    the same experts), with `fsdp_prefetch` units all-gathered ahead (fsdp.set_prefetch). Without FSDP the
-    parameters must already be stored in `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32
-    either way) and LoRA adapters (their hook casts them to the input's dtype).
+    (qwenft.distributed.float8). TP over mesh["tp"] (when its size > 1), then the MoE experts over mesh["ep"] (when
+    the mesh has it), then context parallel over mesh["cp"] (`apply_cp`; `cp_balanced_attention`: attention by
+    halves), then activation checkpointing, then (compile_layers) per-layer torch.compile and the norms'
+    (`apply_compile`; `cuda_graphs`: the layers' replayed as CUDA graphs, which
+    `qwenft.train.spec.check_cuda_graphs` allows), then (`fsdp`, see `qwenft.train.spec.uses_fsdp`) FSDP2 over
+    mesh["dp_cp"] (the experts over mesh["dp_outer_cp"], the ranks with the same experts), with `fsdp_prefetch`
+    units all-gathered ahead (fsdp.set_prefetch). Without FSDP the parameters must already be stored in
+    `param_dtype`, but for GDN's fp32 decay (its forward computes in fp32 either way) and LoRA adapters (their hook
+    casts them to the input's dtype).
 
     `model` is a `Qwen3_5Model` (or one pipeline stage of it) on the meta device; load or init its weights
     afterwards (qwenft.models.loader), which fills only each rank's shards. Call
