@@ -255,14 +255,17 @@ def _random_bounds(gen: torch.Generator, total: int, docs: int) -> list[int]:
     return [0, *cuts, total]
 
 
-def test_fixed_layouts_have_one_shape_per_document_bucket():
+def test_fixed_layouts_have_one_shape_per_bucket_and_block_count():
     """`fixed_layout`, which CUDA graphs of fla's kernels run on: for any documents of a stream, the offsets and
-    the chunk indices have lengths fixed by the stream's length and the document bucket (1, 2, 4, ... 64, 128,
-    192, ...: the batch's own, or any larger one), the real documents come first unchanged, every pad document
-    fits one 64-token block, and the chunk indices are those of the padded offsets. Worst cases included: one
-    document, every document of one token, every document one token past a block, a stream length off the
-    block size. A bucket smaller than the document count is refused."""
-    from qwenft.models.qwen3_5.varlen import FLA_CHUNK, chunk_indices, doc_bucket, fixed_layout
+    the chunk indices have lengths fixed by the stream's length, the document bucket (1, 2, 4, ... 64, 128,
+    192, ...: the batch's own, or any larger one) and the block count (the default: the documents' blocks and
+    one more, rounded up to BLOCK_STEP; any from one to PAD_TOKENS more than theirs), the real documents come
+    first unchanged, every pad document fits one 64-token block, and the chunk indices are those of the padded
+    offsets. Worst cases included: one document, every document of one token, every document one token past a
+    block, a stream length off the block size. A bucket smaller than the document count, and a block count
+    the pad tokens cannot reach, are refused."""
+    from qwenft.models.qwen3_5.varlen import (BLOCK_STEP, FLA_CHUNK, PAD_TOKENS, chunk_indices, count_blocks,
+                                              doc_bucket, fixed_layout)
 
     assert [doc_bucket(n) for n in (1, 2, 3, 5, 64, 65, 129)] == [1, 2, 4, 8, 64, 128, 192]
     gen = torch.Generator().manual_seed(0)
@@ -271,36 +274,46 @@ def test_fixed_layouts_have_one_shape_per_document_bucket():
              *((4096, _random_bounds(gen, 4096, int(n))) for n in torch.randint(1, 200, (60,), generator=gen))]
     shapes = {}
     for total, bounds in cases:
-        docs = len(bounds) - 1
-        for bucket in (None, doc_bucket(docs) * 2, 192):
+        docs, real = len(bounds) - 1, count_blocks(torch.tensor(bounds))
+        default = -(-(real + 1) // BLOCK_STEP) * BLOCK_STEP
+        for bucket, blocks in ((None, None), (doc_bucket(docs) * 2, real + 1), (192, real + PAD_TOKENS),
+                               (None, default + BLOCK_STEP)):
             if bucket is not None and bucket < docs:
                 continue
-            layout = fixed_layout(torch.tensor(bounds, dtype=torch.int32), bucket)
-            assert layout.bucket == (bucket or doc_bucket(docs))
+            layout = fixed_layout(torch.tensor(bounds, dtype=torch.int32), bucket, blocks)
+            assert layout.bucket == (bucket or doc_bucket(docs)) and layout.blocks == (blocks or default)
             assert layout.cu_seqlens[: docs + 1].tolist() == bounds and layout.cu_seqlens[-1] == layout.tokens
             assert layout.tokens == total + layout.pad
             pads = layout.cu_seqlens[docs:].diff()
             assert (pads >= 0).all() and (pads <= FLA_CHUNK).all()
             assert torch.equal(layout.chunk_indices, chunk_indices(layout.cu_seqlens))
+            assert len(layout.chunk_indices) == layout.blocks
             shape = (len(layout.cu_seqlens), len(layout.chunk_indices), layout.tokens)
-            assert shapes.setdefault((total, layout.bucket), shape) == shape, (bounds, shape)
+            assert shapes.setdefault((total, layout.bucket, layout.blocks), shape) == shape, (bounds, shape)
     assert len(shapes) > 8
     with pytest.raises(ValueError, match="a layout for 4 documents cannot hold 5"):
         fixed_layout(torch.tensor([0, 1, 2, 3, 4, 10]), 4)
+    for blocks in (5, 5 + PAD_TOKENS + 1):  # 5 documents of one block each: 6 to 5 + PAD_TOKENS blocks fit
+        with pytest.raises(ValueError, match=f"a layout of {blocks} blocks cannot hold documents of 5 blocks"):
+            fixed_layout(torch.tensor([0, 1, 2, 3, 4, 10]), 8, blocks)
 
 
-def test_a_fixed_layout_leaves_the_real_tokens_alone():
+@pytest.mark.parametrize("most_pad", [False, True], ids=["default", "most_pad"])
+def test_a_fixed_layout_leaves_the_real_tokens_alone(most_pad):
     """The GatedDeltaNet kernels (the torch reference: conv, decay, delta rule) on a batch's fixed layout, pad
-    rows of zeros appended, give the real tokens the output and input gradients they get on the batch itself."""
+    rows of zeros appended, give the real tokens the output and input gradients they get on the batch itself:
+    on a new layout of the batch's own, and on the most pad blocks a layout adds (PAD_TOKENS, every pad
+    document but one of a single token, in a larger bucket)."""
     from qwenft.models.qwen3_5.gdn import GatedDeltaNet
-    from qwenft.models.qwen3_5.varlen import fixed_layout
+    from qwenft.models.qwen3_5.varlen import PAD_TOKENS, count_blocks, fixed_layout
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(named_config("tiny").text, "torch").double()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
     bounds = [0, 1, 70, 130, 200, 256]
-    layout = fixed_layout(torch.tensor(bounds))
+    blocks = count_blocks(torch.tensor(bounds)) + PAD_TOKENS if most_pad else None
+    layout = fixed_layout(torch.tensor(bounds), 16 if most_pad else None, blocks)
     x = torch.randn(1, 256, layer.q_proj.in_features, dtype=torch.float64)
     qkv, _, beta, a = layer.project(x)
     g = layer.decay(a)
@@ -322,28 +335,40 @@ def test_a_fixed_layout_leaves_the_real_tokens_alone():
         assert rel_err(got, want) < 1e-12
 
 
-def test_each_batch_takes_the_smallest_layout_bucket_in_use():
-    """The layout buffers fla's CUDA graphs read (`gdn_graph._load_layout`): a batch takes the smallest bucket in
-    use for its stream length that holds its documents, else its own (so a new pair of graphs is made only when
-    none fits); each bucket keeps its buffers (the graphs' addresses) and gets each new batch's layout copied in,
-    once per batch."""
+def test_each_batch_takes_the_smallest_layout_in_use_that_holds_it():
+    """The layout buffers fla's CUDA graphs read (`gdn_graph._load_layout`): a batch takes the layout in use for
+    its stream length with the fewest blocks (then documents) that holds its documents and blocks, else a new one
+    of its own (so a new pair of graphs is made only when none fits); each layout keeps its buffers (the graphs'
+    addresses) and gets each new batch's layout copied in, once per batch."""
     from qwenft.models.qwen3_5 import gdn_graph
     from qwenft.models.qwen3_5.varlen import fixed_layout, varlen_info
 
     gdn_graph._LAYOUTS.clear()
     cpu = torch.device("cpu")
     seen = {}
+    # documents of 3 tokens and a last one up to 512: (documents, the layout's bucket and blocks); the blocks
+    # in the comments are the documents' own
+    batches = ((4, (4, 32)),  # 11 blocks: a new layout
+               (5, (8, 32)),  # 12 blocks: too many documents for the first
+               (3, (4, 32)),  # 10: both hold it, the first has fewer documents
+               (81, (128, 96)),  # 85: new
+               (100, (128, 128)),  # 103: past 96 blocks, new
+               (60, (128, 96)),  # 65: both 128-document layouts hold it, the one of fewer blocks taken
+               (20, (32, 32)),  # 27: the layouts of 20+ documents add too many pad blocks (more than 64), new
+               (2, (4, 32)), (8, (8, 32)), (1, (4, 32)),
+               (129, (192, 160)))  # 130: new
     try:
-        for docs, bucket in ((4, 4), (5, 8), (3, 4), (81, 128), (100, 128), (2, 4), (8, 8), (1, 4), (129, 192)):
+        for docs, (bucket, blocks) in batches:
             bounds = torch.tensor([*range(0, 3 * (docs - 1) + 1, 3), 512])
             info = varlen_info(bounds)
             offsets, indices, pad = gdn_graph._load_layout(info, cpu)
-            expected = fixed_layout(bounds, bucket)
+            expected = fixed_layout(bounds, bucket, blocks)
             assert torch.equal(offsets, expected.cu_seqlens) and torch.equal(indices, expected.chunk_indices), docs
             assert pad == expected.pad
-            assert seen.setdefault(bucket, (offsets, indices))[0] is offsets  # the bucket's buffers, refilled
+            # the layout's buffers, refilled
+            assert seen.setdefault((bucket, blocks), (offsets, indices))[0] is offsets
             again = gdn_graph._load_layout(info, cpu)  # the next layer of the same batch: nothing to copy
             assert again[0] is offsets and torch.equal(again[0], expected.cu_seqlens)
-        assert sorted(b for _, _, b in gdn_graph._LAYOUTS) == [4, 8, 128, 192]
+        assert sorted((b, k) for _, _, b, k in gdn_graph._LAYOUTS) == sorted(set(layout for _, layout in batches))
     finally:
         gdn_graph._LAYOUTS.clear()

@@ -162,11 +162,12 @@ def test_fla_gated_delta_net_equals_torch_on_packed_rows(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_kernels_replayed_as_cuda_graphs_equal_eager(dtype):
     """The GatedDeltaNet layer with its fla kernels captured as CUDA graphs on fixed layouts (`GraphedMix`, what
-    model.cuda_graphs=true installs at tp > 1) against the same layer eager, on six batches: 4 documents (bucket
-    4: a capture), 5 (bucket 8: another), the first layout again (bucket 4, replayed with new offsets), 81
-    documents (bucket 128), 3 documents (the smallest bucket in use that holds them: 4) and one unpacked row.
-    Output and the gradients of the input and every parameter, each batch; the graphs differ only in the order of
-    the conv weight gradient's sum over blocks (pad blocks add zeros)."""
+    model.cuda_graphs=true installs at tp > 1) against the same layer eager, on six batches: 4 documents in 7
+    blocks (a layout of bucket 4 and 32 blocks: a capture), 5 in 6 (bucket 8, 32 blocks: another), the first
+    batch again (replayed with new offsets), 80 documents in 80 blocks (bucket 128, 96 blocks), 3 documents in 6
+    blocks (the layout in use with the fewest blocks and documents that holds them: the first) and one unpacked
+    row. Output and the gradients of the input and every parameter, each batch; the graphs differ only in the
+    order of the conv weight gradient's sum over blocks (pad blocks add zeros)."""
     if (reason := _fla_missing()) is not None:
         pytest.skip(reason)
     from qwenft.models.qwen3_5 import gdn_graph
@@ -177,7 +178,7 @@ def test_fla_kernels_replayed_as_cuda_graphs_equal_eager(dtype):
     eager, graphed = _gdn(cfg, "fla", dtype, state), _gdn(cfg, "fla", dtype, state)
     graphed.graphs = gdn_graph.GraphedMix(graphed.fla_kernels)
     x, probe, _ = _packed_row(cfg.hidden_size, dtype, seed=3)
-    many = list(range(0, 80 * 3, 3)) + [256]  # 80 three-token documents, then one of 16
+    many = list(range(0, 80 * 3, 3)) + [256]  # 79 three-token documents, then one of 19
     batches = [BOUNDS, [0, 5, 64, 128, 129, 256], BOUNDS, many, [0, 100, 101, 256], None]
     for i, bounds in enumerate(batches):
         cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device="cuda")
@@ -186,8 +187,8 @@ def test_fla_kernels_replayed_as_cuda_graphs_equal_eager(dtype):
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         errors = {k: rel_err(grads[k], ref) for k, ref in ref_grads.items()} | {"output": rel_err(out, ref_out)}
         assert all(e <= tol for e in errors.values()), (i, bounds, errors)
-    assert sorted(b for _, _, b in gdn_graph._LAYOUTS) == [4, 8, 128]
-    assert len(graphed.graphs.graphs) == 4  # a pair per bucket, and one for the unpacked row
+    assert sorted((b, k) for _, _, b, k in gdn_graph._LAYOUTS) == [(4, 32), (8, 32), (128, 96)]
+    assert len(graphed.graphs.graphs) == 4  # a pair per layout, and one for the unpacked row
 
 
 # ---------------------------------------------------------------- attention: varlen flash against SDPA

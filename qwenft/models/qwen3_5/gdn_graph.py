@@ -3,14 +3,15 @@
 launch forward and one backward, instead of some twenty Triton launches each, every one through fla's Python
 wrappers and autotuner. That host work sets the pace of a tensor-parallel shard's small kernels; a whole layer's
 kernels keep the GPU busy anyway, and there the layouts' pad blocks, the input copies and each graph's own
-buffers (inputs, outputs, saved activations, per layer and bucket) would cost more than they save.
+buffers (inputs, outputs, saved activations, per layer and layout) would cost more than they save.
 
 fla sizes its grids from the batch's document layout, which changes from batch to batch, and a graph needs
 fixed shapes: the graphs run on the batch's `FixedLayout` (varlen.py), the stream with pad documents after
 it, whose shapes are the same for every batch laid out in one document bucket (1, 2, 4, ... 64, then multiples
-of 64). A batch takes the smallest bucket already in use that holds its documents, or its own, and a layer keeps
-a pair of graphs per bucket: each pair's buffers (inputs, output, saved activations, gradients) stay allocated,
-about 1.5 GiB per bucket at tp4 on the 27B shape's six GatedDeltaNet layers of 4096 tokens. The layout's offsets
+of 64) and block count (fla's 64-token chunks, one to 64 more than the batch's own). A batch takes the layout
+already in use with the fewest blocks that holds it, or a new one of its own, and a layer keeps a pair of graphs
+per layout: each pair's buffers (inputs, output, saved activations, gradients) stay allocated, about 1.5 GiB
+per layout at tp4 on the 27B shape's six GatedDeltaNet layers of 4096 tokens. The layout's offsets
 and chunk indices are copied once per batch into buffers that every layer's graphs read, and each call copies
 its inputs into the graphs' own buffers (the pad rows stay zero).
 
@@ -26,30 +27,32 @@ eagerly.
 
 import contextlib
 import dataclasses
+import logging
 import os
 from typing import Callable
 
 import torch
 
-from .varlen import doc_bucket, fixed_layout, varlen_info
+from .varlen import fixed_layout, layout_holds, varlen_info
 
+log = logging.getLogger("qwenft")
 _POOL = []  # one memory pool for every layer's graphs: they run one at a time, on one stream
 
 
 @dataclasses.dataclass
 class _Slot:
-    """One layout bucket's buffers, which every layer's graphs of that bucket read."""
+    """One layout's buffers, which every layer's graphs of that layout read."""
     offsets: torch.Tensor
     chunk_indices: torch.Tensor
     pad: int  # pad tokens after the stream
     loaded: object  # the batch's Varlen whose layout the buffers hold
 
 
-_LAYOUTS: dict[tuple, _Slot] = {}  # (device, stream length, bucket) -> its buffers
+_LAYOUTS: dict[tuple, _Slot] = {}  # (device, stream length, document bucket, blocks) -> its buffers
 
 
 class GraphedMix:
-    """One GatedDeltaNet layer's `fla_kernels`, captured per input shape and layout bucket on first use."""
+    """One GatedDeltaNet layer's `fla_kernels`, captured per input shape and layout on first use."""
 
     def __init__(self, kernels: Callable):
         self.kernels = kernels  # kernels(qkv, beta, g, weight, sizes, cu_seqlens=, chunk_indices=) -> out
@@ -63,7 +66,7 @@ class GraphedMix:
             offsets, indices, pad = _load_layout(varlen_info(cu_seqlens), qkv.device)
             varlen = {"cu_seqlens": offsets, "chunk_indices": indices}
         key = (tuple(qkv.shape), tuple(weight.shape), qkv.dtype, g.dtype, sizes, pad,
-               None if cu_seqlens is None else tuple(varlen["chunk_indices"].shape))
+               None if cu_seqlens is None else (len(varlen["cu_seqlens"]), len(varlen["chunk_indices"])))
         graphs = self.graphs.get(key)
         if graphs is None:
             graphs = self.graphs[key] = _Graphs(lambda *a: self.kernels(*a, sizes, **varlen), (qkv, beta, g, weight),
@@ -72,19 +75,23 @@ class GraphedMix:
 
 
 def _load_layout(info, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(offsets, chunk indices, pad tokens) of the batch `info` in the device buffers of its layout's bucket: the
-    smallest bucket in use for its stream length that holds its documents, else its own. Copied in once per batch
-    (by the first layer to see it), from pinned memory without waiting for the GPU."""
+    """(offsets, chunk indices, pad tokens) of the batch `info` in the device buffers of its layout: the one in
+    use for its stream length with the fewest blocks (then documents) that holds it, else a new one of its own.
+    Copied in once per batch (by the first layer to see it), from pinned memory without waiting for the GPU."""
+    for (d, *_), slot in _LAYOUTS.items():  # the batch's later layers: its layout is loaded
+        if d == device and slot.loaded is info:
+            return slot.offsets, slot.chunk_indices, slot.pad
     total, docs = int(info.cu_seqlens_cpu[-1]), len(info.cu_seqlens_cpu) - 1
-    in_use = [b for d, t, b in _LAYOUTS if d == device and t == total and b >= docs]
-    bucket = min(in_use) if in_use else doc_bucket(docs)
-    slot = _LAYOUTS.get((device, total, bucket))
-    if slot is not None and slot.loaded is info:
-        return slot.offsets, slot.chunk_indices, slot.pad
-    layout = fixed_layout(info.cu_seqlens_cpu, bucket)
+    fits = [(k, b) for d, t, b, k in _LAYOUTS if d == device and t == total and layout_holds(b, k, docs, info.blocks)]
+    blocks, bucket = min(fits) if fits else (None, None)
+    layout = fixed_layout(info.cu_seqlens_cpu, bucket, blocks)
+    slot = _LAYOUTS.get((device, total, bucket, blocks))
     if slot is None:
-        slot = _LAYOUTS[(device, total, bucket)] = _Slot(layout.cu_seqlens.to(device), layout.chunk_indices.to(device),
-                                                          layout.pad, info)
+        slot = _LAYOUTS[(device, total, layout.bucket, layout.blocks)] = _Slot(
+            layout.cu_seqlens.to(device), layout.chunk_indices.to(device), layout.pad, info)
+        log.info("GatedDeltaNet CUDA graphs: a new layout of %d documents and %d blocks for %d-token rows (%d in "
+                 "use; each layer records a graph pair per layout)", layout.bucket, layout.blocks, total,
+                 len(_LAYOUTS))
     else:
         for buffer, host in ((slot.offsets, layout.cu_seqlens), (slot.chunk_indices, layout.chunk_indices)):
             buffer.copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=buffer.is_cuda)

@@ -41,6 +41,11 @@ class Varlen:
         return mean_piece(self.offsets)
 
     @functools.cached_property
+    def blocks(self) -> int:
+        """`count_blocks` of the offsets: once per batch, not per layer."""
+        return count_blocks(self.cu_seqlens_cpu)
+
+    @functools.cached_property
     def chunk_indices(self) -> torch.Tensor:
         """[blocks, 2] int64 on the batch's device: (document, block within it) of every FLA_CHUNK-token block
         of every document, in order (what fla's `prepare_chunk_indices` computes), built on the host."""
@@ -57,6 +62,8 @@ def chunk_indices(cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
 
 
 DOC_BUCKET = 64  # document buckets: powers of two up to this, then its multiples
+PAD_TOKENS = FLA_CHUNK  # a fixed layout's pad tokens after the stream: room for 1 to FLA_CHUNK pad blocks
+BLOCK_STEP = 32  # a new layout's block count: the batch's blocks and one pad block, rounded up to this
 
 
 def doc_bucket(docs: int) -> int:
@@ -66,45 +73,57 @@ def doc_bucket(docs: int) -> int:
     return -(-docs // DOC_BUCKET) * DOC_BUCKET
 
 
+def count_blocks(cu_seqlens_cpu: torch.Tensor) -> int:
+    """FLA_CHUNK-token blocks of the documents `cu_seqlens_cpu` (each document's own, its last one partial)."""
+    return int(((cu_seqlens_cpu.diff() + FLA_CHUNK - 1) // FLA_CHUNK).sum())
+
+
+def layout_holds(bucket: int, blocks: int, docs: int, real_blocks: int) -> bool:
+    """Whether a fixed layout of `bucket` documents and `blocks` blocks holds `docs` documents of `real_blocks`
+    blocks: its pad tokens make 1 to PAD_TOKENS pad blocks."""
+    return docs <= bucket and 1 <= blocks - real_blocks <= PAD_TOKENS
+
+
 @dataclass(frozen=True)
 class FixedLayout:
-    """A packed stream's documents with padding appended so that its shapes depend only on the stream's length
-    and a document bucket (`bucket`, at least the document count): `tokens` (the stream and `pad` pad tokens
-    after it), `cu_seqlens` (int64 offsets: the real documents, pad documents over the pad tokens, then empty
-    documents up to a fixed count) and `chunk_indices` (as `chunk_indices`, of a fixed length). fla's kernels
-    size their grids from those shapes alone, so one CUDA graph serves every batch laid out in one bucket; the
-    pad documents restart the conv and the recurrent state, so the real tokens' outputs are unchanged."""
+    """A packed stream's documents with padding appended so that its shapes depend only on the stream's length,
+    a document bucket (`bucket`, at least the document count) and a block count (`blocks`, more than the
+    documents' own): `tokens` (the stream and `pad` pad tokens after it), `cu_seqlens` (int64 offsets: the real
+    documents, pad documents over the pad tokens, then empty documents up to a fixed count) and `chunk_indices`
+    (as `chunk_indices`, `blocks` long). fla's kernels size their grids from those shapes alone, so one CUDA
+    graph serves every batch laid out in one (bucket, blocks); the pad documents restart the conv and the
+    recurrent state, so the real tokens' outputs are unchanged."""
     tokens: int
     pad: int
     bucket: int
+    blocks: int
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
 
 
-def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None) -> FixedLayout:
-    """`FixedLayout` of the host offsets `cu_seqlens_cpu` (S tokens in N documents) for `bucket` >= N documents
-    (default `doc_bucket(N)`).
+def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None, blocks: int | None = None) -> FixedLayout:
+    """`FixedLayout` of the host offsets `cu_seqlens_cpu` (S tokens in N documents of b blocks) for `bucket` >= N
+    documents (default `doc_bucket(N)`) and `blocks` blocks, b + 1 to b + PAD_TOKENS (default b + 1 rounded up
+    to BLOCK_STEP).
 
-    With N <= B (the bucket) the stream has at most ceil(S/C) + B - 1 blocks of C = FLA_CHUNK tokens (a split
-    adds at most one block). P = C*m pad tokens, m = max(1, ceil((B-1) / (C-1))), make up the difference to
-    ceil(S/C) + B - 1 + m blocks: k blocks (m <= k <= B - 1 + m <= C*m) from k pad documents, k - m of one
-    token and m of at most C tokens sharing the rest. Empty documents then fill the offsets up to 2B - 1 + m."""
+    The fla kernels' work grows with the blocks, so a layout adds only the k = `blocks` - b blocks it needs:
+    P = PAD_TOKENS pad tokens in k pad documents, k - 1 of one token and one of the rest (at most FLA_CHUNK
+    tokens, one block). Empty documents then fill the offsets up to `bucket` + P."""
     cu = cu_seqlens_cpu.to(torch.long)
-    total, docs, C = int(cu[-1]), len(cu) - 1, FLA_CHUNK
+    total, docs, real = int(cu[-1]), len(cu) - 1, count_blocks(cu)
     bucket = doc_bucket(docs) if bucket is None else bucket
+    blocks = -(-(real + 1) // BLOCK_STEP) * BLOCK_STEP if blocks is None else blocks
     if bucket < docs:
         raise ValueError(f"a layout for {bucket} documents cannot hold {docs}")
-    m = max(1, -(-(bucket - 1) // (C - 1)))
-    pad = C * m
-    blocks = int(((cu.diff() + C - 1) // C).sum())
-    k = -(-total // C) + bucket - 1 + m - blocks  # pad blocks to add
-    rest = pad - (k - m)
-    q, r = divmod(rest, m)
-    lengths = [1] * (k - m) + [q + 1] * r + [q] * (m - r)
+    if not layout_holds(bucket, blocks, docs, real):
+        raise ValueError(f"a layout of {blocks} blocks cannot hold documents of {real} blocks: it adds 1 to "
+                         f"{PAD_TOKENS} pad blocks")
+    k = blocks - real
+    lengths = [1] * (k - 1) + [PAD_TOKENS - (k - 1)]
     offsets = torch.tensor(lengths, dtype=torch.long).cumsum(0) + total
-    empty = torch.full((2 * bucket - 1 + m - docs - k,), total + pad, dtype=torch.long)
+    empty = torch.full((bucket + PAD_TOKENS - docs - k,), total + PAD_TOKENS, dtype=torch.long)
     fixed = torch.cat([cu, offsets, empty])
-    return FixedLayout(total + pad, pad, bucket, fixed, chunk_indices(fixed))
+    return FixedLayout(total + PAD_TOKENS, PAD_TOKENS, bucket, blocks, fixed, chunk_indices(fixed))
 
 
 def _remember(cu_seqlens: torch.Tensor, cpu: torch.Tensor) -> Varlen:
