@@ -309,8 +309,10 @@ def test_compiled_checkpointed_training_equals_autograds(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+# both at the compile tests' lr: each AdamW step turns the runs' rounding gaps into parameter gaps of order lr,
+# and the sequence-parallel run with the fused head and the MTP head carries them furthest into its last gradients
 @pytest.mark.parametrize("extra, lr", [
-    (["model.kernels.ce=fused", "mesh.sequence_parallel=true", "model.mtp=train"], 5e-4),
+    (["model.kernels.ce=fused", "mesh.sequence_parallel=true", "model.mtp=train"], 2e-4),
     (["model.compile=true"], 2e-4),
 ], ids=["fused-ce-sp-mtp", "compiled"])
 def test_tensor_parallel_training_equals_one_process_with_autograd(tmp_path, extra, lr):
