@@ -259,7 +259,8 @@ def test_fixed_layouts_have_one_shape_per_bucket_and_block_count():
     """`fixed_layout`, which CUDA graphs of fla's kernels run on: for any documents of a stream, the offsets and
     the chunk indices have lengths fixed by the stream's length, the document bucket (1, 2, 4, ... 64, 128,
     192, ...: the batch's own, or any larger one) and the block count (the default: the documents' blocks and
-    one more, rounded up to BLOCK_STEP; any from one to PAD_TOKENS more than theirs), the real documents come
+    one more, rounded up to BLOCK_STEP, or the most the bucket's documents can take and one more where that is
+    fewer; any from one to PAD_TOKENS more than theirs), the real documents come
     first unchanged, every pad document fits one 64-token block, and the chunk indices are those of the padded
     offsets. Worst cases included: one document, every document of one token, every document one token past a
     block, a stream length off the block size. A bucket smaller than the document count, and a block count
@@ -275,7 +276,8 @@ def test_fixed_layouts_have_one_shape_per_bucket_and_block_count():
     shapes = {}
     for total, bounds in cases:
         docs, real = len(bounds) - 1, count_blocks(torch.tensor(bounds))
-        default = -(-(real + 1) // BLOCK_STEP) * BLOCK_STEP
+        assert real <= -(-total // FLA_CHUNK) + docs - 1  # each document adds at most one partial block
+        default = min(-(-(real + 1) // BLOCK_STEP) * BLOCK_STEP, -(-total // FLA_CHUNK) + doc_bucket(docs))
         for bucket, blocks in ((None, None), (doc_bucket(docs) * 2, real + 1), (192, real + PAD_TOKENS),
                                (None, default + BLOCK_STEP)):
             if bucket is not None and bucket < docs:
@@ -291,6 +293,8 @@ def test_fixed_layouts_have_one_shape_per_bucket_and_block_count():
             shape = (len(layout.cu_seqlens), len(layout.chunk_indices), layout.tokens)
             assert shapes.setdefault((total, layout.bucket, layout.blocks), shape) == shape, (bounds, shape)
     assert len(shapes) > 8
+    # one document of the whole stream: one pad block, as many as its bucket's worst case needs
+    assert fixed_layout(torch.tensor([0, 4096])).blocks == 65
     with pytest.raises(ValueError, match="a layout for 4 documents cannot hold 5"):
         fixed_layout(torch.tensor([0, 1, 2, 3, 4, 10]), 4)
     for blocks in (5, 5 + PAD_TOKENS + 1):  # 5 documents of one block each: 6 to 5 + PAD_TOKENS blocks fit
@@ -346,16 +350,16 @@ def test_each_batch_takes_the_smallest_layout_in_use_that_holds_it():
     gdn_graph._LAYOUTS.clear()
     cpu = torch.device("cpu")
     seen = {}
-    # documents of 3 tokens and a last one up to 512: (documents, the layout's bucket and blocks); the blocks
-    # in the comments are the documents' own
-    batches = ((4, (4, 32)),  # 11 blocks: a new layout
-               (5, (8, 32)),  # 12 blocks: too many documents for the first
-               (3, (4, 32)),  # 10: both hold it, the first has fewer documents
-               (81, (128, 96)),  # 85: new
+    # documents of 3 tokens and a last one up to 512 (8 blocks' worth): (documents, the layout's bucket and
+    # blocks); the blocks in the comments are the documents' own
+    batches = ((4, (4, 12)),  # 11 blocks: a new layout, of the most 4 documents take (8 + 3) and a pad block
+               (5, (8, 16)),  # 12 blocks: too many documents for the first
+               (3, (4, 12)),  # 10: both hold it, the first has fewer blocks
+               (81, (128, 96)),  # 85: new, 85 + 1 rounded up to 32
                (100, (128, 128)),  # 103: past 96 blocks, new
                (60, (128, 96)),  # 65: both 128-document layouts hold it, the one of fewer blocks taken
                (20, (32, 32)),  # 27: the layouts of 20+ documents add too many pad blocks (more than 64), new
-               (2, (4, 32)), (8, (8, 32)), (1, (4, 32)),
+               (2, (4, 12)), (8, (8, 16)), (1, (4, 12)),
                (129, (192, 160)))  # 130: new
     try:
         for docs, (bucket, blocks) in batches:

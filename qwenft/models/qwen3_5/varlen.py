@@ -104,7 +104,8 @@ class FixedLayout:
 def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None, blocks: int | None = None) -> FixedLayout:
     """`FixedLayout` of the host offsets `cu_seqlens_cpu` (S tokens in N documents of b blocks) for `bucket` >= N
     documents (default `doc_bucket(N)`) and `blocks` blocks, b + 1 to b + PAD_TOKENS (default b + 1 rounded up
-    to BLOCK_STEP).
+    to BLOCK_STEP, or ceil(S/C) + `bucket` where that is fewer: the most any `bucket` documents of S tokens
+    take, ceil(S/C) + `bucket` - 1, and a pad block, so that a few long documents get one pad block).
 
     The fla kernels' work grows with the blocks, so a layout adds only the k = `blocks` - b blocks it needs:
     P = PAD_TOKENS pad tokens in k pad documents, k - 1 of one token and one of the rest (at most FLA_CHUNK
@@ -112,7 +113,8 @@ def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None, blocks
     cu = cu_seqlens_cpu.to(torch.long)
     total, docs, real = int(cu[-1]), len(cu) - 1, count_blocks(cu)
     bucket = doc_bucket(docs) if bucket is None else bucket
-    blocks = -(-(real + 1) // BLOCK_STEP) * BLOCK_STEP if blocks is None else blocks
+    if blocks is None:
+        blocks = min(-(-(real + 1) // BLOCK_STEP) * BLOCK_STEP, -(-total // FLA_CHUNK) + bucket)
     if bucket < docs:
         raise ValueError(f"a layout for {bucket} documents cannot hold {docs}")
     if not layout_holds(bucket, blocks, docs, real):
