@@ -212,8 +212,9 @@ for tp in ${FAKE_TPS:-2 4}; do
 done ;;
 fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAKE_TP), compiled with CUDA graphs, bf16, AC
 # off, without sequence parallelism (FAKE_SP=true: with), on this tree and on FAKE_OLD (a tree of the older commit:
-# `git archive COMMIT qwenft scripts recipes | tar -x -C DIR`) in turn: this tree, the older, this tree again, after tp1 (this
-# tree) for the per-GPU ratios. The first run compiles; the two of this tree bracket the older one's machine state
+# `git archive COMMIT qwenft scripts recipes | tar -x -C DIR`) in turn: this tree, the older, this tree again, after
+# tp1 (this tree) for the per-GPU ratios. The first run compiles; the two of this tree bracket the older one's
+# machine state
 tp=${FAKE_TP:-4}; sp=${FAKE_SP:-false}
 : "${FAKE_OLD:?FAKE_OLD: a tree of the older commit (git archive COMMIT qwenft scripts recipes | tar -x -C DIR)}"
 old=$(cd "$FAKE_OLD" && pwd) || exit 1
