@@ -163,6 +163,48 @@ def test_compiled_backward_adds_in_its_matmuls():
         assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-6, name
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_stacked_linears_equal_each_linear(compiled):
+    """`stacked_linears` (GatedDeltaNet's a and b projections as one matmul): in fp64 over two microbatches, the
+    outputs and every gradient equal each linear's own call, on plain linears (autograd's path) and on switched
+    ones (`in_matmul`: one op adds both weights' gradients into their buffers, no other add into them), eager and
+    compiled; a bias, a forward hook (LoRA's adapter) or two kinds of module give None (called one by one)."""
+    from qwenft.models import weight_grad
+
+    torch.manual_seed(0)
+    reference = nn.ModuleList([nn.Linear(16, 3, bias=False), nn.Linear(16, 5, bias=False)]).double()
+    plain, switched = copy.deepcopy(reference), copy.deepcopy(reference)
+    weight_grad.enable(switched)
+    weight_grad.prepare_grads([switched])
+    run = lambda x, mods: weight_grad.stacked_linears(x, tuple(mods))  # noqa: E731
+    if compiled:
+        run = torch.compile(run, dynamic=False, fullgraph=True)
+    for step in range(2):
+        x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        probes = [torch.randn(2, 7, n, dtype=torch.float64) for n in (3, 5)]
+        loss = lambda outs: sum((o * p).sum() for o, p in zip(outs, probes))  # noqa: E731
+        xs = [x.clone().requires_grad_() for _ in range(3)]
+        loss([m(xs[0]) for m in reference]).backward()
+        loss(run(xs[1], plain)).backward()
+        out = run(xs[2], switched)
+        with _Ops() as ops:
+            loss(out).backward()
+        names = [name for name, _ in ops.ops]
+        assert names.count("qwenft.addmm_weight_grads_.default") == 1, names
+        assert _adds_into(ops.ops, [m.weight_grad for m in switched]) == [], names
+        for got in xs[1:]:
+            assert ((got.grad - xs[0].grad).norm() / xs[0].grad.norm()).item() < 1e-13
+    for model in (plain, switched):
+        for ref, p in zip(reference.parameters(), model.parameters()):
+            assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-13
+    assert switched[0].weight.grad is switched[0].weight_grad
+    with_bias = [nn.Linear(16, 3), nn.Linear(16, 5, bias=False)]
+    hooked = copy.deepcopy(reference)
+    hooked[1].register_forward_hook(lambda module, args, out: out + 1)
+    for mods in (with_bias, hooked, [reference[0], switched[1]]):
+        assert weight_grad.stacked_linears(torch.zeros(1, 16, dtype=torch.float64), tuple(mods)) is None
+
+
 def test_frozen_float8_and_parameterless_uses_keep_autograd():
     """Only the exact nn.Linear / nn.Embedding classes and those that take the buffer themselves (LMHead, the tp
     shards') switch, and only with a trained weight: a frozen
@@ -230,7 +272,9 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
         with _Ops() as ops:
             loss.backward()
         adds += _adds_into(ops.ops, buffers)
-        matmuls.append(sum(name == "qwenft.addmm_weight_grad_.default" for name, _ in ops.ops))
+        # the weights each matmul adds into: one, or a GatedDeltaNet layer's a and b stacked (`stacked_linears`)
+        matmuls.append(sum({"qwenft.addmm_weight_grad_.default": 1, "qwenft.addmm_weight_grads_.default": 2}.get(
+            name, 0) for name, _ in ops.ops))
     grads = {n: (getattr(p.grad, "full_tensor", p.grad.clone)(), ref.grad)
              for (n, p), ref in zip(model.named_parameters(), reference.parameters())}
     own = [n for n, m in model.named_modules() if hasattr(m, "weight_grad")

@@ -240,6 +240,7 @@ class ShardedLinear(nn.Linear):
     the backward's matmul adds the weight's gradient into that buffer, the local tensor of the weight's `.grad`."""
 
     takes_weight_grad = True
+    stackable = True  # `weight_grad.stacked_linears`: the local shards stacked, as one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a row-parallel bias is replicated: `_block_output` adds it once, to rank 0's partial output

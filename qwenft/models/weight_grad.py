@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwenft.models.linear_ce import LMHead
+from qwenft.models.qwen3_5.attention import local
 
 
 def _addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -59,6 +60,21 @@ _LIB.impl("addmm_weight_grad_", _addmm_weight_grad_, "CompositeExplicitAutograd"
 torch.library.register_fake("qwenft::addmm_weight_grad_", lambda grad, dy, x: None, lib=_LIB)
 # grad += dy^T @ x over all leading dimensions: [out, in] += [N, out]^T @ [N, in], in one matmul
 addmm_weight_grad_ = torch.ops.qwenft.addmm_weight_grad_.default
+
+
+def _addmm_weight_grads_(grads: list[torch.Tensor], dy: torch.Tensor, x: torch.Tensor) -> None:
+    whole = torch.cat(grads)
+    _addmm_weight_grad_(whole, dy, x)
+    for grad, part in zip(grads, whole.split([g.shape[0] for g in grads])):
+        grad.copy_(part)
+
+
+_LIB.define("addmm_weight_grads_(Tensor(a!)[] grads, Tensor dy, Tensor x) -> ()")
+_LIB.impl("addmm_weight_grads_", _addmm_weight_grads_, "CompositeExplicitAutograd")
+torch.library.register_fake("qwenft::addmm_weight_grads_", lambda grads, dy, x: None, lib=_LIB)
+# the same for weights stacked along their outputs: each grad_i += dy[..., rows of i]^T @ x, one matmul for all
+# (the stacked sum formed in fp32 and rounded once, as each alone)
+addmm_weight_grads_ = torch.ops.qwenft.addmm_weight_grads_.default
 
 
 def _own(weight: torch.Tensor) -> torch.Tensor:
@@ -95,6 +111,47 @@ class _Linear(torch.autograd.Function):
         x, weight, grad = ctx.saved_tensors
         addmm_weight_grad_(grad, dy, x)
         return (dy @ weight if ctx.needs_input_grad[0] else None), None, None
+
+
+def stacked_linears(x: torch.Tensor, modules) -> tuple[torch.Tensor, ...] | None:
+    """`x` through bias-free linears of one kind (`nn.Linear`, `GradInMatmulLinear`, or a class marked `stackable`:
+    tensor parallelism's `ShardedLinear`) as one matmul of their weights (local shards) stacked: each module's
+    output, as its own call gives it. None where one has a bias, a forward hook (LoRA's adapter) or another
+    kind: call them one by one then. Each matmul of a projection with few outputs reads the whole input, as a
+    large one does (GatedDeltaNet's `a` and `b`: one output per value head, 12 on a tp4 rank of the 27B);
+    stacked, the input is read once forward and twice backward, not once per projection each time. Under
+    `model.kernels.weight_grad=in_matmul` (each module's `weight_grad` buffer set) one matmul adds the stacked
+    weight gradient into the buffers; else autograd splits it into each weight's gradient."""
+    kind = type(modules[0])
+    if not (kind in (nn.Linear, GradInMatmulLinear) or getattr(kind, "stackable", False)):
+        return None
+    if any(type(m) is not kind or m.bias is not None or m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return None
+    sizes = [_own(m.weight).shape[0] for m in modules]
+    grads = [getattr(m, "weight_grad", None) for m in modules]
+    if torch.is_grad_enabled() and all(g is not None for g in grads):
+        y = _StackedLinear.apply(x, len(modules), *(m.weight for m in modules), *grads)
+    else:
+        y = F.linear(x, torch.cat([local(m.weight) for m in modules]))
+    return y.split(sizes, dim=-1)
+
+
+class _StackedLinear(torch.autograd.Function):
+    """y = x @ [w_1; w_2; ...]^T; the backward returns x's gradient and adds each weight's into its buffer, from
+    one matmul (returning none for the weights), as `_Linear` does for one."""
+
+    @staticmethod
+    def forward(ctx, x, n, *weights_and_grads):
+        weights, grads = weights_and_grads[:n], weights_and_grads[n:]
+        weight = torch.cat([_own(w) for w in weights])
+        ctx.save_for_backward(x, weight, *grads)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, *grads = ctx.saved_tensors
+        addmm_weight_grads_(grads, dy, x)
+        return (dy @ weight if ctx.needs_input_grad[0] else None), None, *(None,) * (2 * len(grads))
 
 
 class _Embedding(torch.autograd.Function):

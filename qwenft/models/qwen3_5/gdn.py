@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from qwenft.models.weight_grad import stacked_linears
+
 from .attention import local, local_all
 from .configs import TextConfig
 from .varlen import FLA_CHUNK, varlen_info
@@ -254,7 +256,9 @@ class GatedDeltaNet(nn.Module):
         b, t = x.shape[:2]
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return qkv, z, self.b_proj(x).sigmoid(), self.a_proj(x)
+        # beta's and the decay's projections, one output per value head each: one matmul for both
+        beta, a = stacked_linears(x, (self.b_proj, self.a_proj)) or (self.b_proj(x), self.a_proj(x))
+        return qkv, z, beta.sigmoid(), a
 
     def mix(self, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
             cu_seqlens: torch.Tensor | None = None, cp=None) -> torch.Tensor:
