@@ -218,7 +218,8 @@ fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAK
 tp=${FAKE_TP:-4}; sp=${FAKE_SP:-false}
 : "${FAKE_OLD:?FAKE_OLD: a tree of the older commit (git archive COMMIT qwenft scripts recipes | tar -x -C DIR)}"
 old=$(cd "$FAKE_OLD" && pwd) || exit 1
-bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+[ "${FAKE_TP1:-true}" = true ] && bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 \
+  model.activation_checkpointing=false model.compile=true  # FAKE_TP1=false: a tp1 run this call made already
 for run in new old new_again; do
   (cd "$([ $run = old ] && echo "$old" || pwd)" && bench fake_tp${tp}_$run 250 1 0 "--warmup 5 --fake-world $tp" \
     train.max_steps=10 $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true \

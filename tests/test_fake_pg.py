@@ -3,6 +3,7 @@ so a one-process rank of a larger world computes on defined numbers; a sequence 
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -87,6 +88,22 @@ def test_every_collective_fills_its_output_from_the_local_tensors():
         assert torch.equal(partial.redistribute(mesh, [Shard(1)]).to_local(), x[:, RANK:RANK + 1])
         assert torch.equal(partial.redistribute(mesh, [Replicate()]).to_local(), x)
         assert dist.all_gather_object([None] * WORLD, {"rank": RANK}) is None
+
+
+@pytest.mark.parametrize("world", [2, 4, 5, 8])
+def test_a_gather_repeats_the_shard_for_every_world_and_rank_in_place_too(world):
+    """The gather fills rows by doubling the filled ones: every row gets the shard, at any world size (powers of
+    two and not), and in place from any rank's row (rank 0's row is the first one written)."""
+    x = torch.arange(1.0, 7.0).reshape(3, 2)
+    for rank in range(world):
+        with fake_process_group(world, rank):
+            out = _poisoned(3 * world, 2)
+            all_gather_into(out, x)
+            assert torch.equal(out, torch.cat([x] * world))
+            out = _poisoned(3 * world, 2)
+            out[3 * rank:3 * rank + 3] = x
+            all_gather_into(out, out[3 * rank:3 * rank + 3])
+            assert torch.equal(out, torch.cat([x] * world))
 
 
 def test_dynamo_never_compiles_the_fake_groups_python():

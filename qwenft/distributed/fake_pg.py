@@ -104,12 +104,18 @@ class LocalCopyGroup(dist.ProcessGroup):
         return self._work()
 
     def _gather_into(self, output, input):
-        """One broadcasting copy into the [world, shard] view of the contiguous output (one kernel, not one a
-        rank). FSDP gathers in place, its input a row of the output: that row is read from a copy."""
-        rows, shard = output.detach().view(self._world_size, -1), input.detach().reshape(1, -1)
-        if shard.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
-            shard = shard.clone()
-        rows.copy_(shard)
+        """The shard into the first row of the [world, shard] view of the contiguous output, then the filled rows
+        doubled into the next ones: ceil(log2(world)) + 1 copies between contiguous tensors, each a device memcpy
+        (a broadcasting copy of the shard into every row runs an unvectorized kernel at half the bandwidth, time
+        that a real backend's collective does not spend on this GPU). FSDP gathers in place, its input a row of
+        the output: the first copy reads it before any later one writes over it."""
+        rows = output.detach().view(self._world_size, -1)
+        rows[0].copy_(input.detach().reshape(-1))
+        filled = 1
+        while filled < self._world_size:
+            n = min(filled, self._world_size - filled)
+            rows[filled:filled + n].copy_(rows[:n])
+            filled += n
 
     _allgather_base = all_gather_single
 
@@ -176,9 +182,8 @@ class LocalCopyGroup(dist.ProcessGroup):
 
 
 # Out of Dynamo's reach: a collective inside a compiled graph calls back into this Python, and a Dynamo that
-# compiles the frame (torch 2.11 does) puts its guards, a graph break at `_gather_into`'s storage check and a graph
-# of its own (which CUDA graph trees skip: it mutates its inputs) on every collective's host path, work a real
-# backend's C++ collectives do not have.
+# compiles the frame (torch 2.11 does) puts its guards and a graph of its own (which CUDA graph trees skip: it
+# mutates its inputs) on every collective's host path, work a real backend's C++ collectives do not have.
 for _name, _method in list(vars(LocalCopyGroup).items()):
     if callable(_method) and not _name.startswith("__"):
         setattr(LocalCopyGroup, _name, torch.compiler.disable(_method))
