@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import make_hf_model, rel_err
+from helpers import DECAY_GRADS, make_hf_model, rel_err
 from qwenft.models.loader import build_model, init_random_weights, load_hf_weights
 from qwenft.models.qwen3_5 import adapter
 from qwenft.models.qwen3_5.configs import FULL_ATTENTION, LINEAR_ATTENTION, named_config, to_hf_config
@@ -35,10 +35,9 @@ def test_logits_and_grads_match_transformers(tmp_path, tied):
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     assert set(mapped) == set(hf_grads)
     for name, g in hf_grads.items():
-        # A_log / dt_bias grads are sums over every token with heavy cancellation: measured, both fp32
-        # implementations sit 2e-5..6e-5 from an fp64 evaluation of the same model, so 1e-5 between them is
-        # below fp32 resolution. test_gdn checks the kernel's grads against fp64 at 1e-9.
-        tol = 1e-4 if name.endswith(("A_log", "dt_bias")) else 1e-5
+        # the decay's gradients (helpers.DECAY_GRADS) are below fp32 resolution at 1e-5 between the two; test_gdn
+        # checks the kernel's grads against fp64 at 1e-9
+        tol = 1e-4 if name.endswith(DECAY_GRADS) else 1e-5
         assert rel_err(mapped[name], g) < tol, name
 
 
