@@ -37,6 +37,17 @@ def _adds_into(ops, tensors) -> list[str]:
             and into & storages(first if isinstance(first, (list, tuple)) else [first])]
 
 
+def _buffers_in(into, buffers) -> int:
+    """How many of `buffers` an in-place op's destination (a tensor or a list) covers: each one, or the rows of
+    each that lie in it."""
+    def span(t):
+        start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+
+    spans = [span(t) for t in (into if isinstance(into, (list, tuple)) else [into])]
+    return sum(any(s == b[0] and lo <= b[1] and b[2] <= hi for s, lo, hi in spans) for b in map(span, buffers))
+
+
 class _Net(nn.Module):
     """An embedding tied to a fused-CE head, a linear with a bias and one without, the head's MTP-style second
     loss through the same weight: every path of weight_grad in one model."""
@@ -163,45 +174,81 @@ def test_compiled_backward_adds_in_its_matmuls():
         assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-6, name
 
 
+class _Stack(nn.Module):
+    """Three bias-free linears of one input that a layer multiplies stacked (`weight_grad_stack`), as
+    GatedDeltaNet does its projections."""
+
+    weight_grad_stack = ("p", "q", "r")
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.q, self.r = (nn.Linear(16, n, bias=False) for n in (3, 5, 2))
+
+    def forward(self, x, groups=None, stacked=True):
+        from qwenft.models import weight_grad
+
+        mods = [self.p, self.q, self.r]
+        if not stacked:
+            outs = [m(x) for m in mods]
+            return outs if groups is None else (torch.cat(outs[:2], dim=-1), outs[2])
+        grad = getattr(self, "weight_grad_stack_buffer", (None,))[0]
+        return weight_grad.stacked_linears(x, mods, groups=groups, grad=grad)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_stacked_linears_equal_each_linear(compiled):
-    """`stacked_linears` (GatedDeltaNet's a and b projections as one matmul): in fp64 over two microbatches, the
-    outputs and every gradient equal each linear's own call, on plain linears (autograd's path) and on switched
-    ones (`in_matmul`: one op adds both weights' gradients into their buffers, no other add into them), eager and
-    compiled; a bias, a forward hook (LoRA's adapter) or two kinds of module give None (called one by one)."""
+    """`stacked_linears` (a layer's projections of one input as one matmul): in fp64 over two steps of two
+    microbatches, the outputs and every gradient equal each linear's own call, on plain linears (autograd's path:
+    one matmul's rows as each weight's gradient), on switched ones (`in_matmul`) whose buffers `prepare_grads`
+    made rows of one (the owner's `weight_grad_stack`: one `addmm_weight_grad_` into that buffer) and on switched
+    ones without (`addmm_weight_grads_` over their buffers), with and without `groups` (the first two modules'
+    outputs one view), eager and compiled, with no other add into a buffer; a bias, a forward hook (LoRA's
+    adapter) or two kinds of module give None (called one by one)."""
     from qwenft.models import weight_grad
 
     torch.manual_seed(0)
-    reference = nn.ModuleList([nn.Linear(16, 3, bias=False), nn.Linear(16, 5, bias=False)]).double()
-    plain, switched = copy.deepcopy(reference), copy.deepcopy(reference)
-    weight_grad.enable(switched)
-    weight_grad.prepare_grads([switched])
-    run = lambda x, mods: weight_grad.stacked_linears(x, tuple(mods))  # noqa: E731
-    if compiled:
-        run = torch.compile(run, dynamic=False, fullgraph=True)
+    reference = _Stack().double()
+    plain, stacked, apart = (copy.deepcopy(reference) for _ in range(3))
+    for model in (stacked, apart):
+        weight_grad.enable(model)
+    apart.weight_grad_stack = ()  # a buffer each
+    run = (lambda model, x, groups: model(x, groups)) if not compiled else torch.compile(
+        lambda model, x, groups: model(x, groups), dynamic=False, fullgraph=True)
     for step in range(2):
-        x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        probes = [torch.randn(2, 7, n, dtype=torch.float64) for n in (3, 5)]
-        loss = lambda outs: sum((o * p).sum() for o, p in zip(outs, probes))  # noqa: E731
-        xs = [x.clone().requires_grad_() for _ in range(3)]
-        loss([m(xs[0]) for m in reference]).backward()
-        loss(run(xs[1], plain)).backward()
-        out = run(xs[2], switched)
-        with _Ops() as ops:
-            loss(out).backward()
-        names = [name for name, _ in ops.ops]
-        assert names.count("qwenft.addmm_weight_grads_.default") == 1, names
-        assert _adds_into(ops.ops, [m.weight_grad for m in switched]) == [], names
-        for got in xs[1:]:
-            assert ((got.grad - xs[0].grad).norm() / xs[0].grad.norm()).item() < 1e-13
-    for model in (plain, switched):
-        for ref, p in zip(reference.parameters(), model.parameters()):
-            assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-13
-    assert switched[0].weight.grad is switched[0].weight_grad
+        for model in (stacked, apart):
+            weight_grad.prepare_grads([model])
+        for micro, groups in enumerate((None, (2, 1))):
+            x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2 * step + micro))
+            sizes = (3, 5, 2) if groups is None else (8, 2)
+            probes = [torch.randn(2, 7, n, dtype=torch.float64) for n in sizes]
+            loss = lambda outs: sum((o * p).sum() for o, p in zip(outs, probes))  # noqa: E731
+            xs = [x.clone().requires_grad_() for _ in range(4)]
+            loss(reference(xs[0], groups, stacked=False)).backward()
+            loss(run(plain, xs[1], groups)).backward()
+            for model, got, op in ((stacked, xs[2], "addmm_weight_grad_"), (apart, xs[3], "addmm_weight_grads_")):
+                out = run(model, got, groups)
+                with _Ops() as ops:
+                    loss(out).backward()
+                names = [name for name, _ in ops.ops]
+                assert [n for n in names if n.startswith("qwenft.")] == [f"qwenft.{op}.default"], names
+                assert _adds_into(ops.ops, [m.weight_grad for m in (model.p, model.q, model.r)]) == [], names
+            for got in xs[1:]:
+                assert ((got.grad - xs[0].grad).norm() / xs[0].grad.norm()).item() < 1e-13
+        for model in (plain, stacked, apart):
+            for ref, p in zip(reference.parameters(), model.parameters()):
+                assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-13
+            model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    weight_grad.prepare_grads([stacked])
+    whole = stacked.weight_grad_stack_buffer[0]
+    assert stacked.p.weight.grad is stacked.p.weight_grad and all(
+        m.weight_grad.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        for m in (stacked.p, stacked.q, stacked.r))
+    assert not hasattr(apart, "weight_grad_stack_buffer")
     with_bias = [nn.Linear(16, 3), nn.Linear(16, 5, bias=False)]
     hooked = copy.deepcopy(reference)
-    hooked[1].register_forward_hook(lambda module, args, out: out + 1)
-    for mods in (with_bias, hooked, [reference[0], switched[1]]):
+    hooked.q.register_forward_hook(lambda module, args, out: out + 1)
+    for mods in (with_bias, [hooked.p, hooked.q], [reference.p, stacked.q]):
         assert weight_grad.stacked_linears(torch.zeros(1, 16, dtype=torch.float64), tuple(mods)) is None
 
 
@@ -272,9 +319,11 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
         with _Ops() as ops:
             loss.backward()
         adds += _adds_into(ops.ops, buffers)
-        # the weights each matmul adds into: one, or a GatedDeltaNet layer's a and b stacked (`stacked_linears`)
-        matmuls.append(sum({"qwenft.addmm_weight_grad_.default": 1, "qwenft.addmm_weight_grads_.default": 2}.get(
-            name, 0) for name, _ in ops.ops))
+        # the weights each matmul adds into: one, or a GatedDeltaNet layer's six stacked (`stacked_linears`), given
+        # the buffer whose rows theirs are or their buffers
+        into = [first for name, first in ops.ops if name in ("qwenft.addmm_weight_grad_.default",
+                                                             "qwenft.addmm_weight_grads_.default")]
+        matmuls.append((len(into), sum(_buffers_in(first, buffers) for first in into)))
     grads = {n: (getattr(p.grad, "full_tensor", p.grad.clone)(), ref.grad)
              for (n, p), ref in zip(model.named_parameters(), reference.parameters())}
     own = [n for n, m in model.named_modules() if hasattr(m, "weight_grad")
@@ -290,8 +339,9 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
     ids=["tp2-tied-odd-vocab", "tp2-sp", "tp2-sp-compiled"])
 def test_tensor_parallel_shards_add_in_their_matmuls(sequence_parallel, compile_layers, tied_odd_vocab):
     """tp2: every sharded linear, the vocab-parallel embedding and the head (in one case tied to the embedding, one
-    buffer over uneven vocab shards) get a buffer their shard's size, and `.grad` is a DTensor over it with the
-    weight's placement; the backward adds nothing into any buffer (each linear's in-place matmul, the rows' put
+    buffer over uneven vocab shards) get a buffer their shard's size (a GatedDeltaNet layer's six projections rows
+    of one, which one matmul adds into), and `.grad` is a DTensor over it with the weight's placement; the
+    backward adds nothing into any buffer (each linear's in-place matmul, the rows' put
     and the head did: in its backward, or with sequence parallelism, given the loss's factor as the runner gives
     it, in its forward; compiled, the matmuls run inside the layers' graphs), and every full gradient equals one
     process's autograd in fp64."""
@@ -304,7 +354,9 @@ def test_tensor_parallel_shards_add_in_their_matmuls(sequence_parallel, compile_
         assert set(out["own"]) == set(switched), (out["own"], switched)
         assert out["adds"] == []
         linears = [n for n in switched if n not in ("embed_tokens", "lm_head")]
-        assert out["matmuls"] == [len(linears)] * 2, (out["matmuls"], linears)
+        # a GatedDeltaNet layer's six projections: one matmul into one buffer (`GatedDeltaNet.weight_grad_stack`)
+        layers = len([n for n in linears if n.endswith("linear_attn.q_proj")])
+        assert out["matmuls"] == [(len(linears) - 5 * layers, len(linears))] * 2, (out["matmuls"], linears)
         for name, (got, ref) in out["grads"].items():
             assert ref.norm() > 0, name
             # the head given its factor: autograd's path scales by the fp32 loss's gradient, 1/60 rounded to fp32

@@ -217,6 +217,8 @@ def _local_linear(linear: nn.Linear, mesh: DeviceMesh, placement) -> None:
     column = placement == Shard(0)
     # a plain attribute, not the bias's placement: model.compile's graphs see the bias as its local tensor
     linear.sharded_bias = linear.bias is not None and column
+    # column-parallel: 1/tp of the outputs from the whole input (`GatedDeltaNet.weight_grad_stack`)
+    linear.output_shard = column
     # LoRA adapters (qwenft.models.lora) follow the weight: column-parallel, A replicated and B split like the
     # output rows; row-parallel, A split like the input columns and B replicated. Each rank's adapter output is
     # then a shard of the rows, or a partial sum, exactly as the base's, and the block's one collective covers it.

@@ -16,7 +16,9 @@ one, memory-bound work as large as the weights themselves each time. Here the ke
 
 So `.grad` must exist before the step's first backward: `prepare_grads` makes it each module's `weight_grad`
 buffer, zeroed, and every microbatch adds. Each buffer lives with its module for the run (a fixed address, no
-allocation per step); `.grad` is set to it again at every step after `zero_grad(set_to_none=True)`.
+allocation per step); `.grad` is set to it again at every step after `zero_grad(set_to_none=True)`. The linears
+a layer multiplies as one matmul (`stacked_linears`, its `weight_grad_stack`) get rows of one buffer, which
+that matmul adds into whole.
 
 It needs each parameter's gradient to go from `.grad` straight to the optimizer: no FSDP2 (which reduce-scatters
 a gradient it takes from autograd) and no pipeline parallelism (its schedules split the weight gradients off
@@ -43,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwenft.models.linear_ce import LMHead
-from qwenft.models.qwen3_5.attention import local
+from qwenft.models.qwen3_5.attention import local_all
 
 
 def _addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -73,7 +75,8 @@ _LIB.define("addmm_weight_grads_(Tensor(a!)[] grads, Tensor dy, Tensor x) -> ()"
 _LIB.impl("addmm_weight_grads_", _addmm_weight_grads_, "CompositeExplicitAutograd")
 torch.library.register_fake("qwenft::addmm_weight_grads_", lambda grads, dy, x: None, lib=_LIB)
 # the same for weights stacked along their outputs: each grad_i += dy[..., rows of i]^T @ x, one matmul for all
-# (the stacked sum formed in fp32 and rounded once, as each alone)
+# (the stacked sum formed in fp32 and rounded once, as each alone), into a copy of them stacked that is copied
+# back: buffers made rows of one (`prepare_grads`' stacks) take `addmm_weight_grad_` on the whole instead
 addmm_weight_grads_ = torch.ops.qwenft.addmm_weight_grads_.default
 
 
@@ -113,45 +116,83 @@ class _Linear(torch.autograd.Function):
         return (dy @ weight if ctx.needs_input_grad[0] else None), None, None
 
 
-def stacked_linears(x: torch.Tensor, modules) -> tuple[torch.Tensor, ...] | None:
+def stacked_linears(x: torch.Tensor, modules, groups: tuple[int, ...] | None = None,
+                    grad: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
+    """`stacked_linear`'s output split into each module's, as its own call gives it, or with `groups` (counts of
+    consecutive modules) into each group's outputs side by side, views of one tensor; None where that is None."""
+    y = stacked_linear(x, modules, grad)
+    if y is None:
+        return None
+    sizes = [_own(m.weight).shape[0] for m in modules]
+    if groups is not None:
+        ends = [sum(groups[:i + 1]) for i in range(len(groups))]
+        sizes = [sum(sizes[end - n:end]) for n, end in zip(groups, ends)]
+    return y.split(sizes, dim=-1)
+
+
+def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None) -> torch.Tensor | None:
     """`x` through bias-free linears of one kind (`nn.Linear`, `GradInMatmulLinear`, or a class marked `stackable`:
-    tensor parallelism's `ShardedLinear`) as one matmul of their weights (local shards) stacked: each module's
-    output, as its own call gives it. None where one has a bias, a forward hook (LoRA's adapter) or another
-    kind: call them one by one then. Each matmul of a projection with few outputs reads the whole input, as a
-    large one does (GatedDeltaNet's `a` and `b`: one output per value head, 12 on a tp4 rank of the 27B);
-    stacked, the input is read once forward and twice backward, not once per projection each time. Under
-    `model.kernels.weight_grad=in_matmul` (each module's `weight_grad` buffer set) one matmul adds the stacked
-    weight gradient into the buffers; else autograd splits it into each weight's gradient."""
+    tensor parallelism's `ShardedLinear`) as one matmul of their weights (local shards) stacked: the modules'
+    outputs side by side in the last dimension. None where one has a bias, a forward hook (LoRA's adapter) or
+    another kind: call them one by one then. Each matmul of a projection with few outputs reads the whole input,
+    as a large one does (GatedDeltaNet's `a` and `b`: one output per value head, 12 on a tp4 rank of the 27B);
+    stacked, the input is read once forward and twice backward, not once per projection each time, and x's
+    gradient is one matmul's, not a sum of one per projection. Under `model.kernels.weight_grad=in_matmul` (each
+    module's `weight_grad` buffer set) one matmul adds the stacked weight gradient into the buffers, in place
+    given `grad`, the buffer whose rows they are (the owner's `weight_grad_stack_buffer`, `prepare_grads`), else
+    through a stacked copy; without buffers it is split into each weight's gradient. The stacked weight is formed
+    again in the backward, not saved: only the weights themselves are kept for it."""
     kind = type(modules[0])
     if not (kind in (nn.Linear, GradInMatmulLinear) or getattr(kind, "stackable", False)):
         return None
     if any(type(m) is not kind or m.bias is not None or m._forward_hooks or m._forward_pre_hooks for m in modules):
         return None
-    sizes = [_own(m.weight).shape[0] for m in modules]
+    weights = [m.weight for m in modules]
+    if not torch.is_grad_enabled():
+        return F.linear(x, torch.cat([_own(w) for w in weights]))
     grads = [getattr(m, "weight_grad", None) for m in modules]
-    if torch.is_grad_enabled() and all(g is not None for g in grads):
-        y = _StackedLinear.apply(x, len(modules), *(m.weight for m in modules), *grads)
-    else:
-        y = F.linear(x, torch.cat([local(m.weight) for m in modules]))
-    return y.split(sizes, dim=-1)
+    if all(g is not None for g in grads):
+        # one buffer for all, not their views: inputs of a compiled graph that alias each other and are written
+        # would take AOTAutograd's synthetic-base path
+        rows = sum(g.shape[0] for g in grads)
+        grads = [grad] if grad is not None and grad.shape == (rows, *grads[0].shape[1:]) else grads
+        return _StackedLinear.apply(x, len(weights), *weights, *grads)
+    # autograd's path: the local tensors through one node that hands their gradients to the DTensor parameters
+    if isinstance(weights[0], DTensor):
+        weights = local_all(weights)
+    return _StackedLinear.apply(x, len(weights), *weights)
 
 
 class _StackedLinear(torch.autograd.Function):
-    """y = x @ [w_1; w_2; ...]^T; the backward returns x's gradient and adds each weight's into its buffer, from
-    one matmul (returning none for the weights), as `_Linear` does for one."""
+    """y = x @ [w_1; w_2; ...]^T. Given the weights' buffers (or one buffer whose rows they are), the backward adds
+    each weight's gradient into its buffer from one matmul (returning none for the weights), as `_Linear` does
+    for one; without them it returns each weight's gradient, rows of one matmul's."""
 
     @staticmethod
     def forward(ctx, x, n, *weights_and_grads):
-        weights, grads = weights_and_grads[:n], weights_and_grads[n:]
-        weight = torch.cat([_own(w) for w in weights])
-        ctx.save_for_backward(x, weight, *grads)
-        return F.linear(x, weight)
+        weights = [_own(w) for w in weights_and_grads[:n]]
+        ctx.save_for_backward(x, *weights, *weights_and_grads[n:])
+        ctx.n = n
+        return F.linear(x, torch.cat(weights))
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, *grads = ctx.saved_tensors
-        addmm_weight_grads_(grads, dy, x)
-        return (dy @ weight if ctx.needs_input_grad[0] else None), None, *(None,) * (2 * len(grads))
+        x, *saved = ctx.saved_tensors
+        weights, grads = saved[:ctx.n], saved[ctx.n:]
+        if len(grads) == 1:
+            addmm_weight_grad_(grads[0], dy, x)
+            weight_grads = (None,) * (ctx.n + 1)
+        elif grads:
+            addmm_weight_grads_(grads, dy, x)
+            weight_grads = (None,) * (2 * ctx.n)
+        elif any(ctx.needs_input_grad[2:]):
+            whole = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            weight_grads = tuple(g if need else None for g, need in
+                                 zip(whole.split([w.shape[0] for w in weights]), ctx.needs_input_grad[2:]))
+        else:
+            weight_grads = (None,) * ctx.n
+        dx = dy @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        return dx, None, *weight_grads
 
 
 class _Embedding(torch.autograd.Function):
@@ -244,12 +285,16 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
     the MTP weight / its targets), which let the fused head add its weight gradient inside its forward matmuls
     (`linear_ce.LMHead.grad_scales`); None = the head scales it into the buffer in its backward."""
     by_param, to_zero = {}, []
+    stacked = _stack_buffers(model_parts, to_zero)
     for module in switched_modules(model_parts):
         if isinstance(module, LMHead):
             module.grad_scales = None if ce_scale is None and mtp_scale is None else (ce_scale, mtp_scale)
         weight = module.weight
         grad = by_param.get(id(weight))
-        if grad is None:
+        if grad is None and id(weight) in stacked:
+            grad = by_param[id(weight)] = stacked[id(weight)]  # zeroed with its stack's buffer
+            weight.grad = _as_grad(module, weight, grad)
+        elif grad is None:
             own, grad = _own(weight), module.weight_grad
             if grad is None or grad.shape != own.shape or grad.device != own.device or grad.dtype != own.dtype:
                 grad = torch.zeros_like(own, memory_format=torch.contiguous_format)
@@ -260,6 +305,36 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
         module.weight_grad = grad
     if to_zero:  # one call for all: a zero_ per buffer is a launch each, host time at the step's start
         torch._foreach_zero_(to_zero)
+
+
+def _stack_buffers(model_parts, to_zero: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The buffers of each module's `weight_grad_stack` (the names of its linears that it passes to `stacked_linear`
+    together, in that order) as consecutive rows of one buffer, which the stack's one matmul adds into in place:
+    {id(weight): its rows}. The buffer is made at the first step and kept on the module with its rows
+    (`weight_grad_stack_buffer`; `to_zero` gets it at later steps); a stack whose modules are not all switched,
+    or whose weights differ in columns, dtype or device, or share one, keeps a buffer each."""
+    rows = {}
+    for part in model_parts:
+        for owner in part.modules():
+            modules = [getattr(owner, name) for name in getattr(owner, "weight_grad_stack", ())]
+            if not modules or not all(hasattr(m, "weight_grad") for m in modules):
+                continue
+            owns = [_own(m.weight) for m in modules]
+            first = owns[0]
+            if (len({id(m.weight) for m in modules}) < len(modules) or any(
+                    o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
+                    for o in owns)):
+                continue
+            shape = (sum(o.shape[0] for o in owns), first.shape[1])
+            whole, views = getattr(owner, "weight_grad_stack_buffer", (None, None))
+            if whole is None or whole.shape != shape or whole.dtype != first.dtype or whole.device != first.device:
+                whole = first.new_zeros(shape)
+                views = whole.split([o.shape[0] for o in owns])
+                owner.weight_grad_stack_buffer = (whole, views)
+            else:
+                to_zero.append(whole)
+            rows.update({id(m.weight): view for m, view in zip(modules, views)})
+    return rows
 
 
 def _as_grad(module: nn.Module, weight: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -243,6 +243,18 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, h, bias=False)
         self.graphs = None  # GraphedMix under model.cuda_graphs (compile_layer): fla's kernels replayed
 
+    @property
+    def weight_grad_stack(self) -> tuple[str, ...]:
+        """The projections `project` multiplies as one matmul, in order; their weight-gradient buffers
+        (`model.kernels.weight_grad=in_matmul`) are then rows of one (`weight_grad.prepare_grads`). A tensor-parallel
+        rank's projections have 1/tp of their outputs each but read the whole input: all six there, q|k|v one view
+        of the output and x's gradient one matmul's rather than a sum of six. A whole layer's q, k, v and z are
+        large enough alone (stacked, their weights' copy would cost more than it saves); beta's and the decay's,
+        one output per value head each, are one matmul everywhere."""
+        if getattr(self.q_proj, "output_shard", False):
+            return "q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj"
+        return "b_proj", "a_proj"
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         qkv, z, beta, a = self.project(x)
         return self.output(self.mix(qkv, beta, a, cu_seqlens), z)
@@ -254,10 +266,17 @@ class GatedDeltaNet(nn.Module):
         """q|k|v before their conv [B, T, channels] (one tensor), z [B, T, Hv, Dv], beta [B, T, Hv], decay
         input a [B, T, Hv]."""
         b, t = x.shape[:2]
+        stack = [getattr(self, name) for name in self.weight_grad_stack]
+        grad = getattr(self, "weight_grad_stack_buffer", (None,))[0]
+        if len(stack) == 6:
+            parts = stacked_linears(x, stack, groups=(3, 1, 1, 1), grad=grad)
+            if parts is not None:
+                qkv, z, beta, a = parts
+                return qkv, z.reshape(b, t, -1, self.head_v_dim), beta.sigmoid(), a
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        # beta's and the decay's projections, one output per value head each: one matmul for both
-        beta, a = stacked_linears(x, (self.b_proj, self.a_proj)) or (self.b_proj(x), self.a_proj(x))
+        beta, a = (stacked_linears(x, stack[-2:], grad=grad if len(stack) == 2 else None)
+                   or (self.b_proj(x), self.a_proj(x)))
         return qkv, z, beta.sigmoid(), a
 
     def mix(self, qkv: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
