@@ -192,18 +192,19 @@ class _Stack(nn.Module):
             outs = [m(x) for m in mods]
             return outs if groups is None else (torch.cat(outs[:2], dim=-1), outs[2])
         grad = getattr(self, "weight_grad_stack_buffer", (None,))[0]
-        return weight_grad.stacked_linears(x, mods, groups=groups, grad=grad)
+        return weight_grad.stacked_linears(x, mods, groups=groups, grad=grad) or [m(x) for m in mods]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_stacked_linears_equal_each_linear(compiled):
     """`stacked_linears` (a layer's projections of one input as one matmul): in fp64 over two steps of two
-    microbatches, the outputs and every gradient equal each linear's own call, on plain linears (autograd's path:
-    one matmul's rows as each weight's gradient), on switched ones (`in_matmul`) whose buffers `prepare_grads`
+    microbatches, the outputs and every gradient equal each linear's own call, on plain linears (autograd's path,
+    which splits the stacked weight's gradient), on switched ones (`in_matmul`) whose buffers `prepare_grads`
     made rows of one (the owner's `weight_grad_stack`: one `addmm_weight_grad_` into that buffer) and on switched
     ones without (`addmm_weight_grads_` over their buffers), with and without `groups` (the first two modules'
     outputs one view), eager and compiled, with no other add into a buffer; a bias, a forward hook (LoRA's
-    adapter) or two kinds of module give None (called one by one)."""
+    adapter) or two kinds of module give None (called one by one), and a stack with a hooked module gets a buffer
+    each at the next `prepare_grads`, its one buffer dropped."""
     from qwenft.models import weight_grad
 
     torch.manual_seed(0)
@@ -250,6 +251,18 @@ def test_stacked_linears_equal_each_linear(compiled):
     hooked.q.register_forward_hook(lambda module, args, out: out + 1)
     for mods in (with_bias, [hooked.p, hooked.q], [reference.p, stacked.q]):
         assert weight_grad.stacked_linears(torch.zeros(1, 16, dtype=torch.float64), tuple(mods)) is None
+    for model in (stacked, reference):
+        model.q.register_forward_hook(lambda module, args, out: out * 2)
+    weight_grad.prepare_grads([stacked])
+    assert not hasattr(stacked, "weight_grad_stack_buffer")
+    assert len({m.weight_grad.untyped_storage().data_ptr() for m in (stacked.p, stacked.q, stacked.r)}) == 3
+    reference.zero_grad(set_to_none=True)
+    for micro in range(2):  # each linear's own in-place add into its own buffer, saved inputs intact
+        x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + micro))
+        for model in (reference, stacked):
+            sum(o.square().sum() for o in model(x, stacked=model is stacked)).backward()
+    for ref, p in zip(reference.parameters(), stacked.parameters()):
+        assert ((p.grad - ref.grad).norm() / ref.grad.norm()).item() < 1e-13
 
 
 def test_frozen_float8_and_parameterless_uses_keep_autograd():

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from qwenft.models.linear_ce import LMHead
-from qwenft.models.qwen3_5.attention import local_all
+from qwenft.models.qwen3_5.attention import local
 
 
 def _addmm_weight_grad_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -140,33 +140,34 @@ def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None) -
     gradient is one matmul's, not a sum of one per projection. Under `model.kernels.weight_grad=in_matmul` (each
     module's `weight_grad` buffer set) one matmul adds the stacked weight gradient into the buffers, in place
     given `grad`, the buffer whose rows they are (the owner's `weight_grad_stack_buffer`, `prepare_grads`), else
-    through a stacked copy; without buffers it is split into each weight's gradient. The stacked weight is formed
-    again in the backward, not saved: only the weights themselves are kept for it."""
-    kind = type(modules[0])
-    if not (kind in (nn.Linear, GradInMatmulLinear) or getattr(kind, "stackable", False)):
-        return None
-    if any(type(m) is not kind or m.bias is not None or m._forward_hooks or m._forward_pre_hooks for m in modules):
+    through a stacked copy; the stacked weight is then formed again in the backward, not saved. Without buffers
+    autograd splits the stacked weight's gradient (and keeps the stacked copy for the backward)."""
+    if not _stackable(modules):
         return None
     weights = [m.weight for m in modules]
-    if not torch.is_grad_enabled():
-        return F.linear(x, torch.cat([_own(w) for w in weights]))
     grads = [getattr(m, "weight_grad", None) for m in modules]
-    if all(g is not None for g in grads):
+    if torch.is_grad_enabled() and all(g is not None for g in grads):
         # one buffer for all, not their views: inputs of a compiled graph that alias each other and are written
         # would take AOTAutograd's synthetic-base path
         rows = sum(g.shape[0] for g in grads)
         grads = [grad] if grad is not None and grad.shape == (rows, *grads[0].shape[1:]) else grads
         return _StackedLinear.apply(x, len(weights), *weights, *grads)
-    # autograd's path: the local tensors through one node that hands their gradients to the DTensor parameters
-    if isinstance(weights[0], DTensor):
-        weights = local_all(weights)
-    return _StackedLinear.apply(x, len(weights), *weights)
+    # autograd's own nodes, which a pipeline schedule's input-only backward runs without the weights' matmul
+    return F.linear(x, torch.cat([local(w) for w in weights]))
+
+
+def _stackable(modules) -> bool:
+    """Whether `stacked_linear` multiplies `modules` as one matmul: bias-free, without forward hooks, of one kind
+    that it knows."""
+    kind = type(modules[0])
+    return ((kind in (nn.Linear, GradInMatmulLinear) or getattr(kind, "stackable", False))
+            and not any(type(m) is not kind or m.bias is not None or m._forward_hooks or m._forward_pre_hooks
+                        for m in modules))
 
 
 class _StackedLinear(torch.autograd.Function):
-    """y = x @ [w_1; w_2; ...]^T. Given the weights' buffers (or one buffer whose rows they are), the backward adds
-    each weight's gradient into its buffer from one matmul (returning none for the weights), as `_Linear` does
-    for one; without them it returns each weight's gradient, rows of one matmul's."""
+    """y = x @ [w_1; w_2; ...]^T; the backward adds each weight's gradient into its buffer (or the one buffer whose
+    rows they are) from one matmul, returning none for the weights, as `_Linear` does for one."""
 
     @staticmethod
     def forward(ctx, x, n, *weights_and_grads):
@@ -181,18 +182,10 @@ class _StackedLinear(torch.autograd.Function):
         weights, grads = saved[:ctx.n], saved[ctx.n:]
         if len(grads) == 1:
             addmm_weight_grad_(grads[0], dy, x)
-            weight_grads = (None,) * (ctx.n + 1)
-        elif grads:
-            addmm_weight_grads_(grads, dy, x)
-            weight_grads = (None,) * (2 * ctx.n)
-        elif any(ctx.needs_input_grad[2:]):
-            whole = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            weight_grads = tuple(g if need else None for g, need in
-                                 zip(whole.split([w.shape[0] for w in weights]), ctx.needs_input_grad[2:]))
         else:
-            weight_grads = (None,) * ctx.n
+            addmm_weight_grads_(grads, dy, x)
         dx = dy @ torch.cat(weights) if ctx.needs_input_grad[0] else None
-        return dx, None, *weight_grads
+        return dx, None, *(None,) * (ctx.n + len(grads))
 
 
 class _Embedding(torch.autograd.Function):
@@ -311,19 +304,27 @@ def _stack_buffers(model_parts, to_zero: list[torch.Tensor]) -> dict[int, torch.
     """The buffers of each module's `weight_grad_stack` (the names of its linears that it passes to `stacked_linear`
     together, in that order) as consecutive rows of one buffer, which the stack's one matmul adds into in place:
     {id(weight): its rows}. The buffer is made at the first step and kept on the module with its rows
-    (`weight_grad_stack_buffer`; `to_zero` gets it at later steps); a stack whose modules are not all switched,
-    or whose weights differ in columns, dtype or device, or share one, keeps a buffer each."""
+    (`weight_grad_stack_buffer`; `to_zero` gets it at later steps); a stack that `stacked_linear` would not
+    multiply as one, whose modules are not all switched, or whose weights differ in columns, dtype or device, or
+    share one, keeps a buffer each."""
     rows = {}
     for part in model_parts:
         for owner in part.modules():
             modules = [getattr(owner, name) for name in getattr(owner, "weight_grad_stack", ())]
-            if not modules or not all(hasattr(m, "weight_grad") for m in modules):
+            if not modules:
                 continue
             owns = [_own(m.weight) for m in modules]
             first = owns[0]
-            if (len({id(m.weight) for m in modules}) < len(modules) or any(
+            if (not _stackable(modules) or not all(hasattr(m, "weight_grad") for m in modules)
+                    or len({id(m.weight) for m in modules}) < len(modules) or any(
                     o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
                     for o in owns)):
+                # a buffer each; none of the stack's, which `stacked_linear` would add into, and none of its rows
+                # (views of one tensor share its version counter: one's in-place add would void the others' saves)
+                if owner.__dict__.pop("weight_grad_stack_buffer", None) is not None:
+                    for m in modules:
+                        if hasattr(m, "weight_grad"):
+                            m.weight_grad = None
                 continue
             shape = (sum(o.shape[0] for o in owns), first.shape[1])
             whole, views = getattr(owner, "weight_grad_stack_buffer", (None, None))

@@ -248,9 +248,10 @@ class GatedDeltaNet(nn.Module):
         """The projections `project` multiplies as one matmul, in order; their weight-gradient buffers
         (`model.kernels.weight_grad=in_matmul`) are then rows of one (`weight_grad.prepare_grads`). A tensor-parallel
         rank's projections have 1/tp of their outputs each but read the whole input: all six there, q|k|v one view
-        of the output and x's gradient one matmul's rather than a sum of six. A whole layer's q, k, v and z are
-        large enough alone (stacked, their weights' copy would cost more than it saves); beta's and the decay's,
-        one output per value head each, are one matmul everywhere."""
+        of the output and x's gradient one matmul's rather than a sum of six, where their gradients are added in
+        the matmul (on autograd's path, FSDP2's or a pipeline's, the backward would keep the stacked weights'
+        copy). A whole layer's q, k, v and z are large enough alone (stacked, their weights' copy would cost more
+        than it saves); beta's and the decay's, one output per value head each, are one matmul everywhere."""
         if getattr(self.q_proj, "output_shard", False):
             return "q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj"
         return "b_proj", "a_proj"
@@ -268,7 +269,7 @@ class GatedDeltaNet(nn.Module):
         b, t = x.shape[:2]
         stack = [getattr(self, name) for name in self.weight_grad_stack]
         grad = getattr(self, "weight_grad_stack_buffer", (None,))[0]
-        if len(stack) == 6:
+        if len(stack) == 6 and grad is not None:
             parts = stacked_linears(x, stack, groups=(3, 1, 1, 1), grad=grad)
             if parts is not None:
                 qkv, z, beta, a = parts
