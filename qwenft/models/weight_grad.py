@@ -39,6 +39,8 @@ path whole: it runs twice in a microbatch of images and videos, and not at all i
 weights must keep no gradient (AdamW then leaves them alone).
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,11 +125,8 @@ def stacked_linears(x: torch.Tensor, modules, groups: tuple[int, ...] | None = N
     y = stacked_linear(x, modules, grad)
     if y is None:
         return None
-    sizes = [_own(m.weight).shape[0] for m in modules]
-    if groups is not None:
-        ends = [sum(groups[:i + 1]) for i in range(len(groups))]
-        sizes = [sum(sizes[end - n:end]) for n, end in zip(groups, ends)]
-    return y.split(sizes, dim=-1)
+    sizes = iter(_own(m.weight).shape[0] for m in modules)
+    return y.split([sum(itertools.islice(sizes, n)) for n in groups or (1,) * len(modules)], dim=-1)
 
 
 def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -277,9 +276,10 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
     `mtp_scale`: the step's loss factors on the head's CE sum and on the MTP head's (1 / the step's label tokens;
     the MTP weight / its targets), which let the fused head add its weight gradient inside its forward matmuls
     (`linear_ce.LMHead.grad_scales`); None = the head scales it into the buffer in its backward."""
+    every = [m for part in model_parts for m in part.modules()]  # one walk for the stacks and the switched
     by_param, to_zero = {}, []
-    stacked = _stack_buffers(model_parts, to_zero)
-    for module in switched_modules(model_parts):
+    stacked = _stack_buffers(every, to_zero)
+    for module in (m for m in every if hasattr(m, "weight_grad")):  # switched_modules' test
         if isinstance(module, LMHead):
             module.grad_scales = None if ce_scale is None and mtp_scale is None else (ce_scale, mtp_scale)
         weight = module.weight
@@ -300,7 +300,7 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
         torch._foreach_zero_(to_zero)
 
 
-def _stack_buffers(model_parts, to_zero: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+def _stack_buffers(modules, to_zero: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """The buffers of each module's `weight_grad_stack` (the names of its linears that it passes to `stacked_linear`
     together, in that order) as consecutive rows of one buffer, which the stack's one matmul adds into in place:
     {id(weight): its rows}. The buffer is made at the first step and kept on the module with its rows
@@ -308,33 +308,35 @@ def _stack_buffers(model_parts, to_zero: list[torch.Tensor]) -> dict[int, torch.
     multiply as one, whose modules are not all switched, or whose weights differ in columns, dtype or device, or
     share one, keeps a buffer each."""
     rows = {}
-    for part in model_parts:
-        for owner in part.modules():
-            modules = [getattr(owner, name) for name in getattr(owner, "weight_grad_stack", ())]
-            if not modules:
-                continue
-            owns = [_own(m.weight) for m in modules]
-            first = owns[0]
-            if (not _stackable(modules) or not all(hasattr(m, "weight_grad") for m in modules)
-                    or len({id(m.weight) for m in modules}) < len(modules) or any(
-                    o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
-                    for o in owns)):
-                # a buffer each; none of the stack's, which `stacked_linear` would add into, and none of its rows
-                # (views of one tensor share its version counter: one's in-place add would void the others' saves)
-                if owner.__dict__.pop("weight_grad_stack_buffer", None) is not None:
-                    for m in modules:
-                        if hasattr(m, "weight_grad"):
-                            m.weight_grad = None
-                continue
-            shape = (sum(o.shape[0] for o in owns), first.shape[1])
-            whole, views = getattr(owner, "weight_grad_stack_buffer", (None, None))
-            if whole is None or whole.shape != shape or whole.dtype != first.dtype or whole.device != first.device:
-                whole = first.new_zeros(shape)
-                views = whole.split([o.shape[0] for o in owns])
-                owner.weight_grad_stack_buffer = (whole, views)
-            else:
-                to_zero.append(whole)
-            rows.update({id(m.weight): view for m, view in zip(modules, views)})
+    for owner in modules:
+        # looked up on the class first: a module's own `__getattr__` misses by raising, host time for each
+        if not (hasattr(type(owner), "weight_grad_stack") or "weight_grad_stack" in owner.__dict__):
+            continue
+        stack = [getattr(owner, name) for name in owner.weight_grad_stack]
+        if not stack:
+            continue
+        owns = [_own(m.weight) for m in stack]
+        first = owns[0]
+        if (not _stackable(stack) or not all(hasattr(m, "weight_grad") for m in stack)
+                or len({id(m.weight) for m in stack}) < len(stack) or any(
+                o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
+                for o in owns)):
+            # a buffer each; none of the stack's, which `stacked_linear` would add into, and none of its rows
+            # (views of one tensor share its version counter: one's in-place add would void the others' saves)
+            if owner.__dict__.pop("weight_grad_stack_buffer", None) is not None:
+                for m in stack:
+                    if hasattr(m, "weight_grad"):
+                        m.weight_grad = None
+            continue
+        shape = (sum(o.shape[0] for o in owns), first.shape[1])
+        whole, views = owner.__dict__.get("weight_grad_stack_buffer", (None, None))
+        if whole is None or whole.shape != shape or whole.dtype != first.dtype or whole.device != first.device:
+            whole = first.new_zeros(shape)
+            views = whole.split([o.shape[0] for o in owns])
+            owner.weight_grad_stack_buffer = (whole, views)
+        else:
+            to_zero.append(whole)
+        rows.update({id(m.weight): view for m, view in zip(stack, views)})
     return rows
 
 
