@@ -276,10 +276,10 @@ class VocabParallelEmbedding(nn.Embedding):
         own_ids = torch.where(outside, torch.arange(ids.numel(), device=ids.device).view_as(ids) % rows, ids - start)
         grad = getattr(self, "weight_grad", None)
         if grad is None or not torch.is_grad_enabled():
-            out = F.embedding(own_ids, local(self.weight))
-        else:
-            out = weight_grad.embedding(own_ids, self.weight, grad)
-        return _FromBlock.apply(out.masked_fill(outside.unsqueeze(-1), 0), mesh, False)
+            out = F.embedding(own_ids, local(self.weight)).masked_fill(outside.unsqueeze(-1), 0)
+        else:  # the outside tokens zeroed in place, and skipped by the backward's put (no masking of its input)
+            out = weight_grad.embedding(own_ids, self.weight, grad, zero=outside)
+        return _FromBlock.apply(out, mesh, False)
 
 
 # renamed *_single in torch 2.13 (the old names warn there); torch 2.11 has only the old ones (the fallbacks go

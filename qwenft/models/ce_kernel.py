@@ -170,9 +170,11 @@ def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, H, R
                             BLOCK: tl.constexpr):
     """The program of sorted position i and a slab of columns: where i starts a run of one id (ending before
     ends[i]), it sums the run's rows of src (src[order[j]], ROWS at a time, in fp32) and adds the sum into
-    dst[id]."""
+    dst[id]. A negative id has no row: its programs return at once."""
     i = tl.program_id(0)
     row = tl.load(ids_ptr + i)
+    if row < 0:
+        return
     if tl.load(ids_ptr + i - 1, mask=i > 0, other=-1) == row:  # inside a run: its first position sums it
         return
     end = tl.load(ends_ptr + i).to(tl.int32)
@@ -192,10 +194,11 @@ def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, H, R
 
 def add_sorted_rows_(dst: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, src: torch.Tensor, rows: int = 8,
                      block: int = 512, num_warps: int = 4) -> torch.Tensor:
-    """dst[ids[i]] += src[order[i]] for every i, given ids sorted (order: the sort's permutation). Each run of one
-    id is summed in fp32 in a fixed order (`rows` rows at a time over `block` columns a program), then added into
-    its row and rounded once to dst's dtype: no host sync, the same bits every run for a given order and launch.
-    A run's programs loop over it alone: a long run of one id (a padding tail) is the slow case."""
+    """dst[ids[i]] += src[order[i]] for every i whose id is not negative, given ids sorted (order: the sort's
+    permutation). Each run of one id is summed in fp32 in a fixed order (`rows` rows at a time over `block`
+    columns a program), then added into its row and rounded once to dst's dtype: no host sync, the same bits
+    every run for a given order and launch. A run's programs loop over it alone: a long run of one id (a padding
+    tail) is the slow case; a run of negative ids costs nothing."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.shape[1] == src.shape[1]
     n, H = src.shape
     if n:

@@ -94,9 +94,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.T
     return _Linear.apply(x, weight, grad)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """weight[ids] (a DTensor's local rows), the rows' gradients put into `grad` by the backward."""
-    return _Embedding.apply(ids, weight, grad)
+def embedding(ids: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+              zero: torch.Tensor | None = None) -> torch.Tensor:
+    """weight[ids] (a DTensor's local rows), the rows' gradients put into `grad` by the backward. `zero`: the
+    tokens whose output is zeros (a vocab-parallel rank's ids outside its shard), which the backward skips."""
+    return _Embedding.apply(ids, weight, grad, zero)
 
 
 class _Linear(torch.autograd.Function):
@@ -191,25 +193,32 @@ class _Embedding(torch.autograd.Function):
     """weight[ids]; the backward puts each token's gradient into `grad` (returning none for the weight)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, grad):
+    def forward(ctx, ids, weight, grad, zero):
+        out = F.embedding(ids, _own(weight))
+        if zero is not None:  # those tokens' rows -1: no gradient to add
+            out.masked_fill_(zero.unsqueeze(-1), 0)
+            ids = ids.masked_fill(zero, -1)
         ctx.save_for_backward(ids)
         ctx.grad = grad  # not saved: a tied lm_head adds into it first, which autograd's version check would refuse
-        return F.embedding(ids, _own(weight))
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         (ids,), grad = ctx.saved_tensors, ctx.grad
         add_token_rows_(grad, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
-        return None, None, None
+        return None, None, None, None
 
 
 def add_token_rows_(grad: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor) -> None:
-    """grad[ids[i]] += dy[i] for every token i, a token's repeats summed in fp32 and each row rounded once. On
-    CUDA without a host sync: the ids sorted (stably, so a repeat's rows are summed in a fixed order: the same
-    bits every run), then one kernel sums each run of one id and adds it into its row (`ce_kernel.add_sorted_rows_`);
-    `index_put_` into bf16 `grad` would round after every repeat. Elsewhere `index_put_` (the CPU runs in fp32)."""
+    """grad[ids[i]] += dy[i] for every token i whose id is not negative (-1: a token with no gradient to add), a
+    token's repeats summed in fp32 and each row rounded once. On CUDA without a host sync: the ids sorted
+    (stably, so a repeat's rows are summed in a fixed order: the same bits every run), then one kernel sums each
+    run of one id and adds it into its row (`ce_kernel.add_sorted_rows_`, whose programs at a negative id return
+    at once); `index_put_` into bf16 `grad` would round after every repeat. Elsewhere `index_put_` (the CPU runs
+    in fp32)."""
     if not grad.is_cuda:
-        grad.index_put_((ids,), dy.to(grad.dtype), accumulate=True)
+        keep = ids >= 0
+        grad.index_put_((ids[keep],), dy[keep].to(grad.dtype), accumulate=True)
         return
     from qwenft.models.ce_kernel import add_sorted_rows_
 

@@ -19,7 +19,9 @@
   (torch's path, which rounds after every repeat of a token) against qwenft's sort and `add_sorted_rows_` at each
   launch tried, on `--tokens` tokens drawn from the vocabulary's first 50,000 ids and on the same tokens with
   their last three quarters one pad id (a run of one id as long as a microbatch's padding tail): the kernels' GPU
-  time and the largest error against the fp64 sum, in units of the result's bf16 step.
+  time and the largest error against the fp64 sum, in units of the result's bf16 step. Then rank 0 of a
+  vocab-parallel tp4 world (`tp4_rank`): the tokens outside its rows put as spread ids with zeroed gradients,
+  against ids of -1 that the kernel skips, and whether both give the same bits.
 """
 
 import argparse
@@ -251,6 +253,36 @@ def bench_embed(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
             err = steps_off(fn())
             out[layout][name] = {"kernels_ms": kernels_ms(fn), "max_err_bf16_steps": err}
         grad.copy_(original)
+    out["tp4_rank"] = bench_embed_shard(tokens, hidden, vocab, tp=4)
+    return out
+
+
+def bench_embed_shard(tokens: int, hidden: int, vocab: int, tp: int) -> dict:
+    """Rank 0 of a vocab-parallel tp world: tokens drawn from the whole vocabulary, most outside the rank's rows.
+    Their rows put as ids spread over the shard with zero gradients (a masking pass first, as autograd's
+    masked_fill backward makes it), against ids of -1 that the kernel skips."""
+    rows = vocab // tp
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad = (torch.randn(rows, hidden, device="cuda", generator=g) * 1e-2).bfloat16()
+    dy = (torch.randn(tokens, hidden, device="cuda", generator=g) * 1e-2).bfloat16()
+    ids = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    outside = ids >= rows
+    spread = torch.where(outside, torch.arange(tokens, device="cuda") % rows, ids)
+    skipped = ids.masked_fill(outside, -1)
+
+    def put(row_ids, mask_first):
+        src = dy.masked_fill(outside.unsqueeze(-1), 0) if mask_first else dy
+        sorted_ids, order = row_ids.sort(stable=True)
+        return add_sorted_rows_(grad, sorted_ids, order, src)
+
+    original, out = grad.clone(), {"tp": tp, "outside": int(outside.sum())}
+    results = {}
+    for name, fn in (("spread_masked", lambda: put(spread, True)), ("skipped", lambda: put(skipped, False))):
+        grad.copy_(original)
+        results[name] = fn().clone()
+        out[name] = {"kernels_ms": kernels_ms(fn)}
+    out["same_bits"] = bool(torch.equal(results["spread_masked"], results["skipped"]))
+    grad.copy_(original)
     return out
 
 

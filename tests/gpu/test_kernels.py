@@ -91,7 +91,8 @@ def test_add_sorted_rows_rounds_each_row_once():
     """The embedding's backward kernel (ce_kernel.add_sorted_rows_): every id's rows summed in fp32 and added into
     its bf16 row with one rounding, for runs from one row to 1,500 (one id in over a third of the tokens, runs
     longer than a tile of rows and not a multiple of it), the hidden size not a multiple of the column slab; equal
-    to the fp64 sum rounded once for nearly every element, never a bf16 step off, the same bits on a rerun."""
+    to the fp64 sum rounded once for nearly every element, never a bf16 step off, the same bits on a rerun. Ids of
+    -1 (a vocab-parallel rank's tokens outside its shard, half of them here) add nothing."""
     from qwenft.models.ce_kernel import add_sorted_rows_
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -106,6 +107,13 @@ def test_add_sorted_rows_rounds_each_row_once():
     torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=0)
     assert (got == ref.bfloat16()).double().mean().item() > 0.999
     assert torch.equal(add_sorted_rows_(grad.clone(), sorted_ids, order, dy), got)
+    ids[torch.randperm(4096, device="cuda", generator=gen)[:2048]] = -1
+    keep = ids >= 0
+    ref = grad.double().index_add(0, ids[keep], dy[keep].double())
+    sorted_ids, order = ids.sort(stable=True)
+    got = add_sorted_rows_(grad.clone(), sorted_ids, order, dy)
+    torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=0)
+    assert (got == ref.bfloat16()).double().mean().item() > 0.999
 
 
 @pytest.mark.parametrize("head_scaled", [False, True], ids=["head-scaled-in-backward", "head-scaled-in-forward"])
