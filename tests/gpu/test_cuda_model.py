@@ -128,13 +128,17 @@ def test_cuda_graphs_train_like_compile_on_cuda(tmp_path, weight_grad):
     replay from the first step on), with validation passes after steps 2 and 3 (no-grad graphs of their own,
     then training's again): losses, the validation loss and every parameter within 1e-5. No graph was left out of
     CUDA graphs (inductor counts each one it cannot record). in_matmul: the backward graphs add the weight
-    gradients into the buffers they were recorded with, at every replay (a lost add would change the weights)."""
+    gradients into the buffers they were recorded with, at every replay (a lost add would change the weights).
+    Each run compiles afresh, as a run of its own process does: Dynamo's cache, kept in the process, would hand
+    one parametrization the graphs an earlier one compiled (counting none)."""
     from torch._dynamo.utils import counters
 
     common = (*CUDA_FP32, "checkpoint.export_hf=false", "model.compile=true", "model.activation_checkpointing=false",
               "eval.every_steps=2", "eval.dataset=tiny", "eval.max_batches=2",
               f"model.kernels.weight_grad={weight_grad}")
+    torch._dynamo.reset()
     compiled = train_alone(parity_overrides(tmp_path / "compiled", *common), return_state=True)
+    torch._dynamo.reset()
     counters.clear()
     graphs = train_alone(parity_overrides(tmp_path / "graphs", *common, "model.cuda_graphs=true"), return_state=True)
     assert counters["stats"]["unique_graphs"] > 0 and counters["inductor"]["cudagraph_skips"] == 0, dict(counters)
