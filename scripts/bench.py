@@ -12,6 +12,7 @@
     python scripts/bench.py media [--frames 16] [--size 360 640] [--json out.json] [--profile PATH] [overrides ...]
     python scripts/bench.py attention [--json out.json]
     python scripts/bench.py idle DIR/rank0.json.gz [--min-us 20] [--top 15] [--json out.json]
+    python scripts/bench.py compare A.json B.json [--scale-a 0.25] [--top 30] [--json out.json]
 
 | mode | what it measures | needs |
 |---|---|---|
@@ -26,6 +27,7 @@
 | media | tokens/s of VLM video micro batches against image micro batches of the same token counts; the vision tower's share of a step | CUDA (or the CPU) |
 | attention | causal attention at the 27B's head sizes through torch's kernels (qwenft's varlen flash, SDPA cuDNN and flash, flex): time and TFLOP/s | CUDA |
 | idle | where the GPU idles in a timeline that `train --profile F --trace DIR` wrote: gaps per step, by the host op that launched the kernel after each | a trace file |
+| compare | two profiled `train` reports' GPU time per step by kernel kind and by kernel, side by side (one scaled: a quarter of tp1's against a tp4 rank's) | two report files |
 
 `python scripts/bench.py MODE --help` lists a mode's options. Each mode's code is `scripts/bench_modes/MODE.py`.
 """
@@ -36,7 +38,7 @@ import sys
 from pathlib import Path
 
 MODES = ("train", "kernels", "layers", "fused", "moe", "host", "activations", "data_workers", "media", "attention",
-         "idle")
+         "idle", "compare")
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

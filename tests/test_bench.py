@@ -17,8 +17,9 @@ from helpers import REPO, build_data, call_alone, compose, model_config
 BENCH = str(REPO / "scripts" / "bench.py")
 
 
-def _event(key, ms, device=DeviceType.CUDA, annotation=False):
-    return SimpleNamespace(key=key, self_device_time_total=ms * 1e3, device_type=device, is_user_annotation=annotation)
+def _event(key, ms, device=DeviceType.CUDA, annotation=False, count=1):
+    return SimpleNamespace(key=key, self_device_time_total=ms * 1e3, device_type=device, is_user_annotation=annotation,
+                           count=count)
 
 
 def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
@@ -36,6 +37,38 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
               _event("aten::mm", 100.0, device=DeviceType.CPU)]
     assert bench_train.kernel_breakdown(events, steps=2) == {
         "matmul": 50.0, "optimizer": 10.0, "gdn": 6.0, "other (elementwise, CE, copies)": 5.0}
+
+
+def test_compare_sets_two_profiles_kernels_side_by_side(tmp_path, capsys):
+    """`bench.py compare`: two `train --profile` reports' kernels (`kernel_times`: every kernel and copy, time
+    and calls per step, no ranges) matched by name, A scaled first (a quarter of tp1's against a tp4 rank), each
+    kind's totals and the kernels by the largest difference; a kernel of one run only against zero. A report
+    without the kernels is refused with what makes one."""
+    from bench_modes import compare
+
+    def report(path, events, steps):
+        path.write_text(json.dumps({"gpu_kernels_per_step": bench_train.kernel_times(events, steps)}))
+        return str(path)
+
+    tp1 = [_event("nvjet_tst_TNT", 400.0, count=8), _event("chunk_gated_delta_rule_fwd_kernel_h", 40.0, count=8),
+           _event("Optimizer.step#AdamW.step", 60.0, annotation=True), _event("aten::mm", 9.0, device=DeviceType.CPU)]
+    tp4 = [_event("nvjet_tst_TNT", 100.0, count=8), _event("chunk_gated_delta_rule_fwd_kernel_h", 16.0, count=8),
+           _event("memcpy128", 6.0, count=24)]
+    assert [(r["kind"], r["name"], r["ms"], r["calls"]) for r in bench_train.kernel_times(tp4, steps=2)] == [
+        ("matmul", "nvjet_tst_TNT", 50.0, 4.0), ("gdn", "chunk_gated_delta_rule_fwd_kernel_h", 8.0, 4.0),
+        ("other (elementwise, CE, copies)", "memcpy128", 3.0, 12.0)]
+    a, b = report(tmp_path / "tp1.json", tp1, 2), report(tmp_path / "tp4.json", tp4, 2)
+    compare.main([a, b, "--scale-a", "0.25", "--json", str(tmp_path / "out.json")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["total"] == {"a_ms": 55.0, "b_ms": 61.0, "diff_ms": 6.0}
+    assert {k: v["diff_ms"] for k, v in out["kinds"].items()} == {
+        "gdn": 3.0, "other (elementwise, CE, copies)": 3.0, "matmul": 0.0}
+    assert [(r["name"], r["a_ms"], r["b_ms"], r["a_calls"], r["b_calls"]) for r in out["kernels"]][1:] == [
+        ("memcpy128", 0.0, 3.0, 0.0, 12.0), ("nvjet_tst_TNT", 50.0, 50.0, 1.0, 4.0)]
+    assert "B - A +6.0" in capsys.readouterr().out
+    (tmp_path / "old.json").write_text(json.dumps({"step_time_s": 1.0}))
+    with pytest.raises(SystemExit, match="old.json has no gpu_kernels_per_step: run bench.py train with --profile"):
+        compare.main([str(tmp_path / "old.json"), b])
 
 
 # One 64-token row per rank and step: the profiler's cost on CPU grows with the ops recorded (recipe=tiny's
@@ -134,7 +167,7 @@ def test_unknown_mode_names_the_modes(tmp_path):
     out = subprocess.run([sys.executable, BENCH, "kernel"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == ("bench.py: unknown mode 'kernel': the first argument is one of train, kernels, "
-                                  "layers, fused, moe, host, activations, data_workers, media, attention, idle, an option or a "
+                                  "layers, fused, moe, host, activations, data_workers, media, attention, idle, compare, an option or a "
                                   "KEY=VALUE override (a training step)")
 
 

@@ -158,7 +158,7 @@ def run_kind(kind: str, cfg, batches: dict, token_ids: dict[str, int], profile: 
     try:
         if profile:
             result, averages, profiled = profiled_run(cfg, cfg.train.max_steps - 1)
-            write_profile_table(averages, f"{profile}.{kind}.txt")
+            write_profile_table(averages, f"{profile}.{kind}.txt", profiled)
         else:
             result = runner.run(cfg)
     finally:

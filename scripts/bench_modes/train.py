@@ -6,8 +6,9 @@
 Runs `qwenft train` in-process for the recipe's `train.max_steps` from random init (or model.path), then
 reports, over the steps after the warm-up: median step time, tokens/s per GPU, TFLOP/s per GPU and MFU
 (Qwen3.5 FLOPs per token from qwenft.train.metrics.flops_per_token, the count metrics.jsonl uses), and the
-peak memory of every rank. `--profile` runs torch.profiler over the steps after the warm-up, writes the top CUDA kernels and adds
-the GPU time per step by kernel kind (matmul, attention, GDN, optimizer, communication, other) to the report;
+peak memory of every rank. `--profile` runs torch.profiler over the steps after the warm-up, writes the top CUDA kernels
+and every kernel's time per step, and adds the GPU time per step by kernel kind (matmul, attention, GDN, optimizer,
+communication, other) and by kernel (`gpu_kernels_per_step`, what `bench.py compare` reads) to the report;
 `--trace DIR` also writes every rank's timeline of those steps (DIR/rank<R>.json.gz).
 `--host-profile` runs Python's cProfile over the same steps instead: where the host's time goes, by function
 (what a host-bound step, GPU idle between kernels, is made of).
@@ -73,8 +74,15 @@ KERNEL_KINDS = (  # first match wins; names of CUDA kernels as the profiler repo
 )
 
 
-def kernel_breakdown(averages, steps: int) -> dict:
-    """Self CUDA time per step of each kernel kind, in ms (NCCL overlaps compute on its own stream).
+def kernel_kind(name: str) -> str:
+    """The kind (KERNEL_KINDS) of the CUDA kernel `name`."""
+    name = name.lower()
+    return next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other (elementwise, CE, copies)")
+
+
+def kernel_times(averages, steps: int) -> list[dict]:
+    """Every CUDA kernel and copy of the profiler's averages: its kind, name, self time per step in ms and calls
+    per step, the longest first (what `kernel_breakdown` sums by kind).
 
     Only kernels and copies: the ranges that `record_function` marks on the GPU timeline (FSDP's
     "FSDP::post_backward_accumulate (...)", "Optimizer.step#AdamW.step", ...) are CUDA events too, spanning
@@ -82,14 +90,20 @@ def kernel_breakdown(averages, steps: int) -> dict:
     the profiler's own buffer flushes (CUPTI's "Buffer Flush", "Activity Buffer Request": ~23 ms per step)."""
     from torch.autograd import DeviceType
 
+    rows = [{"kind": kernel_kind(evt.key), "name": evt.key, "ms": evt.self_device_time_total / 1e3 / steps,
+             "calls": getattr(evt, "count", 0) / steps}
+            for evt in averages
+            if evt.device_type == DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
+            and evt.key not in PROFILER_OVERHEAD]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def kernel_breakdown(averages, steps: int) -> dict:
+    """Self CUDA time per step of each kernel kind, in ms (NCCL overlaps compute on its own stream), over
+    `kernel_times`."""
     totals: dict[str, float] = {}
-    for evt in averages:
-        if (evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False)
-                or evt.key in PROFILER_OVERHEAD):
-            continue
-        name = evt.key.lower()
-        kind = next((k for k, pats in KERNEL_KINDS if any(p in name for p in pats)), "other (elementwise, CE, copies)")
-        totals[kind] = totals.get(kind, 0.0) + evt.self_device_time_total / 1e3 / steps
+    for row in kernel_times(averages, steps):
+        totals[row["kind"]] = totals.get(row["kind"], 0.0) + row["ms"]
     return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
@@ -114,11 +128,17 @@ def profiled_run(cfg, warmup: int, trace: str | None = None):
     return result, prof.key_averages(), profiled  # slow: > 45 s for 3 steps of the 27B shape on an H200
 
 
-def write_profile_table(averages, path: str) -> None:
+def write_profile_table(averages, path: str, steps: int | None = None) -> None:
     """The profiler's kernels by their own time, then ops (FSDP's record_function ranges among them) with what they
-    launch, as text at `path`."""
-    Path(path).write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
-                          + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+    launch, as text at `path`; with `steps` (the profiled steps), then every kernel's time and calls per step
+    (`kernel_times`)."""
+    text = (averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+            + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+    if steps:
+        text += "\nEvery kernel, per step: ms, calls, kind, name\n" + "".join(
+            f"{r['ms']:10.3f} {r['calls']:8.1f}  {r['kind'].split(' ')[0]:13s} {r['name']}\n"
+            for r in kernel_times(averages, steps))
+    Path(path).write_text(text)
 
 
 def host_profiled_run(cfg, warmup: int, out: str):
@@ -260,8 +280,9 @@ def main(argv: list[str]) -> None:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
         result, averages, profiled = profiled_run(cfg, args.warmup, trace)
         if dist.get_rank() == 0:
-            write_profile_table(averages, args.profile)
+            write_profile_table(averages, args.profile, profiled)
         breakdown = kernel_breakdown(averages, profiled)
+        kernels = kernel_times(averages, profiled)
     elif args.host_profile:
         result = host_profiled_run(cfg, args.warmup, args.host_profile)
         breakdown = None
@@ -291,6 +312,9 @@ def main(argv: list[str]) -> None:
             report["gpu_kernel_ms_per_step"] = round(sum(breakdown.values()), 1)
             walls = [r["step_time_s"] for r in rows[args.warmup:]]
             report["step_ms_profiled"] = round(1e3 * statistics.mean(walls), 1)
+            # every kernel, for `bench.py compare` of two profiles
+            report["gpu_kernels_per_step"] = [{**r, "ms": round(r["ms"], 4), "calls": round(r["calls"], 2)}
+                                              for r in kernels]
         if torch.cuda.is_available():
             # what the allocator holds from the GPU: under model.cuda_graphs a graph's replay writes into its
             # private pool without allocating, so the allocated peak above misses what a replay uses inside
