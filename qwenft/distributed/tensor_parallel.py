@@ -262,10 +262,10 @@ class VocabParallelEmbedding(nn.Embedding):
     the shard). Plain tensors throughout, as `ShardedLinear`. An id outside the whole vocabulary gives zeros here,
     where nn.Embedding raises: the tokenizer's ids fit the model's vocabulary (checked when a run is built,
     `train.build._fit_vocab`), and a check per forward would cost a device-to-host sync. The ids outside the shard
-    look up rows spread over it (each token's position modulo the rows), whose masked outputs give back exact
-    zeros: all on one row, they would be one run of (tp - 1) / tp of the tokens for CUDA's sorted-rows kernel to
-    walk alone under model.kernels.weight_grad=in_matmul, where the backward puts the rows' gradients into the
-    `weight_grad` buffer (the local tensor of the weight's `.grad`)."""
+    look up rows spread over it (each token's position modulo the rows), whose outputs are then zeroed: all on one
+    row, they would be one run of (tp - 1) / tp of the tokens in the backward's sorted ids. Under
+    model.kernels.weight_grad=in_matmul, where the backward puts the rows' gradients into the `weight_grad` buffer
+    (the local tensor of the weight's `.grad`), they are zeroed in place and their gradients skipped (id -1)."""
 
     takes_weight_grad = True
 
