@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|fake_tp_ab|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|profile_pair|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|fake_tp_ab|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-parts="two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, fake_tp_ab, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad"
+parts="two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, profile_pair, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, fake_tp_ab, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad"
 part=${1:?which part: $parts}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
@@ -97,6 +97,16 @@ trace=$([ -n "${FAKE_TRACE:-}" ] && echo "--trace $out/${name}_trace")
 bench "$name" 330 1 0 "--warmup 5 --fake-world $tp --profile $out/$name.txt $trace" train.max_steps=7 $bf16 \
   model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=$tp \
   mesh.sequence_parallel=$sp train.on_nonfinite=skip ;;
+profile_pair)  # profile_fastest (tp1), then fake_tp_profile (FAKE_TP, FAKE_SP, FAKE_TRACE as there) on the same machine,
+# then `bench.py compare` of a 1/FAKE_TP share of tp1's kernels against the rank's (compare_tp1_tpN.txt and .json):
+# what the rank spends beyond its share, kernel by kernel. Cold, the two compiles take most of a call
+bash "$0" profile_fastest "$out"
+tp=${FAKE_TP:-4}; sp=${FAKE_SP:-true}
+bash "$0" fake_tp_profile "$out"
+rank=$out/profile_fake_tp${tp}$([ "$sp" = true ] && echo _sp)_graphs.json
+python scripts/bench.py compare "$out/profile_bf16_ac_off_compile.json" "$rank" --scale-a "$(python -c "print(1 / $tp)")" \
+  --top 40 --json "$out/compare_tp1_tp$tp.json" > "$out/compare_tp1_tp$tp.txt" 2>&1
+echo "=== compare rc=$?"; head -12 "$out/compare_tp1_tp$tp.txt" ;;
 compile)  # compile against no compile on one commit, compile with AC off, chunked CE alone
 (bench ac_on 240 1 0 "--warmup 2 --plan" train.max_steps=6
  bench ac_on_compile 300 1 0 "--warmup 2 --plan" train.max_steps=6 model.compile=true) &

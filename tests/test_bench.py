@@ -41,7 +41,8 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
 
 def test_compare_sets_two_profiles_kernels_side_by_side(tmp_path, capsys):
     """`bench.py compare`: two `train --profile` reports' kernels (`kernel_times`: every kernel and copy, time
-    and calls per step, no ranges) matched by name, A scaled first (a quarter of tp1's against a tp4 rank), each
+    and calls per step, no ranges) matched by name, A's times scaled first (a quarter of tp1's against a tp4 rank;
+    the calls kept), each
     kind's totals and the kernels by the largest difference; a kernel of one run only against zero. A report
     without the kernels is refused with what makes one."""
     from bench_modes import compare
@@ -64,7 +65,7 @@ def test_compare_sets_two_profiles_kernels_side_by_side(tmp_path, capsys):
     assert {k: v["diff_ms"] for k, v in out["kinds"].items()} == {
         "gdn": 3.0, "other (elementwise, CE, copies)": 3.0, "matmul": 0.0}
     assert [(r["name"], r["a_ms"], r["b_ms"], r["a_calls"], r["b_calls"]) for r in out["kernels"]][1:] == [
-        ("memcpy128", 0.0, 3.0, 0.0, 12.0), ("nvjet_tst_TNT", 50.0, 50.0, 1.0, 4.0)]
+        ("memcpy128", 0.0, 3.0, 0.0, 12.0), ("nvjet_tst_TNT", 50.0, 50.0, 4.0, 4.0)]
     assert "B - A +6.0" in capsys.readouterr().out
     (tmp_path / "old.json").write_text(json.dumps({"step_time_s": 1.0}))
     with pytest.raises(SystemExit, match="old.json has no gpu_kernels_per_step: run bench.py train with --profile"):

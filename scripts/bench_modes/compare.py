@@ -3,8 +3,8 @@
     python scripts/bench.py compare A.json B.json [--scale-a 0.25] [--scale-b 1] [--top 30] [--json out.json]
 
 A and B are reports of `bench.py train --profile F --json A.json` (their `gpu_kernels_per_step`: every kernel's
-time and calls per step). `--scale-a` / `--scale-b` multiply a run's times and calls first: 0.25 sets a quarter
-of tp1's step against a tp4 rank's, what the rank would take if tp4 divided every kernel perfectly. Kernels are
+time and calls per step). `--scale-a` / `--scale-b` multiply a run's times first (not its calls): 0.25 sets a
+quarter of tp1's step against a tp4 rank's, what the rank would take if tp4 divided every kernel perfectly. Kernels are
 matched by name; a kernel of one run only counts against zero. The lists: each kind's total in A and B and B - A,
 then the kernels by |B - A|, the largest first. Compare runs from one machine (one call): the same step on
 another GPU of the same name differs by a few percent, and an H100's memory-bound kernels are slower than an
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def kernels(path: str, scale: float) -> dict[str, dict]:
-    """{name: {"kind", "ms", "calls"}} of a report's `gpu_kernels_per_step`, times `scale`."""
+    """{name: {"kind", "ms", "calls"}} of a report's `gpu_kernels_per_step`, its times multiplied by `scale`."""
     report = json.loads(Path(path).read_text())
     if "gpu_kernels_per_step" not in report:
         raise SystemExit(f"bench.py compare: {path} has no gpu_kernels_per_step: run bench.py train with --profile F "
@@ -26,7 +26,7 @@ def kernels(path: str, scale: float) -> dict[str, dict]:
     for row in report["gpu_kernels_per_step"]:
         seen = out.setdefault(row["name"], {"kind": row["kind"], "ms": 0.0, "calls": 0.0})
         seen["ms"] += row["ms"] * scale
-        seen["calls"] += row["calls"] * scale
+        seen["calls"] += row["calls"]
     return out
 
 
@@ -55,8 +55,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench.py compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("a", help="a report of bench.py train --profile F --json A.json")
     parser.add_argument("b", help="the report to set against it")
-    parser.add_argument("--scale-a", type=float, default=1.0, help="multiply A's times and calls (0.25: tp1 / 4)")
-    parser.add_argument("--scale-b", type=float, default=1.0, help="multiply B's times and calls")
+    parser.add_argument("--scale-a", type=float, default=1.0, help="multiply A's times (0.25: tp1 / 4)")
+    parser.add_argument("--scale-b", type=float, default=1.0, help="multiply B's times")
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
     parser.add_argument("--json", help="also write the whole comparison here")
     args = parser.parse_args(argv)
