@@ -41,10 +41,9 @@ def test_kernel_breakdown_counts_kernels_not_the_ranges_around_them():
 
 def test_compare_sets_two_profiles_kernels_side_by_side(tmp_path, capsys):
     """`bench.py compare`: two `train --profile` reports' kernels (`kernel_times`: every kernel and copy, time
-    and calls per step, no ranges) matched by name, A's times scaled first (a quarter of tp1's against a tp4 rank;
-    the calls kept), each
-    kind's totals and the kernels by the largest difference; a kernel of one run only against zero. A report
-    without the kernels is refused with what makes one."""
+    and calls per step, no ranges) matched by name, A's times scaled first (a quarter of tp1's against a tp4
+    rank; the calls kept), each kind's totals and the kernels by the largest difference; a kernel of one run
+    only against zero. A report without the kernels is refused with what makes one."""
     from bench_modes import compare
 
     def report(path, events, steps):

@@ -293,15 +293,14 @@ def prepare_grads(model_parts, ce_scale: float | None = None, mtp_scale: float |
             module.grad_scales = None if ce_scale is None and mtp_scale is None else (ce_scale, mtp_scale)
         weight = module.weight
         grad = by_param.get(id(weight))
-        if grad is None and id(weight) in stacked:
-            grad = by_param[id(weight)] = stacked[id(weight)]  # zeroed with its stack's buffer
-            weight.grad = _as_grad(module, weight, grad)
-        elif grad is None:
-            own, grad = _own(weight), module.weight_grad
-            if grad is None or grad.shape != own.shape or grad.device != own.device or grad.dtype != own.dtype:
-                grad = torch.zeros_like(own, memory_format=torch.contiguous_format)
-            else:
-                to_zero.append(grad)
+        if grad is None:
+            grad = stacked.get(id(weight))  # rows of its stack's buffer, zeroed with it
+            if grad is None:
+                own, grad = _own(weight), module.weight_grad
+                if grad is None or grad.shape != own.shape or grad.device != own.device or grad.dtype != own.dtype:
+                    grad = torch.zeros_like(own, memory_format=torch.contiguous_format)
+                else:
+                    to_zero.append(grad)
             by_param[id(weight)] = grad
             weight.grad = _as_grad(module, weight, grad)
         module.weight_grad = grad

@@ -35,18 +35,14 @@ def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
     names = sorted(set(a) | set(b))
     none = {"ms": 0.0, "calls": 0.0}
     rows = [{"name": n, "kind": (a.get(n) or b[n])["kind"], "a_ms": a.get(n, none)["ms"], "b_ms": b.get(n, none)["ms"],
+             "diff_ms": b.get(n, none)["ms"] - a.get(n, none)["ms"],
              "a_calls": a.get(n, none)["calls"], "b_calls": b.get(n, none)["calls"]} for n in names]
-    for r in rows:
-        r["diff_ms"] = r["b_ms"] - r["a_ms"]
     kinds: dict[str, dict] = {}
+    total = {"a_ms": 0.0, "b_ms": 0.0, "diff_ms": 0.0}
     for r in rows:
-        k = kinds.setdefault(r["kind"], {"a_ms": 0.0, "b_ms": 0.0})
-        k["a_ms"] += r["a_ms"]
-        k["b_ms"] += r["b_ms"]
-    for k in kinds.values():
-        k["diff_ms"] = k["b_ms"] - k["a_ms"]
-    total = {"a_ms": sum(r["a_ms"] for r in rows), "b_ms": sum(r["b_ms"] for r in rows)}
-    total["diff_ms"] = total["b_ms"] - total["a_ms"]
+        for sums in (kinds.setdefault(r["kind"], {"a_ms": 0.0, "b_ms": 0.0, "diff_ms": 0.0}), total):
+            for key in sums:
+                sums[key] += r[key]
     return {"total": total, "kinds": dict(sorted(kinds.items(), key=lambda kv: -abs(kv[1]["diff_ms"]))),
             "kernels": sorted(rows, key=lambda r: -abs(r["diff_ms"]))}
 

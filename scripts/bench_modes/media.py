@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench_modes.data_workers import premade, use_model, write_videos
-from bench_modes.train import kernel_breakdown, profiled_run, write_profile_table
+from bench_modes.train import kernel_breakdown, kernel_times, profiled_run, write_profile_table
 from qwenft.conf import compose
 from qwenft.train.metrics import read_metrics_rows
 
@@ -158,7 +158,8 @@ def run_kind(kind: str, cfg, batches: dict, token_ids: dict[str, int], profile: 
     try:
         if profile:
             result, averages, profiled = profiled_run(cfg, cfg.train.max_steps - 1)
-            write_profile_table(averages, f"{profile}.{kind}.txt", profiled)
+            kernels = kernel_times(averages, profiled)
+            write_profile_table(averages, f"{profile}.{kind}.txt", kernels)
         else:
             result = runner.run(cfg)
     finally:
@@ -174,7 +175,7 @@ def run_kind(kind: str, cfg, batches: dict, token_ids: dict[str, int], profile: 
               "micro_batches_per_step": per_step, "vision_tower_fwd_bwd_s_per_step": tower_s,
               "vision_tower_share_of_step": tower_s / step_s, "final_loss": steps[-1]["loss"]}
     if profile:
-        report["profiled_step_gpu_ms_by_kernel_kind"] = kernel_breakdown(averages, profiled)
+        report["profiled_step_gpu_ms_by_kernel_kind"] = kernel_breakdown(averages, profiled, kernels)
     return report
 
 

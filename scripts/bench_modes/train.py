@@ -98,11 +98,11 @@ def kernel_times(averages, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])
 
 
-def kernel_breakdown(averages, steps: int) -> dict:
+def kernel_breakdown(averages, steps: int, kernels: list[dict] | None = None) -> dict:
     """Self CUDA time per step of each kernel kind, in ms (NCCL overlaps compute on its own stream), over
-    `kernel_times`."""
+    `kernel_times` (`kernels`, where the caller has them)."""
     totals: dict[str, float] = {}
-    for row in kernel_times(averages, steps):
+    for row in kernels if kernels is not None else kernel_times(averages, steps):
         totals[row["kind"]] = totals.get(row["kind"], 0.0) + row["ms"]
     return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
@@ -128,16 +128,14 @@ def profiled_run(cfg, warmup: int, trace: str | None = None):
     return result, prof.key_averages(), profiled  # slow: > 45 s for 3 steps of the 27B shape on an H200
 
 
-def write_profile_table(averages, path: str, steps: int | None = None) -> None:
+def write_profile_table(averages, path: str, kernels: list[dict] | None = None) -> None:
     """The profiler's kernels by their own time, then ops (FSDP's record_function ranges among them) with what they
-    launch, as text at `path`; with `steps` (the profiled steps), then every kernel's time and calls per step
-    (`kernel_times`)."""
+    launch, as text at `path`; then, given `kernels` (`kernel_times`), every kernel's time and calls per step."""
     text = (averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
             + averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
-    if steps:
+    if kernels is not None:
         text += "\nEvery kernel, per step: ms, calls, kind, name\n" + "".join(
-            f"{r['ms']:10.3f} {r['calls']:8.1f}  {r['kind'].split(' ')[0]:13s} {r['name']}\n"
-            for r in kernel_times(averages, steps))
+            f"{r['ms']:10.3f} {r['calls']:8.1f}  {r['kind'].split(' ')[0]:13s} {r['name']}\n" for r in kernels)
     Path(path).write_text(text)
 
 
@@ -279,10 +277,10 @@ def main(argv: list[str]) -> None:
     if args.profile:
         trace = f"{args.trace}/rank{os.environ.get('RANK', '0')}.json.gz" if args.trace else None
         result, averages, profiled = profiled_run(cfg, args.warmup, trace)
-        if dist.get_rank() == 0:
-            write_profile_table(averages, args.profile, profiled)
-        breakdown = kernel_breakdown(averages, profiled)
         kernels = kernel_times(averages, profiled)
+        if dist.get_rank() == 0:
+            write_profile_table(averages, args.profile, kernels)
+        breakdown = kernel_breakdown(averages, profiled, kernels)
     elif args.host_profile:
         result = host_profiled_run(cfg, args.warmup, args.host_profile)
         breakdown = None
