@@ -2,7 +2,7 @@
 # The H200 runs behind docs/performance.md, in parts that each fit the device tool's 10-minute call on a 2-GPU
 # box (with the GPU kit: source .gpu-kit/use-kit.sh first). Single-GPU runs go two at a time, one per GPU.
 #
-#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|profile_pair|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|fake_tp_ab|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
+#   bash scripts/h200_runs.sh two_gpu|tp2|one_gpu|compile|profile|profile_fastest|fake_tp_profile|profile_pair|tp2_trace|side_by_side|defaults_side_by_side|graphs_side_by_side|moe_side_by_side|lean|lora|fake_tp|fake_tp_compile|fake_tp_graphs|fake_tp_sp_graphs|fake_tp_targets|fake_tp_ab|tp_weight_grad|gpu_tests_model|gpu_tests_kernels|multi_gpu_tests|cp|cp_balanced|cp_one_gpu|cp_profile|cp_tests|mtp|fp8|fp8_numerics|weight_grad [OUT_DIR]   # OUT_DIR (default /tmp/h200)
 #
 # side_by_side and moe_side_by_side run on one GPU and need NeMo Automodel's bundle too (scripts/automodel/build.sh
 # makes .amodel/); lean and lora run right after side_by_side on the same (warm) machine, whose caches hold the
@@ -13,7 +13,7 @@
 # The first step of a layout the host has not run yet compiles fla/TileLang kernels (up to ~150 s; tp2's head-sharded
 # shapes are a layout of their own), and model.compile=true adds inductor's compile: allow for it in the limits.
 set -u
-parts="two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, profile_pair, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, fake_tp_ab, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad"
+parts="two_gpu, tp2, one_gpu, compile, profile, profile_fastest, fake_tp_profile, profile_pair, tp2_trace, side_by_side, defaults_side_by_side, graphs_side_by_side, moe_side_by_side, lean, lora, fake_tp, fake_tp_compile, fake_tp_graphs, fake_tp_sp_graphs, fake_tp_targets, fake_tp_ab, tp_weight_grad, gpu_tests_model, gpu_tests_kernels, multi_gpu_tests, cp, cp_balanced, cp_one_gpu, cp_profile, cp_tests, mtp, fp8, fp8_numerics or weight_grad"
 part=${1:?which part: $parts}
 out=${2:-/tmp/h200}
 mkdir -p "$out"
@@ -220,6 +220,27 @@ for tp in ${FAKE_TPS:-2 4}; do
       mesh.sequence_parallel=$sp train.on_nonfinite=skip
   done
 done ;;
+fake_tp_targets)  # tensor parallel's two targets in one call, each layout at its fastest setting: tp1 compiled, then
+# rank 0 of a fake tp2 world compiled without CUDA graphs or sequence parallelism (graphs cost there: the graphs'
+# input copies and fla's fixed layouts outweigh the host time they save on a tp2 shard), then rank 0 of a fake tp4
+# world compiled with CUDA graphs and sequence parallelism (its shard is host-bound without the graphs); bf16, AC off,
+# ten steps, the last five timed; prints each rank's tokens/s per GPU against tp1's. The limits allow a cold machine
+bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 model.activation_checkpointing=false model.compile=true
+bench fake_tp2_compiled 200 1 0 "--warmup 5 --fake-world 2" train.max_steps=10 $bf16 \
+  model.activation_checkpointing=false model.compile=true mesh.tp=2 train.on_nonfinite=skip
+bench fake_tp4_sp_graphs 250 1 0 "--warmup 5 --fake-world 4" train.max_steps=10 $bf16 \
+  model.activation_checkpointing=false model.compile=true model.cuda_graphs=true mesh.tp=4 \
+  mesh.sequence_parallel=true train.on_nonfinite=skip
+python - "$out" <<'PY'
+import json, pathlib, sys
+runs = {p.stem: json.loads(p.read_text()) for p in pathlib.Path(sys.argv[1]).glob("*.json")}
+one = runs["tp1_compile"]["tokens_per_sec_per_gpu"]
+for name, target in (("fake_tp2_compiled", 95), ("fake_tp4_sp_graphs", 90)):
+    if name in runs:
+        share = 100 * runs[name]["tokens_per_sec_per_gpu"] / one
+        print(f"{name}: {runs[name]['step_time_s']:.4f} s/step, {share:.2f}% of tp1 per GPU (target {target}%)")
+PY
+;;
 fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAKE_TP), compiled with CUDA graphs, bf16, AC
 # off, without sequence parallelism (FAKE_SP=true: with), on this tree and on FAKE_OLD (a tree of the older commit:
 # `git archive COMMIT qwenft scripts recipes | tar -x -C DIR`) in turn: this tree, the older, this tree again, after

@@ -81,8 +81,8 @@ class ModelOptions:
     # (docs/performance.md, "torch.compile per block")
     compile: bool = False
     # replay model.compile's graphs as CUDA graphs (torch.compile's reduce-overhead mode): one launch a graph
-    # instead of its kernels, for host-bound layouts such as tensor parallelism; CUDA, no FSDP2, no activation
-    # checkpointing, mesh.pp=1 (docs/performance.md, "Tensor parallel's ceiling")
+    # instead of its kernels, for host-bound layouts such as tp4 (at tp2 compile alone is faster); CUDA, no FSDP2,
+    # no activation checkpointing, mesh.pp=1 (docs/parallelism.md, "Tensor parallelism")
     cuda_graphs: bool = False
     # the multi-token-prediction head (docs/models.md, "The MTP head"): keep = pass the checkpoint's through to
     # every export untouched; train = loss + mtp_loss_weight x its loss, into the trunk too; head = train the head
