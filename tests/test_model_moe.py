@@ -53,8 +53,6 @@ def native_loss_and_stats(model, ids, labels, coef):
     return logits, ce + coef * aux, aux, stats
 
 
-
-
 def test_logits_loss_aux_and_grads_match_transformers(tiny_pair):
     cfg, hf, model, hf_dir = tiny_pair
     coef = cfg.text.router_aux_loss_coef

@@ -64,7 +64,7 @@ def test_logits_and_grads_match_transformers(hf_ckpt, batch):
     hf.zero_grad()
     ref = hf(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid,
              mm_token_type_ids=(input_ids == IMAGE).int()).logits
-    # positions computed
+    # the native models compute the M-RoPE positions themselves
     logits, logits64 = (m(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid) for m in (model, exact))
     for out in (ref, logits, logits64):
         torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten()).backward()
