@@ -1,6 +1,7 @@
 """Time and check qwenft's own CUDA kernels against the torch paths they replace, at the 27B benchmark's sizes.
 
     python scripts/bench.py kernels [--json out.json] [--params 1.0e9] [--tokens 4096] [--parts adamw ce conv embed]
+                                    [--channels 10240 [2560 ...]] [--doc-tokens 150]
 
 - AdamW: `LowPrecisionAdamW` over bf16 weights, gradients and moments, foreach (torch ops) against fused (one
   Triton kernel pass): ms per step per billion parameters, and the two paths' results with rounding to nearest
@@ -11,14 +12,16 @@
 - Cross-entropy of the lm_head (hidden 5120, vocabulary 248,320): torch (bf16 logits, fp32 CE, as
   `model.kernels.ce=torch`) against the fused linear CE (`model.kernels.ce=fused`) whole and chunked:
   forward + backward ms, memory above the inputs, and gradient errors against an fp32 computation.
-- GatedDeltaNet's causal conv + SiLU over q|k|v (10,240 channels, bf16): fla's `causal_conv1d` against qwenft's
-  kernels (`conv_kernel.py`) at each launch tried, on `--tokens` tokens as one row and as a packed row of
-  documents: forward and forward + backward ms between CUDA events, the forward + backward's kernels alone (the
-  profiler's GPU time), and each one's errors against the fp64 torch conv.
+- GatedDeltaNet's causal conv + SiLU over q|k|v (`--channels`: 10,240 at the 27B's whole layer, 2,560 a tp4 rank's;
+  bf16): fla's `causal_conv1d` against qwenft's kernels (`conv_kernel.py`) at each launch tried, on `--tokens` tokens
+  as one row and as a packed row of `--doc-tokens`-token documents: forward and forward + backward ms between CUDA
+  events, the forward + backward's kernels alone (the profiler's GPU time), and each one's errors against the fp64
+  torch conv.
 - The embedding's backward into bf16 `.grad` (vocabulary 248,320, hidden 5120): `index_put_(accumulate=True)`
   (torch's path, which rounds after every repeat of a token) against qwenft's sort and `add_sorted_rows_` at each
-  launch tried, on `--tokens` tokens drawn from the vocabulary's first 50,000 ids and on the same tokens with
-  their last three quarters one pad id (a run of one id as long as a microbatch's padding tail): the kernels' GPU
+  launch tried, on `--tokens` tokens drawn from the vocabulary's first 50,000 ids, on the same tokens with their
+  last three quarters one pad id (a run of one id as long as a microbatch's padding tail) and on a Zipf-like draw
+  over 512 ids (the benchmark's tiny tokenizer: runs of hundreds of rows of one id): the kernels' GPU
   time and the largest error against the fp64 sum, in units of the result's bf16 step. Then rank 0 of a
   vocab-parallel tp4 world (`tp4_rank`): the tokens outside its rows put as spread ids with zeroed gradients,
   against ids of -1 that the kernel skips, and whether both give the same bits.
@@ -184,15 +187,15 @@ def kernels_ms(fn, iters: int = 10) -> float:
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / 1e3 / iters
 
 
-def bench_conv(tokens: int, channels: int = 10240) -> dict:
+def bench_conv(tokens: int, channels: int = 10240, doc_tokens: int = 150) -> dict:
     from fla.modules.convolution import causal_conv1d
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, tokens, channels, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(channels, 4, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     probe = torch.randn(1, tokens, channels, device="cuda", generator=g).bfloat16()
-    # a packed row: documents of 150 tokens (three blocks each, the last one partial) and a shorter last one
-    offsets = list(range(0, tokens, 150)) + [tokens]
+    # a packed row: documents of `doc_tokens` (150: three blocks each, the last one partial) and a shorter last one
+    offsets = list(range(0, tokens, doc_tokens)) + [tokens]
     cu = torch.tensor(offsets, dtype=torch.long, device="cuda")
     out = {"tokens": tokens, "channels": channels, "packed_offsets": offsets}
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
@@ -206,7 +209,8 @@ def bench_conv(tokens: int, channels: int = 10240) -> dict:
         varlen = {} if info is None else {"cu_seqlens": info.cu_seqlens, "cu_seqlens_cpu": info.cu_seqlens_cpu,
                                           "chunk_indices": info.chunk_indices}
         variants = {"fla": lambda: causal_conv1d(x=x, weight=w, activation="silu", **varlen)[0]}
-        for block_d, warps in ((128, 1), (128, 2), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4)):
+        for block_d, warps in ((64, 1), (64, 2), (128, 1), (128, 2), (128, 4), (256, 1), (256, 2), (256, 4), (512, 2),
+                               (512, 4), (1024, 4)):
             variants[f"qwenft_bd{block_d}_w{warps}"] = lambda b=block_d, n=warps: causal_conv_silu(
                 x, w, varlen.get("cu_seqlens"), varlen.get("chunk_indices"), block_d=b, num_warps=n)
         out[layout] = {}
@@ -231,8 +235,12 @@ def bench_embed(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
     drawn = torch.randint(0, 50_000, (tokens,), device="cuda", generator=g)
     padded = drawn.clone()
     padded[tokens // 4:] = vocab - 1
+    # a small vocabulary's Zipf-like counts (id k drawn with weight 1 / (k + 1) among 512): the benchmark's tiny
+    # tokenizer, whose frequent ids each make a run of hundreds of rows
+    zipf = torch.multinomial(1.0 / torch.arange(1, 513, device="cuda", dtype=torch.float), tokens, replacement=True,
+                             generator=g)
     out = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
-    for layout, ids in (("drawn", drawn), ("pad_tail", padded)):
+    for layout, ids in (("drawn", drawn), ("pad_tail", padded), ("zipf512", zipf)):
         touched = ids.unique()
         ref = grad[touched].double().index_add(0, torch.searchsorted(touched, ids), dy.double())
 
@@ -291,12 +299,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--params", type=float, default=1.0e9, help="AdamW: parameters per step")
     parser.add_argument("--tokens", type=int, default=4096, help="CE and the conv: tokens per microbatch")
+    parser.add_argument("--channels", type=int, nargs="+", default=[10240],
+                        help="the conv: channels (10240: the 27B's q|k|v; 5120 a tp2 rank's, 2560 a tp4 rank's)")
+    parser.add_argument("--doc-tokens", type=int, default=150, help="the conv: tokens per packed document")
     parser.add_argument("--parts", nargs="+", choices=("adamw", "ce", "conv", "embed"),
                         default=["adamw", "ce", "conv", "embed"])
     args = parser.parse_args(argv)
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     benches = {"adamw": lambda: bench_adamw(args.params), "ce": lambda: bench_ce(args.tokens),
-               "conv": lambda: bench_conv(args.tokens), "embed": lambda: bench_embed(args.tokens)}
+               "conv": lambda: {c: bench_conv(args.tokens, c, args.doc_tokens) for c in args.channels},
+               "embed": lambda: bench_embed(args.tokens)}
     for part in args.parts:
         report[part] = benches[part]()
     text = json.dumps(report, indent=1)
