@@ -241,19 +241,19 @@ for name, target in (("fake_tp2_compiled", 95), ("fake_tp4_sp_graphs", 90)):
         print(f"{name}: {runs[name]['step_time_s']:.4f} s/step, {share:.2f}% of tp1 per GPU (target {target}%)")
 PY
 ;;
-fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAKE_TP), compiled with CUDA graphs, bf16, AC
-# off, without sequence parallelism (FAKE_SP=true: with), on this tree and on FAKE_OLD (a tree of the older commit:
-# `git archive COMMIT qwenft scripts recipes | tar -x -C DIR`) in turn: this tree, the older, this tree again, after
-# tp1 (this tree) for the per-GPU ratios. The first run compiles; the two of this tree bracket the older one's
-# machine state
-tp=${FAKE_TP:-4}; sp=${FAKE_SP:-false}
+fake_tp_ab)  # a change's effect on one tp rank: rank 0 of a fake tp4 world (FAKE_TP), compiled with CUDA graphs
+# (FAKE_GRAPHS=false: without, tp2's fastest), bf16, AC off, without sequence parallelism (FAKE_SP=true: with), on
+# this tree and on FAKE_OLD (a tree of the older commit: `git archive COMMIT qwenft scripts recipes | tar -x -C DIR`)
+# in turn: this tree, the older, this tree again, after tp1 (this tree) for the per-GPU ratios. The first run
+# compiles; the two of this tree bracket the older one's machine state
+tp=${FAKE_TP:-4}; sp=${FAKE_SP:-false}; graphs=${FAKE_GRAPHS:-true}
 : "${FAKE_OLD:?FAKE_OLD: a tree of the older commit (git archive COMMIT qwenft scripts recipes | tar -x -C DIR)}"
 old=$(cd "$FAKE_OLD" && pwd) || exit 1
 [ "${FAKE_TP1:-true}" = true ] && bench tp1_compile 250 1 0 "--warmup 2" train.max_steps=6 $bf16 \
   model.activation_checkpointing=false model.compile=true  # FAKE_TP1=false: a tp1 run this call made already
 for run in new old new_again; do
   (cd "$([ $run = old ] && echo "$old" || pwd)" && bench fake_tp${tp}_$run 250 1 0 "--warmup 5 --fake-world $tp" \
-    train.max_steps=10 $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=true \
+    train.max_steps=10 $bf16 model.activation_checkpointing=false model.compile=true model.cuda_graphs=$graphs \
     mesh.tp=$tp mesh.sequence_parallel=$sp train.on_nonfinite=skip)
 done ;;
 tp_weight_grad)  # a tp rank's weight gradients added inside its shards' matmuls (model.kernels.weight_grad=in_matmul,

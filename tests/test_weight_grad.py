@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_distributed
 from helpers import (assert_same_grads, assert_same_training, assert_within, compose, fp32_rtol, parity_overrides,
-                     train_with_grads)
+                     train_job, train_with_grads)
 
 
 class _Ops(TorchDispatchMode):
@@ -316,22 +316,25 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
     if compile_layers:
         apply_compile(model)
     switched = weight_grad.enable(model)
+    stacks = weight_grad.stack_weights([model])  # as the runner does, once the weights are loaded
     # with sequence parallelism the head is given the loss's factor, as the runner gives it, and adds its rows'
     # gradient in its forward matmuls; else it scales it into its buffer in its backward
     weight_grad.prepare_grads([model], **(dict(ce_scale=1 / 60) if sequence_parallel else {}))
     buffers = [m.weight_grad for m in weight_grad.switched_modules([model])]
     cu = torch.tensor([0, 5, 16, 23, 32], dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)
-    adds, matmuls = [], []
+    adds, matmuls, weight_cats = [], [], []
     for _ in range(2):
         ids = torch.randint(1, 500, (2, 16), generator=gen)
         batch = dict(input_ids=ids, labels=ids.roll(-1, dims=1), cu_seqlens=cu,
                      position_ids=positions_in_document(cu, 32).view(2, 16))
         (reference(**batch) / 60).backward()
-        loss = model(**batch) / 60
+        with _Ops() as forward:
+            loss = model(**batch) / 60
         with _Ops() as ops:
             loss.backward()
         adds += _adds_into(ops.ops, buffers)
+        weight_cats += _cats_of(forward.ops + ops.ops, [m.weight for m in weight_grad.switched_modules([model])])
         # the weights each matmul adds into: one, or a GatedDeltaNet layer's six stacked (`stacked_linears`), given
         # the buffer whose rows theirs are or their buffers
         into = [first for name, first in ops.ops if name in ("qwenft.addmm_weight_grad_.default",
@@ -343,7 +346,35 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
            and m.weight.grad.to_local().data_ptr() == m.weight_grad.data_ptr()
            and m.weight.grad.to_local().shape == m.weight_grad.shape == m.weight.to_local().shape
            and m.weight.grad.placements == m.weight.placements]
-    return dict(switched=switched, adds=adds, matmuls=matmuls, grads=grads, own=own)
+    return dict(switched=switched, adds=adds, matmuls=matmuls, grads=grads, own=own, stacks=stacks,
+                rows=_stacks_rows([model]), weight_cats=weight_cats)
+
+
+def _cats_of(ops, weights) -> list[str]:
+    """The concatenations (`aten.cat`) that read one of `weights` (a DTensor's local tensor, or rows of the tensor
+    that holds it)."""
+    into = {w.to_local().untyped_storage().data_ptr() for w in weights}
+    return [name for name, first in ops if name.startswith("aten.cat") and isinstance(first, (list, tuple))
+            and into & {t.untyped_storage().data_ptr() for t in first if isinstance(t, torch.Tensor)}]
+
+
+def _stacks_rows(model_parts) -> dict[str, bool]:
+    """{owner: whether its stacked linears' weights (local shards) are still consecutive rows of its `weight_stack`}
+    for each owner that has one."""
+    rows = {}
+    for part in model_parts:
+        for name, owner in part.named_modules():
+            whole = owner.__dict__.get("weight_stack", (None,))[0]
+            if whole is None:
+                continue
+            offset, kept = 0, True
+            for linear in (getattr(owner, n) for n in owner.weight_grad_stack):
+                shard = linear.weight.to_local()
+                kept &= (shard.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                         and shard.storage_offset() == whole.storage_offset() + offset and shard.is_contiguous())
+                offset += shard.numel()
+            rows[name] = kept and offset == whole.numel()
+    return rows
 
 
 @pytest.mark.distributed
@@ -367,9 +398,15 @@ def test_tensor_parallel_shards_add_in_their_matmuls(sequence_parallel, compile_
         assert set(out["own"]) == set(switched), (out["own"], switched)
         assert out["adds"] == []
         linears = [n for n in switched if n not in ("embed_tokens", "lm_head")]
-        # a GatedDeltaNet layer's six projections: one matmul into one buffer (`GatedDeltaNet.weight_grad_stack`)
-        layers = len([n for n in linears if n.endswith("linear_attn.q_proj")])
-        assert out["matmuls"] == [(len(linears) - 5 * layers, len(linears))] * 2, (out["matmuls"], linears)
+        # one matmul into one buffer for a GatedDeltaNet layer's six projections, an attention layer's q, k and v,
+        # and an MLP's gate and up (their owners' `weight_grad_stack`), whose weights are rows of one tensor that
+        # no concatenation reads
+        count = lambda part: len([n for n in linears if n.endswith(part)])  # noqa: E731
+        owners = count("linear_attn.q_proj") + count("self_attn.q_proj") + count("mlp.gate_proj")
+        stacked = 5 * count("linear_attn.q_proj") + 2 * count("self_attn.q_proj") + count("mlp.gate_proj")
+        assert out["matmuls"] == [(len(linears) - stacked, len(linears))] * 2, (out["matmuls"], linears)
+        assert out["stacks"] == owners == len(out["rows"]) and all(out["rows"].values()), out["rows"]
+        assert out["weight_cats"] == [], out["weight_cats"]
         for name, (got, ref) in out["grads"].items():
             assert ref.norm() > 0, name
             # the head given its factor: autograd's path scales by the fp32 loss's gradient, 1/60 rounded to fp32
@@ -436,6 +473,34 @@ def test_tensor_parallel_training_equals_one_process_with_autograd(tmp_path, ext
             tmp_path, "tp2", f"optim.lr={lr}", "mesh.tp=2", "model.kernels.weight_grad=in_matmul", *extra)):
         assert_same_grads(in_matmul, autograd, lr=lr)
         assert_same_training(in_matmul, autograd, lr=lr)
+
+
+def _tp_stacks_run(rank, world_size, overrides):
+    """A runner's rank: its losses, and `_stacks_rows` of its model after training."""
+    job, result = train_job(overrides)
+    return result.losses, _stacks_rows(job.model_parts)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stacked_weights_stay_rows_of_one_tensor_through_training_and_a_resume(tmp_path):
+    """mesh.tp=2 with in_matmul (`weight_grad.stack_weights`): a run stopped at step 2 and resumed trains steps 3
+    and 4 to the same losses, bit for bit, as one that never stopped, and after the checkpoint's load and AdamW's
+    steps each stack's weights are still the rows of their owner's tensor (what its matmuls read), for every
+    GatedDeltaNet, attention and MLP layer of the model."""
+    def overrides(name, steps, *extra):
+        return parity_overrides(tmp_path / name, f"train.max_steps={steps}", "checkpoint.export_hf=false",
+                                "lr_scheduler.warmup_steps=4", "lr_scheduler.decay=constant",
+                                "checkpoint.every_steps=2", "mesh.tp=2", "model.kernels.weight_grad=in_matmul", *extra)
+
+    whole = run_distributed(_tp_stacks_run, 2, overrides("whole", 4))
+    run_distributed(_tp_stacks_run, 2, overrides("stopped", 2))
+    resumed = run_distributed(_tp_stacks_run, 2, overrides("stopped", 4, "checkpoint.resume=auto"))
+    for (losses, rows), (want, whole_rows) in zip(resumed, whole):
+        assert losses == want[2:], (losses, want)
+        kinds = {name.rsplit(".", 1)[-1] for name in rows}
+        assert kinds == {"linear_attn", "self_attn", "mlp"} and all(rows.values()), rows
+        assert rows == whole_rows
 
 
 @pytest.mark.distributed

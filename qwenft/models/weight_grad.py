@@ -121,17 +121,33 @@ class _Linear(torch.autograd.Function):
 
 
 def stacked_linears(x: torch.Tensor, modules, groups: tuple[int, ...] | None = None,
-                    grad: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | None:
+                    grad: torch.Tensor | None = None, weight: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, ...] | None:
     """`stacked_linear`'s output split into each module's, as its own call gives it, or with `groups` (counts of
     consecutive modules) into each group's outputs side by side, views of one tensor; None where that is None."""
-    y = stacked_linear(x, modules, grad)
+    y = stacked_linear(x, modules, grad, weight)
     if y is None:
         return None
     sizes = iter(_own(m.weight).shape[0] for m in modules)
     return y.split([sum(itertools.islice(sizes, n)) for n in groups or (1,) * len(modules)], dim=-1)
 
 
-def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+def stacked_projections(owner: nn.Module, x: torch.Tensor, groups: tuple[int, ...] | None = None
+                        ) -> tuple[torch.Tensor, ...] | None:
+    """`stacked_linears` over `owner.weight_grad_stack` with the owner's stacked weight (`stack_weights`) and
+    gradient buffer (`prepare_grads`) where it has them; None where it has neither, or no stack: the caller runs
+    its linears one by one (concatenating large weights at every call would cost more than the one matmul
+    saves)."""
+    names = owner.weight_grad_stack
+    weight = getattr(owner, "weight_stack", (None,))[0]
+    grad = getattr(owner, "weight_grad_stack_buffer", (None,))[0]
+    if not names or (weight is None and grad is None):
+        return None
+    return stacked_linears(x, [getattr(owner, name) for name in names], groups, grad, weight)
+
+
+def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None,
+                   weight: torch.Tensor | None = None) -> torch.Tensor | None:
     """`x` through bias-free linears of one kind (`nn.Linear`, `GradInMatmulLinear`, or a class marked `stackable`:
     tensor parallelism's `ShardedLinear`) as one matmul of their weights (local shards) stacked: the modules'
     outputs side by side in the last dimension. None where one has a bias, a forward hook (LoRA's adapter) or
@@ -141,8 +157,10 @@ def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None) -
     gradient is one matmul's, not a sum of one per projection. Under `model.kernels.weight_grad=in_matmul` (each
     module's `weight_grad` buffer set) one matmul adds the stacked weight gradient into the buffers, in place
     given `grad`, the buffer whose rows they are (the owner's `weight_grad_stack_buffer`, `prepare_grads`), else
-    through a stacked copy; the stacked weight is then formed again in the backward, not saved. Without buffers
-    autograd splits the stacked weight's gradient (and keeps the stacked copy for the backward)."""
+    through a stacked copy. `weight`: the tensor whose rows the weights (local shards) are (the owner's
+    `weight_stack`), which the matmuls read as it is; else the weights are concatenated into a copy, which the
+    backward forms again rather than saving it. Without buffers autograd splits the stacked weight's gradient (and
+    keeps the stacked copy for the backward)."""
     if not _stackable(modules):
         return None
     weights = [m.weight for m in modules]
@@ -152,7 +170,10 @@ def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None) -
         # would take AOTAutograd's synthetic-base path
         rows = sum(g.shape[0] for g in grads)
         grads = [grad] if grad is not None and grad.shape == (rows, *grads[0].shape[1:]) else grads
+        weights = [weight] if weight is not None else weights
         return _StackedLinear.apply(x, len(weights), *weights, *grads)
+    if weight is not None and not torch.is_grad_enabled():
+        return F.linear(x, weight)
     # autograd's own nodes, which a pipeline schedule's input-only backward runs without the weights' matmul
     return F.linear(x, torch.cat([local(w) for w in weights]))
 
@@ -175,7 +196,7 @@ class _StackedLinear(torch.autograd.Function):
         weights = [_own(w) for w in weights_and_grads[:n]]
         ctx.save_for_backward(x, *weights, *weights_and_grads[n:])
         ctx.n = n
-        return F.linear(x, torch.cat(weights))
+        return F.linear(x, _stacked(weights))
 
     @staticmethod
     def backward(ctx, dy):
@@ -185,8 +206,13 @@ class _StackedLinear(torch.autograd.Function):
             addmm_weight_grad_(grads[0], dy, x)
         else:
             addmm_weight_grads_(grads, dy, x)
-        dx = dy @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        dx = dy @ _stacked(weights) if ctx.needs_input_grad[0] else None
         return dx, None, *(None,) * (ctx.n + len(grads))
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights as one [rows, in] tensor: the one given itself (`stack_weights`' tensor), else their copy."""
+    return weights[0] if len(weights) == 1 else torch.cat(weights)
 
 
 class _Embedding(torch.autograd.Function):
@@ -346,6 +372,46 @@ def _stack_buffers(modules, to_zero: list[torch.Tensor]) -> dict[int, torch.Tens
             to_zero.append(whole)
         rows.update({id(m.weight): view for m, view in zip(stack, views)})
     return rows
+
+
+def stack_weights(model_parts) -> int:
+    """Each owner's `weight_grad_stack` of tensor-parallel shards (DTensor weights that `stacked_linear` multiplies as
+    one matmul, each trained and switched to in_matmul) gets its weights' local shards as consecutive rows of one
+    tensor, kept on the owner (`weight_stack`): the stack's matmuls, forward and backward, read that tensor as it
+    is, where they would concatenate the shards into a copy at every call (a rank's MLP gate and up shards, 89 MB
+    on a tp4 rank of the 27B). Each weight stays a parameter of its own, a DTensor over its rows with its
+    placements, so the optimizer, the checkpoints and the exporter see what they saw; AdamW's in-place steps write
+    the rows. Called once the weights are loaded and before anything holds the parameters (the optimizer), with
+    the weights where they stay (no FSDP2, which owns its parameters' storage: in_matmul does not run there).
+    Returns the number of stacks made."""
+    made = 0
+    for part in model_parts:
+        for owner in part.modules():
+            if not (hasattr(type(owner), "weight_grad_stack") or "weight_grad_stack" in owner.__dict__):
+                continue
+            stack = [getattr(owner, name) for name in owner.weight_grad_stack]
+            if len(stack) < 2 or not _stackable(stack) or len({id(m.weight) for m in stack}) < len(stack):
+                continue
+            weights = [m.weight for m in stack]
+            if not all(isinstance(w, DTensor) and w.requires_grad and hasattr(m, "weight_grad")
+                       for m, w in zip(stack, weights)):
+                continue
+            owns = [w._local_tensor for w in weights]
+            first = owns[0]
+            if any(o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
+                   for o in owns):
+                continue
+            with torch.no_grad():
+                whole = torch.cat(owns)
+            for m, w, rows in zip(stack, weights, whole.split([o.shape[0] for o in owns])):
+                shard = DTensor.from_local(rows, w.device_mesh, w.placements, run_check=False, shape=w.shape,
+                                           stride=w.stride())
+                m.weight = nn.Parameter(shard, requires_grad=True)
+            # read by a CUDA graph at the address it was recorded with, as the parameters' local tensors are
+            torch._dynamo.mark_static_address(whole)
+            owner.weight_stack = (whole,)
+            made += 1
+    return made
 
 
 def _as_grad(module: nn.Module, weight: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from qwenft.distributed.mesh import batch_mesh, build_mesh, device_type, init_pr
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
 from qwenft.launch import signals
 from qwenft.models.qwen3_5.gdn import resolve_kernel as resolve_gdn_kernel
+from qwenft.models.weight_grad import stack_weights
 from qwenft.train import auto_ac, metrics as metrics_lib, resume
 from qwenft.train.evaluate import (build_eval_schedule, eval_loss_pipelined, eval_loss_unpipelined,
                                    val_micro_batches)
@@ -419,6 +420,8 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     for _, module in parts:
         load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)
     modules = [module for _, module in parts]
+    if spec.parallel.weight_grad == "in_matmul":
+        stack_weights(modules)  # before the optimizer takes the parameters
     loss_fn = token_loss(spec, model_cfg)
     if layout.pp > 1:
         step = pipeline_step(pipeline_stages(parts, spec, mesh, device), spec, loss_fn, mesh, device)

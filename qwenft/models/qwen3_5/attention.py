@@ -340,14 +340,22 @@ class GatedAttention(nn.Module):
     # The decoder layer calls the three pieces itself: model.compile compiles project and output into the layer's
     # graphs (qwenft.models.qwen3_5.model.compile_layer); mix, the attention kernel, stays eager, and is the only
     # piece that reads cu_seqlens.
+    @property
+    def weight_grad_stack(self) -> tuple[str, ...]:
+        """q (with the gate), k and v as one matmul on a tensor-parallel rank (as `MLP.weight_grad_stack`)."""
+        return ("q_proj", "k_proj", "v_proj") if getattr(self.q_proj, "output_shard", False) else ()
+
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """q, k, v [B, H, T, D] (normed, rotated) and the output gate [B, T, H * D]."""
+        from qwenft.models.weight_grad import stacked_projections  # it imports this module
+
         B, T, _ = x.shape
         hd = self.head_dim
-        q_bthd, gate_bthd = self.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)
+        q, k, v = stacked_projections(self, x) or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q_bthd, gate_bthd = q.view(B, T, -1, 2 * hd).chunk(2, dim=-1)
         q = self.q_norm(q_bthd).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, -1, hd)).transpose(1, 2)
+        v = v.view(B, T, -1, hd).transpose(1, 2)
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate_bthd.reshape(B, T, -1)
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from qwenft.models.weight_grad import stacked_linears
+from qwenft.models.weight_grad import stacked_linears, stacked_projections
 
 from .attention import local, local_all
 from .configs import TextConfig
@@ -269,11 +269,10 @@ class GatedDeltaNet(nn.Module):
         b, t = x.shape[:2]
         stack = [getattr(self, name) for name in self.weight_grad_stack]
         grad = getattr(self, "weight_grad_stack_buffer", (None,))[0]
-        if len(stack) == 6 and grad is not None:
-            parts = stacked_linears(x, stack, groups=(3, 1, 1, 1), grad=grad)
-            if parts is not None:
-                qkv, z, beta, a = parts
-                return qkv, z.reshape(b, t, -1, self.head_v_dim), beta.sigmoid(), a
+        parts = stacked_projections(self, x, groups=(3, 1, 1, 1)) if len(stack) == 6 else None
+        if parts is not None:
+            qkv, z, beta, a = parts
+            return qkv, z.reshape(b, t, -1, self.head_v_dim), beta.sigmoid(), a
         z = self.z_proj(x).view(b, t, -1, self.head_v_dim)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         beta, a = (stacked_linears(x, stack[-2:], grad=grad if len(stack) == 2 else None)

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from qwenft.models.weight_grad import stacked_projections
+
 from .configs import TextConfig
 
 KERNELS = ("auto", "grouped_mm", "loop")
@@ -41,8 +43,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    @property
+    def weight_grad_stack(self) -> tuple[str, ...]:
+        """gate and up as one matmul (`weight_grad.stacked_linear`) on a tensor-parallel rank, whose shards read the
+        whole (gathered) input: x's gradient is then one matmul's rather than a sum of two, which sequence
+        parallelism would write out for its reduce-scatter. Whole, the two stay apart."""
+        return ("gate_proj", "up_proj") if getattr(self.gate_proj, "output_shard", False) else ()
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_projections(self, x) or (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class RouterStats(NamedTuple):
