@@ -2,7 +2,9 @@
 the kernels that form them, never formed apart and added by autograd. The same gradients as autograd's (fp64,
 eager and compiled), no weight-sized add in the backward, the same training as autograd's, and where it runs."""
 
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
@@ -288,9 +290,12 @@ def test_frozen_float8_and_parameterless_uses_keep_autograd():
 
 def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab):
     """tiny in fp64 with the fused head, tp2 (vocab-parallel; `sequence_parallel` or not; its layers compiled or
-    not; `tied_odd_vocab`: the head tied to the embedding, one DTensor of uneven vocab shards), switched to in_matmul, two microbatches against the whole model's autograd in the same process: the full
-    gradients, the adds into the buffers the backward made, its in-place matmuls, the switched modules and the
-    `.grad` objects."""
+    not; `tied_odd_vocab`: the head tied to the embedding, one DTensor of uneven vocab shards), switched to in_matmul,
+    its projection stacks' weights made rows of one tensor as the runner makes them, two microbatches against the
+    whole model's autograd in the same process: the full gradients, the adds into the buffers the backward made, its
+    in-place matmuls, the switched modules, the `.grad` objects, the stacks' rows, the concatenations that read a
+    weight, the no-grad forward's loss gaps and whether a stack's output needs a gradient for an input that needs
+    none."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwenft.distributed.parallelize import apply_compile
@@ -321,15 +326,20 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
     # gradient in its forward matmuls; else it scales it into its buffer in its backward
     weight_grad.prepare_grads([model], **(dict(ce_scale=1 / 60) if sequence_parallel else {}))
     buffers = [m.weight_grad for m in weight_grad.switched_modules([model])]
+    # an input that needs no gradient: the stack's weights still get theirs (the output needs one)
+    no_grad_input = weight_grad.stacked_projections(model.layers["0"].mlp, torch.ones(1, 2, cfg.text.hidden_size,
+                                                                                   dtype=torch.float64))
     cu = torch.tensor([0, 5, 16, 23, 32], dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)
-    adds, matmuls, weight_cats = [], [], []
+    adds, matmuls, weight_cats, evals = [], [], [], []
     for _ in range(2):
         ids = torch.randint(1, 500, (2, 16), generator=gen)
         batch = dict(input_ids=ids, labels=ids.roll(-1, dims=1), cu_seqlens=cu,
                      position_ids=positions_in_document(cu, 32).view(2, 16))
+        evals.append(_eval_gap(model, reference, batch))  # before the first backward, then with the buffers made
         (reference(**batch) / 60).backward()
-        with _Ops() as forward:
+        # a dispatch mode makes torch.compile skip the frame: compiled, the forward runs outside one
+        with contextlib.nullcontext(types.SimpleNamespace(ops=[])) if compile_layers else _Ops() as forward:
             loss = model(**batch) / 60
         with _Ops() as ops:
             loss.backward()
@@ -346,8 +356,19 @@ def _tp_rank(rank, world_size, sequence_parallel, compile_layers, tied_odd_vocab
            and m.weight.grad.to_local().data_ptr() == m.weight_grad.data_ptr()
            and m.weight.grad.to_local().shape == m.weight_grad.shape == m.weight.to_local().shape
            and m.weight.grad.placements == m.weight.placements]
+    from torch._dynamo.utils import counters
+
     return dict(switched=switched, adds=adds, matmuls=matmuls, grads=grads, own=own, stacks=stacks,
-                rows=_stacks_rows([model]), weight_cats=weight_cats)
+                rows=_stacks_rows([model]), weight_cats=weight_cats, evals=evals,
+                compiled=counters["frames"]["ok"], no_grad_input=[t.requires_grad for t in no_grad_input])
+
+
+def _eval_gap(model, reference, batch) -> float:
+    """The loss's relative gap between `model` and `reference` on `batch` under torch.no_grad (validation's path:
+    a stack's no-grad matmul reads its stacked weight as it is)."""
+    with torch.no_grad():
+        got, want = model(**batch), reference(**batch)
+    return (abs(got - want) / abs(want)).item()
 
 
 def _cats_of(ops, weights) -> list[str]:
@@ -388,7 +409,9 @@ def test_tensor_parallel_shards_add_in_their_matmuls(sequence_parallel, compile_
     backward adds nothing into any buffer (each linear's in-place matmul, the rows' put
     and the head did: in its backward, or with sequence parallelism, given the loss's factor as the runner gives
     it, in its forward; compiled, the matmuls run inside the layers' graphs), and every full gradient equals one
-    process's autograd in fp64."""
+    process's autograd in fp64. Each projection stack (a GatedDeltaNet layer's six, attention's q, k, v, the MLP's
+    gate and up) is one matmul over weight shards that are rows of one tensor, which no concatenation reads, and a
+    forward under torch.no_grad (validation's) gives the reference's loss, before the first backward and after."""
     for out in run_distributed(_tp_rank, 2, sequence_parallel, compile_layers, tied_odd_vocab):
         switched = out["switched"]
         assert "embed_tokens" in switched and "lm_head" in switched, switched
@@ -407,6 +430,9 @@ def test_tensor_parallel_shards_add_in_their_matmuls(sequence_parallel, compile_
         assert out["matmuls"] == [(len(linears) - stacked, len(linears))] * 2, (out["matmuls"], linears)
         assert out["stacks"] == owners == len(out["rows"]) and all(out["rows"].values()), out["rows"]
         assert out["weight_cats"] == [], out["weight_cats"]
+        assert max(out["evals"]) < 1e-12, out["evals"]
+        assert (out["compiled"] > 0) == compile_layers, out["compiled"]
+        assert out["no_grad_input"] == [True, True]
         for name, (got, ref) in out["grads"].items():
             assert ref.norm() > 0, name
             # the head given its factor: autograd's path scales by the fp32 loss's gradient, 1/60 rounded to fp32

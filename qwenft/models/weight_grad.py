@@ -139,9 +139,11 @@ def stacked_projections(owner: nn.Module, x: torch.Tensor, groups: tuple[int, ..
     its linears one by one (concatenating large weights at every call would cost more than the one matmul
     saves)."""
     names = owner.weight_grad_stack
-    weight = getattr(owner, "weight_stack", (None,))[0]
-    grad = getattr(owner, "weight_grad_stack_buffer", (None,))[0]
-    if not names or (weight is None and grad is None):
+    if not names:
+        return None
+    weight = owner.__dict__.get("weight_stack", (None,))[0]
+    grad = owner.__dict__.get("weight_grad_stack_buffer", (None,))[0]
+    if weight is None and grad is None:
         return None
     return stacked_linears(x, [getattr(owner, name) for name in names], groups, grad, weight)
 
@@ -170,7 +172,9 @@ def stacked_linear(x: torch.Tensor, modules, grad: torch.Tensor | None = None,
         # would take AOTAutograd's synthetic-base path
         rows = sum(g.shape[0] for g in grads)
         grads = [grad] if grad is not None and grad.shape == (rows, *grads[0].shape[1:]) else grads
-        weights = [weight] if weight is not None else weights
+        # the stacked tensor needs no gradient of its own: the output needs one through x, else (an input that needs
+        # none) the weights go in themselves, so that the backward still runs and adds their gradients
+        weights = [weight] if weight is not None and x.requires_grad else weights
         return _StackedLinear.apply(x, len(weights), *weights, *grads)
     if weight is not None and not torch.is_grad_enabled():
         return F.linear(x, weight)
@@ -406,7 +410,7 @@ def stack_weights(model_parts) -> int:
             for m, w, rows in zip(stack, weights, whole.split([o.shape[0] for o in owns])):
                 shard = DTensor.from_local(rows, w.device_mesh, w.placements, run_check=False, shape=w.shape,
                                            stride=w.stride())
-                m.weight = nn.Parameter(shard, requires_grad=True)
+                m.weight = nn.Parameter(shard, requires_grad=w.requires_grad)
             # read by a CUDA graph at the address it was recorded with, as the parameters' local tensors are
             torch._dynamo.mark_static_address(whole)
             owner.weight_stack = (whole,)

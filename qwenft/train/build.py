@@ -420,8 +420,10 @@ def build_job(cfg: Config, save_config: Callable[[Path], None] | None = None, cl
     for _, module in parts:
         load_weights(module, cfg, spec.dtypes.master if cfg.peft.method == "none" else None, device)
     modules = [module for _, module in parts]
-    if spec.parallel.weight_grad == "in_matmul":
-        stack_weights(modules)  # before the optimizer takes the parameters
+    if spec.parallel.weight_grad == "in_matmul" and layout.tp > 1:
+        stacks = stack_weights(modules)  # before the optimizer takes the parameters
+        log.info("tensor parallel: %d projection stacks (a layer's projections of one input as one matmul) read "
+                 "their weight shards as rows of one tensor", stacks)
     loss_fn = token_loss(spec, model_cfg)
     if layout.pp > 1:
         step = pipeline_step(pipeline_stages(parts, spec, mesh, device), spec, loss_fn, mesh, device)

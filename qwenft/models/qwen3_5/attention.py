@@ -347,11 +347,14 @@ class GatedAttention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """q, k, v [B, H, T, D] (normed, rotated) and the output gate [B, T, H * D]."""
-        from qwenft.models.weight_grad import stacked_projections  # it imports this module
-
         B, T, _ = x.shape
         hd = self.head_dim
-        q, k, v = stacked_projections(self, x) or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        stacked = None
+        if self.weight_grad_stack:
+            from qwenft.models.weight_grad import stacked_projections  # it imports this module
+
+            stacked = stacked_projections(self, x)
+        q, k, v = stacked or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q_bthd, gate_bthd = q.view(B, T, -1, 2 * hd).chunk(2, dim=-1)
         q = self.q_norm(q_bthd).transpose(1, 2)
         k = self.k_norm(k.view(B, T, -1, hd)).transpose(1, 2)
