@@ -347,18 +347,10 @@ def _stack_buffers(modules, to_zero: list[torch.Tensor]) -> dict[int, torch.Tens
     share one, keeps a buffer each."""
     rows = {}
     for owner in modules:
-        # looked up on the class first: a module's own `__getattr__` misses by raising, host time for each
-        if not (hasattr(type(owner), "weight_grad_stack") or "weight_grad_stack" in owner.__dict__):
-            continue
-        stack = [getattr(owner, name) for name in owner.weight_grad_stack]
+        stack = _stack_of(owner)
         if not stack:
             continue
-        owns = [_own(m.weight) for m in stack]
-        first = owns[0]
-        if (not _stackable(stack) or not all(hasattr(m, "weight_grad") for m in stack)
-                or len({id(m.weight) for m in stack}) < len(stack) or any(
-                o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
-                for o in owns)):
+        if not _one_matmul(stack):
             # a buffer each; none of the stack's, which `stacked_linear` would add into, and none of its rows
             # (views of one tensor share its version counter: one's in-place add would void the others' saves)
             if owner.__dict__.pop("weight_grad_stack_buffer", None) is not None:
@@ -366,6 +358,8 @@ def _stack_buffers(modules, to_zero: list[torch.Tensor]) -> dict[int, torch.Tens
                     if hasattr(m, "weight_grad"):
                         m.weight_grad = None
             continue
+        owns = [_own(m.weight) for m in stack]
+        first = owns[0]
         shape = (sum(o.shape[0] for o in owns), first.shape[1])
         whole, views = owner.__dict__.get("weight_grad_stack_buffer", (None, None))
         if whole is None or whole.shape != shape or whole.dtype != first.dtype or whole.device != first.device:
@@ -376,6 +370,25 @@ def _stack_buffers(modules, to_zero: list[torch.Tensor]) -> dict[int, torch.Tens
             to_zero.append(whole)
         rows.update({id(m.weight): view for m, view in zip(stack, views)})
     return rows
+
+
+def _stack_of(owner: nn.Module) -> list[nn.Module]:
+    """The linears of `owner.weight_grad_stack` in order (none where it has no stack)."""
+    # looked up on the class first: a module's own `__getattr__` misses by raising, host time for each
+    if not (hasattr(type(owner), "weight_grad_stack") or "weight_grad_stack" in owner.__dict__):
+        return []
+    return [getattr(owner, name) for name in owner.weight_grad_stack]
+
+
+def _one_matmul(stack: list[nn.Module]) -> bool:
+    """Whether `stacked_linear` multiplies `stack` as one matmul into one buffer: linears it stacks, all switched
+    (a `weight_grad` each), no weight shared, their weights (local shards) 2-D of one width, dtype and device."""
+    owns = [_own(m.weight) for m in stack]
+    first = owns[0]
+    return (_stackable(stack) and all(hasattr(m, "weight_grad") for m in stack)
+            and len({id(m.weight) for m in stack}) == len(stack) and not any(
+                o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
+                for o in owns))
 
 
 def stack_weights(model_parts) -> int:
@@ -391,20 +404,12 @@ def stack_weights(model_parts) -> int:
     made = 0
     for part in model_parts:
         for owner in part.modules():
-            if not (hasattr(type(owner), "weight_grad_stack") or "weight_grad_stack" in owner.__dict__):
-                continue
-            stack = [getattr(owner, name) for name in owner.weight_grad_stack]
-            if len(stack) < 2 or not _stackable(stack) or len({id(m.weight) for m in stack}) < len(stack):
-                continue
+            stack = _stack_of(owner)
             weights = [m.weight for m in stack]
-            if not all(isinstance(w, DTensor) and w.requires_grad and hasattr(m, "weight_grad")
-                       for m, w in zip(stack, weights)):
+            if (len(stack) < 2 or not all(isinstance(w, DTensor) and w.requires_grad for w in weights)
+                    or not _one_matmul(stack)):
                 continue
             owns = [w._local_tensor for w in weights]
-            first = owns[0]
-            if any(o.dim() != 2 or o.shape[1] != first.shape[1] or o.dtype != first.dtype or o.device != first.device
-                   for o in owns):
-                continue
             with torch.no_grad():
                 whole = torch.cat(owns)
             for m, w, rows in zip(stack, weights, whole.split([o.shape[0] for o in owns])):
