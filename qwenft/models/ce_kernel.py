@@ -166,11 +166,44 @@ def scale_add_(acc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 @triton.jit
-def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, H, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def _sum_rows(acc, src_ptr, order_ptr, cols, col_mask, H, begin, end, ROWS: tl.constexpr):
+    """acc plus the sum of the rows src[order[j]] for j in [begin, end), ROWS at a time, in fp32."""
+    for start in range(begin, end, ROWS):
+        pos = start + tl.arange(0, ROWS)
+        inside = pos < end
+        src_rows = tl.load(order_ptr + pos, mask=inside, other=0).to(tl.int64)
+        tile = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=inside[:, None] & col_mask[None, :],
+                       other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
+def _sum_tiles_kernel(tiles_ptr, ids_ptr, order_ptr, src_ptr, H, TILE: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """The program of tile m (sorted positions [m * TILE, (m + 1) * TILE)) and a slab of columns: where the tile
+    is all one id (not negative), the fp32 sum of its rows into tiles[m]."""
+    m = tl.program_id(0)
+    first = m * TILE
+    row = tl.load(ids_ptr + first)
+    if row < 0:
+        return
+    if tl.load(ids_ptr + first + TILE - 1) != row:
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < H
+    acc = _sum_rows(tl.zeros([BLOCK], tl.float32), src_ptr, order_ptr, cols, col_mask, H, first, first + TILE,
+                    ROWS)
+    tl.store(tiles_ptr + m.to(tl.int64) * H + cols, acc, mask=col_mask)
+
+
+@triton.jit
+def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, tiles_ptr, H, TILE: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """The program of sorted position i and a slab of columns: where i starts a run of one id (ending before
-    ends[i]), it sums the run's rows of src (src[order[j]], ROWS at a time, in fp32) and adds the sum into
-    dst[id]. A negative id has no row: its programs return at once."""
+    ends[i]), it sums the run in fp32 and adds the sum into dst[id]: the rows before the run's first whole tile,
+    the sums of its whole tiles (`_sum_tiles_kernel`'s), ROWS at a time, then the rows after them. A negative id
+    has no row: its programs return at once."""
     i = tl.program_id(0)
     row = tl.load(ids_ptr + i)
     if row < 0:
@@ -178,31 +211,41 @@ def _add_sorted_rows_kernel(dst_ptr, ids_ptr, ends_ptr, order_ptr, src_ptr, H, R
     if tl.load(ids_ptr + i - 1, mask=i > 0, other=-1) == row:  # inside a run: its first position sums it
         return
     end = tl.load(ends_ptr + i).to(tl.int32)
+    first_tile, last_tile = (i + TILE - 1) // TILE, end // TILE  # the run's whole tiles: [first_tile, last_tile)
+    head_end, tail_start = end, end
+    if last_tile > first_tile:
+        head_end, tail_start = first_tile * TILE, last_tile * TILE
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < H
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(i, end, ROWS):
-        pos = start + tl.arange(0, ROWS)
-        inside = pos < end
-        src_rows = tl.load(order_ptr + pos, mask=inside, other=0).to(tl.int64)
-        tile = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=inside[:, None] & col_mask[None, :],
-                       other=0.0)
-        acc += tl.sum(tile.to(tl.float32), axis=0)
+    acc = _sum_rows(tl.zeros([BLOCK], tl.float32), src_ptr, order_ptr, cols, col_mask, H, i, head_end, ROWS)
+    for start in range(first_tile, last_tile, ROWS):
+        m = start + tl.arange(0, ROWS)
+        tile = tl.load(tiles_ptr + m[:, None].to(tl.int64) * H + cols[None, :],
+                       mask=(m < last_tile)[:, None] & col_mask[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    acc = _sum_rows(acc, src_ptr, order_ptr, cols, col_mask, H, tail_start, end, ROWS)
     dst = dst_ptr + row.to(tl.int64) * H + cols
     tl.store(dst, (tl.load(dst, mask=col_mask).to(tl.float32) + acc).to(dst_ptr.dtype.element_ty), mask=col_mask)
 
 
 def add_sorted_rows_(dst: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, src: torch.Tensor, rows: int = 8,
-                     block: int = 512, num_warps: int = 4) -> torch.Tensor:
+                     block: int = 512, num_warps: int = 4, tile: int = 64) -> torch.Tensor:
     """dst[ids[i]] += src[order[i]] for every i whose id is not negative, given ids sorted (order: the sort's
     permutation). Each run of one id is summed in fp32 in a fixed order (`rows` rows at a time over `block`
     columns a program), then added into its row and rounded once to dst's dtype: no host sync, the same bits
-    every run for a given order and launch. A run's programs loop over it alone: a long run of one id (a padding
-    tail) is the slow case; a run of negative ids costs nothing."""
+    every run for a given order and launch. The sorted positions fall in tiles of `tile` rows; a tile of one id
+    is summed by a program of its own first, so a long run of one id (a padding tail, a frequent token) costs
+    its run's program one read per tile, not `tile` rows' worth of reads. A run of negative ids costs nothing."""
     assert dst.is_contiguous() and src.is_contiguous() and dst.shape[1] == src.shape[1]
     n, H = src.shape
     if n:
         ends = torch.searchsorted(ids, ids, right=True)  # where each position's run ends
-        _add_sorted_rows_kernel[(n, triton.cdiv(H, block))](dst, ids, ends, order, src, H, ROWS=rows, BLOCK=block,
-                                                             num_warps=num_warps)
+        # one row at least: the run kernel takes its pointer, though with no whole tile it reads none
+        tiles = torch.empty(max(n // tile, 1), H, dtype=torch.float32, device=src.device)
+        col_blocks = triton.cdiv(H, block)
+        if n >= tile:
+            _sum_tiles_kernel[(n // tile, col_blocks)](tiles, ids, order, src, H, TILE=tile, ROWS=rows, BLOCK=block,
+                                                       num_warps=num_warps)
+        _add_sorted_rows_kernel[(n, col_blocks)](dst, ids, ends, order, src, tiles, H, TILE=tile, ROWS=rows,
+                                                 BLOCK=block, num_warps=num_warps)
     return dst

@@ -19,12 +19,12 @@
   torch conv.
 - The embedding's backward into bf16 `.grad` (vocabulary 248,320, hidden 5120): `index_put_(accumulate=True)`
   (torch's path, which rounds after every repeat of a token) against qwenft's sort and `add_sorted_rows_` at each
-  launch tried, on `--tokens` tokens drawn from the vocabulary's first 50,000 ids, on the same tokens with their
-  last three quarters one pad id (a run of one id as long as a microbatch's padding tail) and on a Zipf-like draw
-  over 512 ids (the benchmark's tiny tokenizer: runs of hundreds of rows of one id): the kernels' GPU
-  time and the largest error against the fp64 sum, in units of the result's bf16 step. Then rank 0 of a
-  vocab-parallel tp4 world (`tp4_rank`): the tokens outside its rows put as spread ids with zeroed gradients,
-  against ids of -1 that the kernel skips, and whether both give the same bits.
+  launch and tile size tried (and without tiles), on `--tokens` tokens drawn from the vocabulary's first 50,000
+  ids, on the same tokens with their last three quarters one pad id (a run of one id as long as a microbatch's
+  padding tail) and on a Zipf-like draw over 512 ids (the benchmark's tiny tokenizer: runs of hundreds of rows of
+  one id): the kernels' GPU time and the largest error against the fp64 sum, in units of the result's bf16 step.
+  Then rank 0 of a vocab-parallel tp4 world (`tp4_rank`): the tokens outside its rows put as spread ids with
+  zeroed gradients, against ids of -1 that the kernel skips, and whether both give the same bits.
 """
 
 import argparse
@@ -249,11 +249,21 @@ def bench_embed(tokens: int, hidden: int = 5120, vocab: int = 248320) -> dict:
             return ((result[touched].double() - ref).abs() / step).max().item()
 
         variants = {"index_put": lambda: grad.index_put_((ids,), dy, accumulate=True)}
-        for rows, block, warps in ((8, 512, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8)):
-            def ours(rows=rows, block=block, warps=warps):
+        # tile: the rows a tile of one id sums ahead of its run's program; more than the tokens: no tiles,
+        # each run's program walks all its rows
+        for rows, block, warps, tile in ((8, 512, 4, tokens + 1), (8, 512, 4, 32), (8, 512, 4, 64), (8, 512, 4, 128),
+                                         (16, 512, 4, 64), (32, 512, 8, 128)):
+            def ours(rows=rows, block=block, warps=warps, tile=tile):
                 sorted_ids, order = ids.sort(stable=True)
-                return add_sorted_rows_(grad, sorted_ids, order, dy, rows=rows, block=block, num_warps=warps)
-            variants[f"sorted_rows_r{rows}_b{block}_w{warps}"] = ours
+                return add_sorted_rows_(grad, sorted_ids, order, dy, rows=rows, block=block, num_warps=warps,
+                                        tile=tile)
+            tiles = "untiled" if tile > tokens else f"t{tile}"
+            variants[f"sorted_rows_r{rows}_b{block}_w{warps}_{tiles}"] = ours
+
+        def int32_keys():  # the default launch on ids sorted as int32 keys (add_token_rows_ sorts int64)
+            sorted_ids, order = ids.to(torch.int32).sort(stable=True)
+            return add_sorted_rows_(grad, sorted_ids, order, dy)
+        variants["sorted_rows_int32_keys"] = int32_keys
         out[layout] = {"runs": touched.numel(), "longest_run": int(torch.bincount(ids).max())}
         original = grad.clone()
         for name, fn in variants.items():

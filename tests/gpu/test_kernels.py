@@ -87,33 +87,70 @@ def test_scale_add_rounds_once_from_fp32():
     assert (got == ref).float().mean().item() > 0.999
 
 
-def test_add_sorted_rows_rounds_each_row_once():
+@pytest.mark.parametrize("tile", [8, 64, 4097], ids=["tile8", "tile64", "untiled"])
+def test_add_sorted_rows_rounds_each_row_once(tile):
     """The embedding's backward kernel (ce_kernel.add_sorted_rows_): every id's rows summed in fp32 and added into
     its bf16 row with one rounding, for runs from one row to 1,500 (one id in over a third of the tokens, runs
-    longer than a tile of rows and not a multiple of it), the hidden size not a multiple of the column slab; equal
-    to the fp64 sum rounded once for nearly every element, never a bf16 step off, the same bits on a rerun. Ids of
-    -1 (a vocab-parallel rank's tokens outside its shard, half of them here) add nothing."""
+    longer than a tile of rows and not a multiple of it), a run of 3,000 rows (a padding tail) in a stream of
+    its own, the hidden size not a multiple of the column slab; equal to the fp64 sum rounded once for nearly
+    every element, never a bf16 step off, the same bits on a rerun. With tiles of 8 or 64 rows (a long run's
+    whole tiles summed ahead by programs of their own; the edge cases are the next test's) and with none. Ids of -1 (a vocab-parallel rank's tokens outside its shard, half of them here) add nothing."""
     from qwenft.models.ce_kernel import add_sorted_rows_
 
     gen = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(4096, 1000, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn(3000, 1000, device="cuda", generator=gen).bfloat16()
+
+    def check(ids):
+        keep = ids >= 0
+        ref = grad.double().index_add(0, ids[keep], dy[keep].double())
+        sorted_ids, order = ids.sort(stable=True)
+        got = add_sorted_rows_(grad.clone(), sorted_ids, order, dy, tile=tile)
+        torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=0)
+        assert (got == ref.bfloat16()).double().mean().item() > 0.999
+        assert torch.equal(add_sorted_rows_(grad.clone(), sorted_ids, order, dy, tile=tile), got)
+
     ids = torch.randint(0, 3000, (4096,), device="cuda", generator=gen)
     ids[torch.randperm(4096, device="cuda", generator=gen)[:1500]] = 7
     ids[:13] = 2999
-    dy = torch.randn(4096, 1000, device="cuda", generator=gen).bfloat16()
-    grad = torch.randn(3000, 1000, device="cuda", generator=gen).bfloat16()
-    ref = grad.double().index_add(0, ids, dy.double())
-    sorted_ids, order = ids.sort(stable=True)
-    got = add_sorted_rows_(grad.clone(), sorted_ids, order, dy)
-    torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=0)
-    assert (got == ref.bfloat16()).double().mean().item() > 0.999
-    assert torch.equal(add_sorted_rows_(grad.clone(), sorted_ids, order, dy), got)
+    check(ids)
+    padded = ids.clone()
+    padded[1096:] = 2998  # a run of 3,000 rows and more: a padding tail
+    check(padded)
     ids[torch.randperm(4096, device="cuda", generator=gen)[:2048]] = -1
-    keep = ids >= 0
-    ref = grad.double().index_add(0, ids[keep], dy[keep].double())
-    sorted_ids, order = ids.sort(stable=True)
-    got = add_sorted_rows_(grad.clone(), sorted_ids, order, dy)
-    torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=0)
-    assert (got == ref.bfloat16()).double().mean().item() > 0.999
+    check(ids)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_add_sorted_rows_sums_every_row_once_at_tile_edges(ids_dtype):
+    """add_sorted_rows_ on crafted sorted layouts, with small integers whose sums bf16 holds exactly, so the result
+    equals the exact sum only if every row of every run is added once: runs that start and end on a tile's edge
+    and inside a tile, ids of -1 first (ending on an edge, and inside a tile) that add nothing, one id over 64 and
+    over 67 rows, a stream whose last tile is partial, a tile that is not a power of two, more tile than rows;
+    rows read through a shuffled order; int64 and int32 ids (add_token_rows_ may sort either)."""
+    from qwenft.models.ce_kernel import add_sorted_rows_
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = [  # (run lengths, the first run's id -1 or not, tile)
+        ([8, 16, 5, 3, 8, 7, 9, 1, 24, 8], False, 8),
+        ([16, 8, 13, 11], True, 8),
+        ([5, 19, 8, 4], True, 8),
+        ([64], False, 8), ([64], False, 64), ([67], False, 8), ([67], False, 64),
+        ([5, 100], False, 64), ([5, 100], False, 100), ([3, 200, 1, 70], True, 24), ([30], False, 64),
+    ]
+    for lengths, skipped_first, tile in cases:
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).cuda()
+        if skipped_first:
+            ids = ids - 1
+        ids = ids.to(ids_dtype)
+        n, width = len(ids), 600  # two column slabs of 512
+        order = torch.randperm(n, device="cuda", generator=gen)
+        src = torch.randint(-1, 2, (n, width), device="cuda", generator=gen).bfloat16()
+        grad = torch.randint(-2, 3, (len(lengths), width), device="cuda", generator=gen).bfloat16()
+        keep = ids >= 0
+        ref = grad.double().index_add(0, ids[keep].long(), src[order][keep].double())
+        got = add_sorted_rows_(grad.clone(), ids, order, src, tile=tile)
+        assert torch.equal(got.double(), ref), (lengths, skipped_first, tile)
 
 
 @pytest.mark.parametrize("head_scaled", [False, True], ids=["head-scaled-in-backward", "head-scaled-in-forward"])
