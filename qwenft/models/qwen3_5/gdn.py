@@ -293,8 +293,14 @@ class GatedDeltaNet(nn.Module):
         # one depthwise conv over q|k|v's channels: one kernel launch (forward and backward) instead of three
         weight, sizes = self._conv_weight()
         if kernel == "fla" and self.graphs is not None and torch.is_grad_enabled():
-            out = self.graphs(qkv, beta, g, weight, sizes, cu_seqlens)
-        elif kernel == "fla":
+            out = self.graphs(qkv, beta, g, weight, sizes, cu_seqlens).view(B, T, -1, self.head_v_dim)
+            # the graphs' output buffer, at one address per layer and layout, holding this output until this
+            # microbatch's backward has run: the output step's CUDA graph (compile_layer) reads it there instead of
+            # copying it in. A new layout is a new address, so the graphs from this layer's output step on are
+            # recorded once more for it (inductor re-records on a static input's new address)
+            torch._dynamo.mark_static_address(out)
+            return out
+        if kernel == "fla":
             out = self.fla_kernels(qkv, beta, g, weight, sizes, **_fla_varlen_kwargs(cu_seqlens))
         else:
             out = self._torch_kernels(qkv, beta, g, weight, sizes, cu_seqlens)
