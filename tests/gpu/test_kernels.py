@@ -94,7 +94,8 @@ def test_add_sorted_rows_rounds_each_row_once(tile):
     longer than a tile of rows and not a multiple of it), a run of 3,000 rows (a padding tail) in a stream of
     its own, the hidden size not a multiple of the column slab; equal to the fp64 sum rounded once for nearly
     every element, never a bf16 step off, the same bits on a rerun. With tiles of 8 or 64 rows (a long run's
-    whole tiles summed ahead by programs of their own; the edge cases are the next test's) and with none. Ids of -1 (a vocab-parallel rank's tokens outside its shard, half of them here) add nothing."""
+    whole tiles summed ahead by programs of their own; the edge cases are the next test's) and with none. Ids of
+    -1 (a vocab-parallel rank's tokens outside its shard, half of them here) add nothing."""
     from qwenft.models.ce_kernel import add_sorted_rows_
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -127,7 +128,7 @@ def test_add_sorted_rows_sums_every_row_once_at_tile_edges(ids_dtype):
     equals the exact sum only if every row of every run is added once: runs that start and end on a tile's edge
     and inside a tile, ids of -1 first (ending on an edge, and inside a tile) that add nothing, one id over 64 and
     over 67 rows, a stream whose last tile is partial, a tile that is not a power of two, more tile than rows;
-    rows read through a shuffled order; int64 and int32 ids (add_token_rows_ may sort either)."""
+    rows read through a shuffled order; int64 ids (what add_token_rows_ sorts) and int32."""
     from qwenft.models.ce_kernel import add_sorted_rows_
 
     gen = torch.Generator(device="cuda").manual_seed(0)
