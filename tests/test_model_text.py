@@ -235,6 +235,79 @@ def test_offsets_put_on_the_device_keep_their_host_copy():
     assert info.cu_seqlens.dtype == torch.long
 
 
+def test_padding_tails_reach_the_recurrent_layers_in_pieces():
+    """`varlen.padding_pieces`: each row's padding tail cut where it starts and every 64 tokens after that, the
+    documents' offsets kept; nothing to cut (no padding, or a tail of one block starting at an offset) gives None,
+    and `recurrent` is then the batch's own Varlen."""
+    from qwenft.models.qwen3_5 import varlen
+
+    cu = torch.tensor([0, 50, 120, 200, 330, 400])
+    padding = torch.zeros(2, 200, dtype=torch.bool)
+    padding[0, 120:] = True  # 80 tokens: one cut inside
+    padding[1, 130:] = True  # 70 tokens, after a document of 130 tokens that ends at 330
+    assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 394, 400]
+    padding[1, 130:180] = False  # a tail that starts inside the second document's offsets piece gets a cut there
+    assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 380, 400]
+    assert varlen.padding_pieces(cu, torch.zeros(2, 200, dtype=torch.bool)) is None
+    short = torch.zeros(2, 200, dtype=torch.bool)
+    short[0, 120:] = True  # 80 tokens would need a cut: take 64 at most
+    short[0, 120:136] = False
+    assert varlen.padding_pieces(cu, short).tolist() == [0, 50, 120, 136, 200, 330, 400]
+    with pytest.raises(ValueError, match="padding of 2x100 tokens for offsets of 400"):
+        varlen.padding_pieces(cu, torch.zeros(2, 100, dtype=torch.bool))
+
+    moved = varlen.to_device(cu.to(torch.int32), torch.device("cpu"), padding)
+    pieces = varlen.recurrent_offsets(moved)
+    assert pieces.tolist() == [0, 50, 120, 184, 200, 330, 380, 400]
+    assert varlen.varlen_info(pieces) is varlen.varlen_info(moved).recurrent  # registered: no copy back
+    plain = varlen.to_device(cu.to(torch.int32), torch.device("cpu"))
+    assert varlen.recurrent_offsets(plain) is plain
+
+
+@pytest.mark.parametrize("kind", ["mixed", "gdn_only"])
+def test_padding_tails_in_pieces_change_no_loss_or_gradient(kind, monkeypatch):
+    """The tiny model in fp64 on two packed rows ending in padding tails of 150 and 90 tokens, moved by
+    `device_batch` with and without the rows' `padding_mask`: the GatedDeltaNet layers take the tails in 64-token
+    pieces when told the padding (their offsets are recorded), and the loss over the labelled tokens and every
+    parameter's gradient are the same to fp64's rounding: the tails' tokens feed no labelled token."""
+    import qwenft.models.qwen3_5.gdn as gdn
+    from qwenft.constants import IGNORE_INDEX
+    from qwenft.data.packing import cu_seqlens_from_position_ids
+    from qwenft.train.evaluate import device_batch
+
+    cfg = named_config("tiny")
+    if KINDS[kind] is not None:
+        cfg = with_text(cfg, num_hidden_layers=2, layer_types=KINDS[kind])
+    model = init_random_weights(build_model(cfg, kernels="torch"), seed=3, device="cpu", dtype=torch.float64)
+    T, docs, tails = 300, [[70, 80], [45, 100, 65]], [150, 90]
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row + [tail]])[None] for row, tail in zip(docs, tails)])
+    ids = torch.randint(0, cfg.text.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    padding = torch.arange(T) >= T - torch.tensor(tails)[:, None]
+    labels = torch.where(padding, IGNORE_INDEX, ids.roll(-1, dims=1))
+    mb = {"input_ids": ids, "labels": labels, "position_ids": positions,
+          "cu_seqlens": cu_seqlens_from_position_ids(positions), "padding_mask": padding}
+    seen = []
+    torch_kernels = gdn.GatedDeltaNet._torch_kernels
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_torch_kernels",
+                        lambda self, *a: seen.append(a[-1].tolist()) or torch_kernels(self, *a))
+    results = []
+    for told in (True, False):
+        model.zero_grad()
+        # a fresh offsets tensor each time: on the CPU `device_batch` keeps the host one, the cache's key
+        fresh = {**mb, "cu_seqlens": mb["cu_seqlens"].clone()}
+        batch = device_batch({k: v for k, v in fresh.items() if told or k != "padding_mask"}, torch.device("cpu"))
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                     cu_seqlens=batch["cu_seqlens"], labels=batch["labels"])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert seen[0] == [0, 70, 150, 214, 278, 300, 345, 445, 510, 574, 600]
+    assert seen[-1] == [0, 70, 150, 300, 345, 445, 510, 600]
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert rel_err(loss, ref_loss) < 1e-12
+    for n, g in grads.items():
+        assert rel_err(g, ref_grads[n]) < 1e-12, n
+
+
 def test_chunk_indices_label_every_block_of_every_document():
     """The chunk indices handed to fla's kernels: (document, block within it) for every 64-token block of every
     document, empty documents included (they have none), against a loop over the documents."""

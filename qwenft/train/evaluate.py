@@ -15,9 +15,9 @@ from qwenft.transfer import copy_to_device
 def device_batch(mb: dict, device) -> dict:
     """A microbatch's tensors on `device`, copied without making the host wait for the GPU (so it queues this
     microbatch's kernels while the last one's still run), its `cu_seqlens` known to the model's kernels with
-    the host offsets they came from (`varlen.to_device`)."""
+    the host offsets they came from and the rows' padding tails (`varlen.to_device`)."""
     out = {k: copy_to_device(v, device) for k, v in mb.items() if k != "cu_seqlens"}
-    out["cu_seqlens"] = varlen.to_device(mb["cu_seqlens"], device)
+    out["cu_seqlens"] = varlen.to_device(mb["cu_seqlens"], device, mb.get("padding_mask"))
     return out
 
 

@@ -18,7 +18,7 @@ from qwenft.models.weight_grad import stacked_linears, stacked_projections
 
 from .attention import local, local_all
 from .configs import TextConfig
-from .varlen import FLA_CHUNK, varlen_info
+from .varlen import FLA_CHUNK, recurrent_offsets, varlen_info
 
 KERNELS = ("auto", "fla", "torch")
 # Parameters kept in fp32 whatever the model dtype: the decay exp(-exp(A_log) * softplus(a + dt_bias)) is
@@ -289,6 +289,7 @@ class GatedDeltaNet(nn.Module):
             return self._cp_kernels(qkv, beta, self.decay(a), cp, kernel)
         if cu_seqlens is not None:  # documents index the flattened B*T stream: run it as one row
             qkv, beta, a = (t.reshape(1, B * T, *t.shape[2:]) for t in (qkv, beta, a))
+            cu_seqlens = recurrent_offsets(cu_seqlens)  # the padding tails in short pieces
         g = self.decay(a)
         # one depthwise conv over q|k|v's channels: one kernel launch (forward and backward) instead of three
         weight, sizes = self._conv_weight()

@@ -8,6 +8,13 @@ the GPU without waiting: no device->host copy at all for a batch whose offsets w
 `to_device`, which keeps the host copy they came from. A device->host copy, or a copy from pageable host memory
 to the device, waits for every kernel queued before it, so the host could not run ahead of the GPU from one
 microbatch into the next.
+
+The recurrent layers (GatedDeltaNet's conv and delta rule) walk each document's blocks one after another, so a
+row's padding tail of thousands of tokens, one piece of the batch's offsets, would be the longest walk of the
+batch: at a tensor-parallel rank's few heads the kernels' time is that walk. What the tail computes is never
+read (its labels are ignored, and no document sees it), so where `to_device` is told the rows' padding, those
+layers take the tails in FLA_CHUNK-token pieces (`Varlen.recurrent`), each a block of its own. Attention keeps
+the batch's offsets: its kernel choice and its by-piece path count pieces.
 """
 
 import functools
@@ -18,7 +25,7 @@ import torch
 
 from qwenft.transfer import copy_to_device
 
-_RECENT: deque = deque(maxlen=8)  # (cu_seqlens, Varlen): a few batches are in flight under pipelining
+_RECENT: deque = deque(maxlen=16)  # (cu_seqlens, Varlen): a few batches in flight, two entries for a padded one
 FLA_CHUNK = 64  # the token block of fla's chunked delta rule and of its causal conv (their default chunk_size)
 
 
@@ -27,6 +34,15 @@ class Varlen:
     cu_seqlens: torch.Tensor  # int64, on the batch's device
     cu_seqlens_cpu: torch.Tensor  # int64 copy on the CPU
     max_len: int  # longest document
+    recurrent_cpu: torch.Tensor | None = None  # host offsets with the padding tails in pieces; None: the same
+
+    @functools.cached_property
+    def recurrent(self) -> "Varlen":
+        """The documents as the recurrent layers take them: the padding tails cut in FLA_CHUNK-token pieces
+        (`padding_pieces`), on the batch's device and known to `varlen_info`; itself where nothing is cut."""
+        if self.recurrent_cpu is None:
+            return self
+        return _remember(copy_to_device(self.recurrent_cpu, self.cu_seqlens.device), self.recurrent_cpu)
 
     @functools.cached_property
     def offsets(self) -> list[int]:
@@ -128,17 +144,34 @@ def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None, blocks
     return FixedLayout(total + PAD_TOKENS, PAD_TOKENS, bucket, blocks, fixed, chunk_indices(fixed))
 
 
-def _remember(cu_seqlens: torch.Tensor, cpu: torch.Tensor) -> Varlen:
-    info = Varlen(cu_seqlens.to(torch.long), cpu, int((cpu[1:] - cpu[:-1]).max()))
+def padding_pieces(cu_seqlens_cpu: torch.Tensor, padding: torch.Tensor) -> torch.Tensor | None:
+    """The host offsets `cu_seqlens_cpu` of a `[B, T]` batch whose rows end in `padding` (`[B, T]` bool, true on
+    each row's padding tail) with every tail cut where it starts and every FLA_CHUNK tokens after that; None
+    where that adds no offset. The documents' tokens come before the cuts, so their outputs stay the same."""
+    B, T = padding.shape
+    tails = padding.sum(1).tolist()
+    if B * T != int(cu_seqlens_cpu[-1]):
+        raise ValueError(f"padding of {B}x{T} tokens for offsets of {int(cu_seqlens_cpu[-1])}")
+    cuts = [torch.arange((b + 1) * T - n, (b + 1) * T, FLA_CHUNK) for b, n in enumerate(tails) if n]
+    if not cuts:
+        return None
+    pieces = torch.cat([cu_seqlens_cpu.to(torch.long), *cuts]).unique(sorted=True)
+    return None if len(pieces) == len(cu_seqlens_cpu) else pieces
+
+
+def _remember(cu_seqlens: torch.Tensor, cpu: torch.Tensor, recurrent_cpu: torch.Tensor | None = None) -> Varlen:
+    info = Varlen(cu_seqlens.to(torch.long), cpu, int((cpu[1:] - cpu[:-1]).max()), recurrent_cpu)
     _RECENT.append((cu_seqlens, info))
     return info
 
 
-def to_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(cu_seqlens: torch.Tensor, device: torch.device, padding: torch.Tensor | None = None) -> torch.Tensor:
     """The host offsets `cu_seqlens` on `device`, copied without waiting for the GPU, and known to
-    `varlen_info` (which then needs no copy back)."""
+    `varlen_info` (which then needs no copy back). `padding` (`[B, T]` bool on the host, the batch's
+    `padding_mask`): the recurrent layers take the rows' padding tails in pieces (`Varlen.recurrent`)."""
     on_device = copy_to_device(cu_seqlens, device)
-    _remember(on_device, cu_seqlens.to("cpu", torch.long))
+    cpu = cu_seqlens.to("cpu", torch.long)
+    _remember(on_device, cpu, None if padding is None else padding_pieces(cpu, padding.cpu()))
     return on_device
 
 
@@ -148,3 +181,11 @@ def varlen_info(cu_seqlens: torch.Tensor) -> Varlen:
         if key is cu_seqlens:
             return info
     return _remember(cu_seqlens, cu_seqlens.to("cpu", torch.long))
+
+
+@torch.compiler.disable
+def recurrent_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The offsets the recurrent layers take for the batch's `cu_seqlens` (`Varlen.recurrent`): `cu_seqlens`
+    itself where no padding tail is cut."""
+    info = varlen_info(cu_seqlens)
+    return cu_seqlens if info.recurrent is info else info.recurrent.cu_seqlens
