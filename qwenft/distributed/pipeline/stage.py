@@ -9,6 +9,7 @@ from torch.distributed.pipelining import PipelineStage
 from qwenft.data.packing import cu_seqlens_from_position_ids
 from qwenft.distributed.fsdp import param_groups
 from qwenft.distributed.pipeline.split import SPLIT_BACKWARD
+from qwenft.models.qwen3_5 import varlen
 from qwenft.models.qwen3_5.model import Qwen3_5Model
 
 
@@ -17,7 +18,8 @@ class StageModel(Qwen3_5Model):
     arrives positionally (token ids on the first stage, hidden states after), everything else as kwargs.
 
     cu_seqlens is rebuilt from `position_ids` on each stage, since its length varies per microbatch and
-    pipelining only sends fixed-shape activations. M-RoPE position ids arrive batch-first, `[B, 3, T]`, so the
+    pipelining only sends fixed-shape activations; `padding_mask` cuts the padding tails for the recurrent layers
+    there as `device_batch` does. M-RoPE position ids arrive batch-first, `[B, 3, T]`, so the
     schedule's dim-0 split cuts batch rows, and are turned back into `[3, B, T]` here. Images and videos travel
     padded to a fixed size (`stack_images`): grid rows of zeros and pixel rows past the last real patch are
     dropped here (`_unpad`), and a microbatch left without images (videos) gives the model `pixel_values=None`
@@ -45,7 +47,10 @@ class StageModel(Qwen3_5Model):
         if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
             position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
-        cu_seqlens = cu_seqlens_from_position_ids(positions).to(x.device)
+        # on the host, registered with the rows' padding (`varlen.to_device`): the kernels read the host offsets
+        # without a copy back, and the recurrent layers take the padding tails in pieces
+        cu_seqlens = varlen.to_device(cu_seqlens_from_position_ids(positions.cpu()), x.device,
+                                      None if padding_mask is None else padding_mask.cpu())
         moe = {}
         if self.cfg.text.is_moe:
             moe = dict(routing=routing, return_routing=True,
