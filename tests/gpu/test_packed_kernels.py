@@ -212,6 +212,34 @@ def _attention(cfg, kernel, dtype, state):
 ATTENTION_TOLERANCES = {"output": 2e-2, "grad": 3e-2}
 
 
+@pytest.mark.timeout(300, method="signal")  # a cold machine compiles fla's bf16 kernels
+def test_fla_kernels_take_a_padding_tail_in_pieces_with_the_documents_unchanged():
+    """fla's GatedDeltaNet layer in bf16 on a row of three documents (324 tokens) and a 700-token padding tail,
+    its offsets registered with the row's padding (`varlen.to_device`: the tail in 64-token pieces) and without
+    (one segment), a probe read on the documents alone: the documents' outputs and input gradients are the same
+    bits (each depends on its own document only, and the tail's blocks start at the same tokens either way), and
+    every parameter's gradient agrees to within two bf16 steps (its sum over the row meets the tail's zero rows)."""
+    from qwenft.models.qwen3_5 import varlen
+
+    cfg = _gdn_config()
+    layer = _gdn(cfg, "fla", torch.bfloat16, _gdn_state(cfg))
+    T, real = 1024, 324
+    bounds = torch.tensor([0, 100, 101, real, T], dtype=torch.int32)
+    padding = (torch.arange(T) >= real)[None]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x, probe = (torch.randn(1, T, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    probe[:, real:] = 0
+    told = varlen.to_device(bounds, torch.device("cuda"), padding)
+    assert varlen.recurrent_offsets(told).tolist() == [0, 100, 101, *range(real, T, 64), T]
+    out, grads = _forward_backward(layer, x, probe, told)
+    ref_out, ref_grads = _forward_backward(layer, x, probe, varlen.to_device(bounds, torch.device("cuda")))
+    assert torch.equal(out[:, :real], ref_out[:, :real])
+    assert torch.equal(grads["input"][:, :real], ref_grads["input"][:, :real])
+    assert not grads["input"][:, real:].any() and not ref_grads["input"][:, real:].any()
+    for name, ref in ref_grads.items():
+        assert rel_err(grads[name], ref) <= 2 ** -7, name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 def test_varlen_flash_attention_equals_sdpa_on_packed_rows(dtype):
     """qwenft's GatedAttention layer with kernel=flash_varlen (torch.nn.attention.varlen.varlen_attn, what
