@@ -18,14 +18,13 @@ the batch's offsets: its kernel choice and its by-piece path count pieces.
 """
 
 import functools
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from qwenft.transfer import copy_to_device
 
-_RECENT: deque = deque(maxlen=16)  # (cu_seqlens, Varlen): a few batches in flight, two entries for a padded one
+_ATTR = "_qwenft_varlen"  # the attribute of an offsets tensor that holds its Varlen
 FLA_CHUNK = 64  # the token block of fla's chunked delta rule and of its causal conv (their default chunk_size)
 
 
@@ -160,8 +159,11 @@ def padding_pieces(cu_seqlens_cpu: torch.Tensor, padding: torch.Tensor) -> torch
 
 
 def _remember(cu_seqlens: torch.Tensor, cpu: torch.Tensor, recurrent_cpu: torch.Tensor | None = None) -> Varlen:
+    """The Varlen of `cu_seqlens`, held by the tensor itself (and by its int64 copy) for as long as it lives: a
+    layer recomputed under activation checkpointing, however many microbatches later, finds the same one."""
     info = Varlen(cu_seqlens.to(torch.long), cpu, int((cpu[1:] - cpu[:-1]).max()), recurrent_cpu)
-    _RECENT.append((cu_seqlens, info))
+    setattr(cu_seqlens, _ATTR, info)
+    setattr(info.cu_seqlens, _ATTR, info)
     return info
 
 
@@ -175,12 +177,10 @@ def to_device(cu_seqlens: torch.Tensor, device: torch.device, padding: torch.Ten
     return on_device
 
 
-@torch.compiler.disable  # an identity cache and a host copy: never traced into a graph (model.compile)
+@torch.compiler.disable  # a Python attribute and a host copy: never traced into a graph (model.compile)
 def varlen_info(cu_seqlens: torch.Tensor) -> Varlen:
-    for key, info in _RECENT:
-        if key is cu_seqlens:
-            return info
-    return _remember(cu_seqlens, cu_seqlens.to("cpu", torch.long))
+    info = getattr(cu_seqlens, _ATTR, None)
+    return info if info is not None else _remember(cu_seqlens, cu_seqlens.to("cpu", torch.long))
 
 
 @torch.compiler.disable
