@@ -218,43 +218,57 @@ def test_auto_takes_cudnn_for_long_documents(monkeypatch):
 def test_offsets_put_on_the_device_keep_their_host_copy():
     """`device_batch` hands the model cu_seqlens whose host copy the kernels' `varlen_info` already knows: it
     finds the entry `device_batch` registered and never copies them back (on a GPU that copy waits for every
-    queued kernel). The host copy is int64 on the CPU."""
+    queued kernel), however many batches were registered after it. The host copy is int64 on the CPU. The record
+    holds copies, not the tensor: once the batch is dropped it is freed at once, with no garbage collection (a
+    reference cycle would wait for Python's full collections, holding the offsets' GPU memory)."""
+    import gc
+    import weakref
+
     from qwenft.models.qwen3_5 import varlen
     from qwenft.train.evaluate import device_batch
 
-    mb = {"input_ids": torch.arange(12).view(1, 12), "labels": torch.arange(12).view(1, 12),
-          "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]]),
-          "cu_seqlens": torch.tensor([0, 5, 8, 12], dtype=torch.int32)}
-    moved = device_batch(mb, torch.device("cpu"))
-    registered = moved["cu_seqlens"]._qwenft_varlen
-    for _ in range(40):  # other batches' offsets since: the entry stays the tensor's own
-        varlen.to_device(torch.tensor([0, 3]), torch.device("cpu"))
-    info = varlen.varlen_info(moved["cu_seqlens"])
-    assert info is registered
-    assert varlen.varlen_info(info.cu_seqlens) is info  # the int64 copy handed to the kernels knows it too
-    assert info.cu_seqlens_cpu.device.type == "cpu" and info.cu_seqlens_cpu.dtype == torch.long
-    assert info.cu_seqlens_cpu.tolist() == [0, 5, 8, 12] and info.max_len == 5
-    assert info.cu_seqlens.dtype == torch.long
+    for dtype in (torch.int32, torch.long):
+        mb = {"input_ids": torch.arange(12).view(1, 12), "labels": torch.arange(12).view(1, 12),
+              "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]]),
+              "cu_seqlens": torch.tensor([0, 5, 8, 12], dtype=dtype), "padding_mask": torch.zeros(1, 12, dtype=bool)}
+        mb["padding_mask"][0, 8:] = True  # a tail of 4 tokens after an offset: no cut
+        moved = device_batch(mb, torch.device("cpu"))
+        registered = varlen.varlen_info(moved["cu_seqlens"])
+        for _ in range(40):
+            varlen.to_device(torch.tensor([0, 3]), torch.device("cpu"))
+        info = varlen.varlen_info(moved["cu_seqlens"])
+        assert info is registered
+        assert info.cu_seqlens_cpu.device.type == "cpu" and info.cu_seqlens_cpu.dtype == torch.long
+        assert info.cu_seqlens_cpu.tolist() == [0, 5, 8, 12] and info.max_len == 5
+        assert info.cu_seqlens.dtype == torch.long and info.recurrent is info
+        gone = weakref.ref(info)
+        gc.disable()
+        try:
+            del mb, moved, registered, info
+            assert gone() is None
+        finally:
+            gc.enable()
 
 
 def test_padding_tails_reach_the_recurrent_layers_in_pieces():
-    """`varlen.padding_pieces`: each row's padding tail cut where it starts and every 64 tokens after that, the
-    documents' offsets kept; nothing to cut (no padding, or a tail of one block starting at an offset) gives None,
-    and `recurrent` is then the batch's own Varlen."""
+    """`varlen.padding_pieces`: each row's padding tail (its last run of true) cut where it starts and every 64
+    tokens after that, the documents' offsets kept; nothing to cut (no padding, or a tail of one block starting at
+    an offset) gives None, and `recurrent` is then the batch's own Varlen."""
     from qwenft.models.qwen3_5 import varlen
 
     cu = torch.tensor([0, 50, 120, 200, 330, 400])
     padding = torch.zeros(2, 200, dtype=torch.bool)
-    padding[0, 120:] = True  # 80 tokens: one cut inside
+    padding[0, 120:] = True  # 80 tokens: a cut 64 tokens in
     padding[1, 130:] = True  # 70 tokens, after a document of 130 tokens that ends at 330
     assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 394, 400]
-    padding[1, 130:180] = False  # a tail that starts inside the second document's offsets piece gets a cut there
+    padding[1, 130:180] = False  # a tail inside a segment of the offsets (not one the loader makes): cut where it starts
+    assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 380, 400]
+    padding[1, 10:20] = True  # true before a document's token: not the tail, never cut
     assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 380, 400]
     assert varlen.padding_pieces(cu, torch.zeros(2, 200, dtype=torch.bool)) is None
-    short = torch.zeros(2, 200, dtype=torch.bool)
-    short[0, 120:] = True  # 80 tokens would need a cut: take 64 at most
-    short[0, 120:136] = False
-    assert varlen.padding_pieces(cu, short).tolist() == [0, 50, 120, 136, 200, 330, 400]
+    one_block = torch.zeros(2, 200, dtype=torch.bool)
+    one_block[0, 136:] = True  # 64 tokens from an offset: one block already
+    assert varlen.padding_pieces(torch.tensor([0, 50, 136, 200, 330, 400]), one_block) is None
     with pytest.raises(ValueError, match="padding of 2x100 tokens for offsets of 400"):
         varlen.padding_pieces(cu, torch.zeros(2, 100, dtype=torch.bool))
 

@@ -217,8 +217,9 @@ def test_fla_kernels_take_a_padding_tail_in_pieces_with_the_documents_unchanged(
     """fla's GatedDeltaNet layer in bf16 on a row of three documents (324 tokens) and a 700-token padding tail,
     its offsets registered with the row's padding (`varlen.to_device`: the tail in 64-token pieces) and without
     (one segment), a probe read on the documents alone: the documents' outputs and input gradients are the same
-    bits (each depends on its own document only, and the tail's blocks start at the same tokens either way), and
-    every parameter's gradient agrees to within two bf16 steps (its sum over the row meets the tail's zero rows)."""
+    bits (each depends on its own document only, and the tail's blocks start at the same tokens either way), the
+    tail's input gradients are zero both ways, and every parameter's gradient agrees to within two bf16 steps: the
+    same rows reach each sum, and the bound leaves room for a kernel whose reduction order is not fixed."""
     from qwenft.models.qwen3_5 import varlen
 
     cfg = _gdn_config()

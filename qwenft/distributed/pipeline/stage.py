@@ -47,8 +47,8 @@ class StageModel(Qwen3_5Model):
         if position_ids.dim() == 3:  # M-RoPE travels as [B, 3, T] (`PipelineBatch`); the model takes [3, B, T]
             position_ids = position_ids.transpose(0, 1).contiguous()
         positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # M-RoPE: temporal row
-        # on the host, registered with the rows' padding (`varlen.to_device`): the kernels read the host offsets
-        # without a copy back, and the recurrent layers take the padding tails in pieces
+        # built on the host (positions and padding copied back once: the offsets' host copy needs that anyway) and
+        # registered with the rows' padding (`varlen.to_device`), so the recurrent layers take the tails in pieces
         cu_seqlens = varlen.to_device(cu_seqlens_from_position_ids(positions.cpu()), x.device,
                                       None if padding_mask is None else padding_mask.cpu())
         moe = {}

@@ -11,7 +11,7 @@ microbatch into the next.
 
 The recurrent layers (GatedDeltaNet's conv and delta rule) walk each document's blocks one after another, so a
 row's padding tail of thousands of tokens, one piece of the batch's offsets, would be the longest walk of the
-batch: at a tensor-parallel rank's few heads the kernels' time is that walk. What the tail computes is never
+batch, which a tensor-parallel rank's few heads leave too little other work to hide. What the tail computes is never
 read (its labels are ignored, and no document sees it), so where `to_device` is told the rows' padding, those
 layers take the tails in FLA_CHUNK-token pieces (`Varlen.recurrent`), each a block of its own. Attention keeps
 the batch's offsets: its kernel choice and its by-piece path count pieces.
@@ -36,12 +36,20 @@ class Varlen:
     recurrent_cpu: torch.Tensor | None = None  # host offsets with the padding tails in pieces; None: the same
 
     @functools.cached_property
+    def recurrent_offsets(self) -> torch.Tensor | None:
+        """`recurrent_cpu` on the batch's device, holding its own Varlen (`varlen_info`); None where nothing is
+        cut."""
+        if self.recurrent_cpu is None:
+            return None
+        on_device = copy_to_device(self.recurrent_cpu, self.cu_seqlens.device)
+        _remember(on_device, self.recurrent_cpu)
+        return on_device
+
+    @property
     def recurrent(self) -> "Varlen":
         """The documents as the recurrent layers take them: the padding tails cut in FLA_CHUNK-token pieces
-        (`padding_pieces`), on the batch's device and known to `varlen_info`; itself where nothing is cut."""
-        if self.recurrent_cpu is None:
-            return self
-        return _remember(copy_to_device(self.recurrent_cpu, self.cu_seqlens.device), self.recurrent_cpu)
+        (`padding_pieces`); itself where nothing is cut."""
+        return self if self.recurrent_cpu is None else varlen_info(self.recurrent_offsets)
 
     @functools.cached_property
     def offsets(self) -> list[int]:
@@ -146,9 +154,10 @@ def fixed_layout(cu_seqlens_cpu: torch.Tensor, bucket: int | None = None, blocks
 def padding_pieces(cu_seqlens_cpu: torch.Tensor, padding: torch.Tensor) -> torch.Tensor | None:
     """The host offsets `cu_seqlens_cpu` of a `[B, T]` batch whose rows end in `padding` (`[B, T]` bool, true on
     each row's padding tail) with every tail cut where it starts and every FLA_CHUNK tokens after that; None
-    where that adds no offset. The documents' tokens come before the cuts, so their outputs stay the same."""
+    where that adds no offset. A row's tail is its last run of true (a true before a document's token is not
+    padding that can be cut): the documents' tokens come before the cuts, so their outputs stay the same."""
     B, T = padding.shape
-    tails = padding.sum(1).tolist()
+    tails = padding.flip(1).to(torch.int32).cumprod(1).sum(1).tolist()  # each row's last run of true
     if B * T != int(cu_seqlens_cpu[-1]):
         raise ValueError(f"padding of {B}x{T} tokens for offsets of {int(cu_seqlens_cpu[-1])}")
     cuts = [torch.arange((b + 1) * T - n, (b + 1) * T, FLA_CHUNK) for b, n in enumerate(tails) if n]
@@ -159,11 +168,13 @@ def padding_pieces(cu_seqlens_cpu: torch.Tensor, padding: torch.Tensor) -> torch
 
 
 def _remember(cu_seqlens: torch.Tensor, cpu: torch.Tensor, recurrent_cpu: torch.Tensor | None = None) -> Varlen:
-    """The Varlen of `cu_seqlens`, held by the tensor itself (and by its int64 copy) for as long as it lives: a
-    layer recomputed under activation checkpointing, however many microbatches later, finds the same one."""
-    info = Varlen(cu_seqlens.to(torch.long), cpu, int((cpu[1:] - cpu[:-1]).max()), recurrent_cpu)
+    """The Varlen of `cu_seqlens` (`cpu`: its values on the host), held by the tensor itself for as long as it
+    lives: a layer recomputed under activation checkpointing, however many microbatches later, finds the same
+    one. The Varlen holds copies, never the tensor, so the two make no reference cycle (which only Python's
+    rare full collections would free, with the GPU memory of the batch's offsets)."""
+    cpu = cpu.to("cpu", torch.long, copy=True)
+    info = Varlen(cu_seqlens.to(torch.long, copy=True), cpu, int((cpu[1:] - cpu[:-1]).max()), recurrent_cpu)
     setattr(cu_seqlens, _ATTR, info)
-    setattr(info.cu_seqlens, _ATTR, info)
     return info
 
 
@@ -180,7 +191,7 @@ def to_device(cu_seqlens: torch.Tensor, device: torch.device, padding: torch.Ten
 @torch.compiler.disable  # a Python attribute and a host copy: never traced into a graph (model.compile)
 def varlen_info(cu_seqlens: torch.Tensor) -> Varlen:
     info = getattr(cu_seqlens, _ATTR, None)
-    return info if info is not None else _remember(cu_seqlens, cu_seqlens.to("cpu", torch.long))
+    return info if info is not None else _remember(cu_seqlens, cu_seqlens)
 
 
 @torch.compiler.disable
@@ -188,4 +199,4 @@ def recurrent_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The offsets the recurrent layers take for the batch's `cu_seqlens` (`Varlen.recurrent`): `cu_seqlens`
     itself where no padding tail is cut."""
     info = varlen_info(cu_seqlens)
-    return cu_seqlens if info.recurrent is info else info.recurrent.cu_seqlens
+    return cu_seqlens if info.recurrent_cpu is None else info.recurrent_offsets
