@@ -261,7 +261,7 @@ def test_padding_tails_reach_the_recurrent_layers_in_pieces():
     padding[0, 120:] = True  # 80 tokens: a cut 64 tokens in
     padding[1, 130:] = True  # 70 tokens, after a document of 130 tokens that ends at 330
     assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 394, 400]
-    padding[1, 130:180] = False  # a tail inside a segment of the offsets (not one the loader makes): cut where it starts
+    padding[1, 130:180] = False  # a tail inside a segment (the loader makes none): cut where it starts
     assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 380, 400]
     padding[1, 10:20] = True  # true before a document's token: not the tail, never cut
     assert varlen.padding_pieces(cu, padding).tolist() == [0, 50, 120, 184, 200, 330, 380, 400]
